@@ -1,0 +1,61 @@
+# Everyday entry points. Each creates what it needs: the Python 3.12 venv (tools/setup-venv.sh) and,
+# where Slurm is involved, the embedded dev cluster (slurm/cluster.sh).
+SHELL := /bin/bash
+PY := .venv/bin/python
+MK := .venv/bin/mcorekit
+CLUSTER ?= local
+CONFIG ?= examples/llama-tiny.yaml
+ARGS ?=
+NODES ?=
+
+.PHONY: help setup demo test test-cpu cluster-up cluster-down cluster-status train dry-run status logs cancel convert export
+
+help:
+	@echo "make demo            bring up the dev Slurm cluster and run the toolchain end to end"
+	@echo "make test            venv + cluster + the whole test suite (fails on any failure)"
+	@echo "make setup           create/refresh .venv (Python 3.12, requirements.lock)"
+	@echo "make cluster-up|cluster-down|cluster-status"
+	@echo "make train CONFIG=exp.yaml CLUSTER=local [NODES=n] [ARGS='parallel.tp=2 ...']"
+	@echo "make dry-run CONFIG=... CLUSTER=...   print the resolved config and sbatch script"
+	@echo "make status | make logs JOB=id | make cancel JOB=id"
+
+setup:
+	@bash tools/setup-venv.sh
+
+cluster-up:
+	@bash slurm/cluster.sh up
+
+cluster-down:
+	@bash slurm/cluster.sh down
+
+cluster-status:
+	@bash slurm/cluster.sh status
+
+demo: setup cluster-up
+	@bash tools/demo.sh
+
+# The whole suite; slurm tests must run (a missing cluster fails the run instead of skipping).
+test: setup cluster-up
+	MCOREKIT_REQUIRE_SLURM=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+# Only what needs neither Slurm nor a GPU.
+test-cpu: setup
+	$(PY) -m pytest -m "not slurm and not gpu" $(PYTEST_ARGS)
+
+train: setup cluster-up
+	$(MK) launch --config $(CONFIG) --cluster $(CLUSTER) $(if $(NODES),--nodes $(NODES)) $(ARGS)
+
+dry-run: setup
+	$(MK) launch --config $(CONFIG) --cluster $(CLUSTER) $(if $(NODES),--nodes $(NODES)) --dry-run $(ARGS)
+
+status: setup
+	$(MK) status --cluster $(CLUSTER)
+
+logs: setup
+	$(MK) logs --cluster $(CLUSTER) $(JOB) $(ARGS)
+
+cancel: setup
+	$(MK) cancel --cluster $(CLUSTER) $(JOB)
+
+convert export: setup
+	$(MK) $@ $(ARGS)

@@ -1,0 +1,65 @@
+"""What Slurm knows about a job: sacct when accounting exists, squeue/scontrol otherwise."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+
+from mcorekit.errors import LaunchError
+
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    job_id: str
+    name: str
+    state: str  # first word of Slurm's state, e.g. "CANCELLED" for "CANCELLED by 0"
+    exit_code: str  # "code:signal"
+    elapsed: str
+    restarts: int
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+
+def _run(cmd: list[str]) -> str:
+    if shutil.which(cmd[0]) is None:
+        raise LaunchError(f"`{cmd[0]}` not found: run on a Slurm login node, or `make cluster-up` for the dev cluster")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LaunchError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def sacct(job_ids: list[str]) -> dict[str, JobRecord]:
+    """Allocation-level records (no steps) keyed by job id; array tasks appear as ID_N."""
+    if not job_ids:
+        return {}
+    out = _run(["sacct", "-n", "-P", "-X", "-D", "-j", ",".join(job_ids),
+                "-o", "JobID,JobName,State,ExitCode,Elapsed"])
+    records: dict[str, JobRecord] = {}
+    for line in out.splitlines():
+        parts = line.split("|")
+        if len(parts) < 5:
+            continue
+        jid, name, state, exit_code, elapsed = parts[:5]
+        # -D lists every requeued incarnation in order: the last line is the current one, the others are restarts.
+        restarts = records[jid].restarts + 1 if jid in records else 0
+        records[jid] = JobRecord(jid, name, state.split()[0] if state else "UNKNOWN", exit_code, elapsed, restarts)
+    return records
+
+
+def wait_final(job_id: str, timeout_s: float = 300, poll_s: float = 1.0) -> JobRecord:
+    """Poll sacct until the job reaches a final state (accounting can lag the job by a second or two)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rec = sacct([job_id]).get(job_id)
+        if rec is not None and rec.final:
+            return rec
+        if time.monotonic() > deadline:
+            raise LaunchError(f"job {job_id} not final after {timeout_s:.0f}s (last state: {rec.state if rec else 'unknown'})")
+        time.sleep(poll_s)

@@ -1,0 +1,349 @@
+"""Experiment and cluster-profile schemas, YAML loading and dotted `a.b.c=value` overrides.
+
+Unknown keys fail with a did-you-mean suggestion; values are type-checked by pydantic.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mcorekit.errors import ConfigError
+
+# Values that end up in the sbatch script. Names are restricted; other values are quoted by the renderer,
+# but a newline or other control character could end a `#SBATCH` line early, so those are rejected.
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _no_control(value: str, what: str) -> str:
+    if CONTROL_RE.search(value):
+        raise ValueError(f"{what} {value!r} contains a newline or control character; remove it")
+    return value
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------- experiment
+
+
+class ModelConfig(Strict):
+    preset: str | None = None  # a name from mcorekit.models.spec.PRESETS
+    hf_config: str | None = None  # an HF model directory or config.json
+    overrides: dict[str, Any] = Field(default_factory=dict)  # ModelSpec fields, e.g. {num_layers: 2}
+
+
+class ParallelConfig(Strict):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    vpp: int | None = Field(None, ge=1)  # virtual stages per pipeline rank (interleaved schedule)
+    cp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    etp: int = Field(1, ge=1)  # expert tensor parallel size
+    sequence_parallel: bool = False
+
+
+class PrecisionConfig(Strict):
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    fp8: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] | None = None
+    fp8_params: bool = False
+
+
+class MoEConfig(Strict):
+    aux_loss_coeff: float = 1e-2
+    expert_bias: bool = False  # aux-loss-free load balancing
+    capacity_factor: float | None = None
+    grouped_gemm: bool = True
+    dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    shared_expert_ffn: int | None = None
+    permute_fusion: bool = True
+
+
+class DataConfig(Strict):
+    kind: Literal["mock", "indexed", "sft"] = "mock"
+    paths: list[str] = Field(default_factory=list)
+    weights: list[float] | None = None
+    tokenizer: str | None = None
+    seq_length: int = Field(2048, ge=1)
+    packing: bool = False
+    dynamic_batching: bool = False
+    seed: int = 1234
+
+
+class OptimizerConfig(Strict):
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    tp_comm_overlap: bool = False
+
+
+class ScheduleConfig(Strict):
+    train_iters: int = Field(1000, ge=1)
+    warmup_iters: int = Field(100, ge=0)
+    decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    micro_batch_size: int = Field(1, ge=1)
+    global_batch_size: int = Field(8, ge=1)
+
+
+class RecomputeConfig(Strict):
+    granularity: Literal["none", "selective", "full"] = "none"
+    method: Literal["uniform", "block"] = "uniform"
+    num_layers: int = 1
+
+
+class CheckpointConfig(Strict):
+    dir: str | None = None  # default: <run dir>/checkpoints
+    save_interval: int = Field(500, ge=1)
+    keep_last: int = Field(3, ge=1)
+    async_save: bool = True
+    load: str | None = None  # a checkpoint to start from (e.g. converted from HF)
+    finetune: bool = False  # weights only, fresh optimizer and step 0
+
+    @field_validator("dir", "load")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        return None if v is None else _no_control(v, "checkpoint path")
+
+
+class LoggingConfig(Strict):
+    log_interval: int = Field(10, ge=1)
+    tensorboard: bool = True
+
+
+class ResourcesConfig(Strict):
+    nodes: int = Field(1, ge=1)
+    time: str | None = None  # HH:MM:SS or D-HH:MM:SS; default: the profile's time limit
+    exclusive: bool | None = None  # default: the profile's choice
+    max_restarts: int = Field(5, ge=0)
+
+
+class Experiment(Strict):
+    name: str
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    recompute: RecomputeConfig = Field(default_factory=RecomputeConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(
+                f"name {v!r} must be 1-64 characters of letters, digits, '.', '_' or '-' (it becomes the Slurm job name)"
+            )
+        return v
+
+
+# ---------------------------------------------------------------- cluster profile
+
+
+class ContainerConfig(Strict):
+    image: str | None = None  # pyxis/enroot image, e.g. nvcr.io#nvidia/pytorch:25.01-py3
+    mounts: list[str] = Field(default_factory=list)  # src:dst[:flags]
+    workdir: str | None = None
+
+    @field_validator("image", "workdir")
+    @classmethod
+    def _plain(cls, v: str | None) -> str | None:
+        return None if v is None else _no_control(v, "container setting")
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, v: list[str]) -> list[str]:
+        for m in v:
+            _no_control(m, "container mount")
+            if "," in m:
+                raise ValueError(f"container mount {m!r} contains ',', which pyxis uses to separate mounts")
+        return v
+
+
+class ClusterProfile(Strict):
+    name: str
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    gpus_per_node: int = Field(8, ge=0)  # 0: a CPU-only cluster (tests, the dev cluster)
+    tasks_per_node: int | None = Field(None, ge=1)  # only for CPU-only clusters; GPU clusters run one task per GPU
+    cpus_per_task: int = Field(8, ge=1)
+    mem_per_gpu_gb: int | None = None
+    time_limit: str = "04:00:00"
+    exclusive: bool = False
+    signal_seconds: int = Field(120, ge=10)  # USR2 this long before the time limit: enough to save a checkpoint
+    gpu_memory_gb: float = 80.0
+    gpu_peak_tflops_bf16: float = 989.0
+    transformer_engine: bool = True  # FP8 needs it on the nodes
+    container: ContainerConfig = Field(default_factory=ContainerConfig)
+    env: dict[str, str] = Field(default_factory=dict)
+    setup: list[str] = Field(default_factory=list)  # shell lines run before srun (module load, venv activation)
+    srun_args: list[str] = Field(default_factory=list)
+    python: str | None = None  # the interpreter on the nodes; default: the one running the launcher
+    run_root: str = "runs"  # where run folders (logs, resolved config, checkpoints) go; shared by all nodes
+
+    @field_validator("name", "partition", "account", "qos")
+    @classmethod
+    def _names(cls, v: str | None) -> str | None:
+        if v is not None and not NAME_RE.match(v):
+            raise ValueError(f"{v!r} must be letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("time_limit")
+    @classmethod
+    def _time(cls, v: str) -> str:
+        parse_time_minutes(v)
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not ENV_KEY_RE.match(key):
+                raise ValueError(f"environment variable name {key!r} is not a valid shell identifier")
+        return {k: str(val) for k, val in v.items()}
+
+    @field_validator("setup", "srun_args", "python", "run_root")
+    @classmethod
+    def _lines(cls, v: Any) -> Any:
+        for item in [v] if isinstance(v, str) else (v or []):
+            _no_control(item, "profile value")
+        return v
+
+
+def parse_time_minutes(value: str) -> int:
+    """Slurm time (MM, HH:MM:SS, D-HH:MM:SS, D-HH) -> whole minutes, rounded up."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", str(value).strip())
+    if not m:
+        raise ValueError(f"time {value!r} is not a Slurm time (use HH:MM:SS or D-HH:MM:SS)")
+    days, a, b, c = m.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        secs = int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    elif c is not None:  # HH:MM:SS
+        secs = int(a) * 3600 + int(b) * 60 + int(c)
+    elif b is not None:  # MM:SS
+        secs = int(a) * 60 + int(b)
+    else:  # MM
+        secs = int(a) * 60
+    if secs <= 0:
+        raise ValueError(f"time {value!r} must be positive")
+    return -(-secs // 60)
+
+
+# ---------------------------------------------------------------- loading and overrides
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(options)}"
+
+
+def _schema_at(schema: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
+    for part in path:
+        field = schema.model_fields.get(part)
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        schema = ann
+    return schema
+
+
+def _format_errors(err: ValidationError, schema: type[BaseModel], source: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        where = ".".join(loc)
+        if e["type"] == "extra_forbidden":
+            parent = _schema_at(schema, loc[:-1])
+            options = sorted(parent.model_fields) if parent else []
+            lines.append(f"unknown key {where!r}{_suggest(loc[-1], options)}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg} (got {e.get('input')!r})" if where else msg)
+    return ConfigError(f"{source}: " + "; ".join(lines))
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[BaseModel]) -> dict[str, Any]:
+    """Apply `a.b.c=value` strings; the value is parsed as YAML (so 2 is an int, true a bool, [1,2] a list)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        key, raw = item.split("=", 1)
+        path = key.strip().split(".")
+        node_schema: type[BaseModel] | None = schema
+        node = data
+        for i, part in enumerate(path):
+            if node_schema is not None:
+                if part not in node_schema.model_fields:
+                    where = ".".join(path[: i + 1])
+                    raise ConfigError(f"override {item!r}: unknown key {where!r}{_suggest(part, sorted(node_schema.model_fields))}")
+                node_schema = _schema_at(node_schema, [part])
+            if i == len(path) - 1:
+                try:
+                    node[part] = yaml.safe_load(raw) if raw.strip() else raw
+                except yaml.YAMLError:
+                    node[part] = raw
+            else:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a section")
+    return data
+
+
+def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Experiment:
+    data = apply_overrides(read_yaml(path), overrides or [], Experiment)
+    try:
+        return Experiment.model_validate(data)
+    except ValidationError as e:
+        raise _format_errors(e, Experiment, str(path)) from None
+
+
+def load_profile(name_or_path: str | Path, overrides: list[str] | None = None) -> ClusterProfile:
+    """A profile by path, or by name from slurm/clusters/<name>.yaml."""
+    p = Path(name_or_path)
+    if not p.suffix:
+        p = Path(__file__).resolve().parent.parent / "slurm" / "clusters" / f"{name_or_path}.yaml"
+        if not p.is_file():
+            known = sorted(q.stem for q in p.parent.glob("*.yaml"))
+            raise ConfigError(f"no cluster profile named {str(name_or_path)!r}; known: {', '.join(known)} (or give a path)")
+    data = apply_overrides(read_yaml(p), overrides or [], ClusterProfile)
+    try:
+        return ClusterProfile.model_validate(data)
+    except ValidationError as e:
+        raise _format_errors(e, ClusterProfile, str(p)) from None
+
+
+def dump(model: BaseModel) -> str:
+    return yaml.safe_dump(model.model_dump(mode="json"), sort_keys=False)

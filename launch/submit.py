@@ -1,0 +1,162 @@
+"""Render and submit sbatch jobs with submitit: srun-native, one task per GPU, values quoted or rejected.
+
+`render()` gives the exact script `sbatch` will receive (what `--dry-run` prints and the golden tests pin);
+`submit()` hands the same parameters to submitit and records the job in the run root's job registry.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from mcorekit.errors import ConfigError, LaunchError
+from mcorekit.launch.config import NAME_RE, ClusterProfile, _no_control, parse_time_minutes
+
+# Environment every Megatron job gets; a profile's env can override any of them.
+GPU_ENV = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # keeps TP/SP communication ordered with compute (Megatron needs it)
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a hung collective ends the job instead of burning its time
+    "NCCL_DEBUG": "WARN",
+    "NVTE_FWD_LAYERNORM_SM_MARGIN": "16",  # leave SMs free for overlapped communication
+    "NVTE_BWD_LAYERNORM_SM_MARGIN": "16",
+}
+COMMON_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+
+REGISTRY = "jobs.jsonl"
+
+
+@dataclass
+class JobSpec:
+    name: str
+    run_dir: Path
+    nodes: int = 1
+    time: str | None = None  # default: the profile's limit
+    exclusive: bool | None = None
+    dependency: str | None = None  # e.g. "afterok:123"
+    array_size: int | None = None  # a job array of this many tasks
+    array_parallelism: int | None = None
+    gpus_per_node: int | None = None  # default: the profile's; 0 runs a CPU job on a GPU cluster
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not NAME_RE.match(self.name):
+            raise ConfigError(f"job name {self.name!r} must be letters, digits, '.', '_' or '-' (max 64)")
+        _no_control(str(self.run_dir), "run directory")
+        if self.dependency is not None and not all(
+            part.split(":")[0] in ("afterok", "afterany", "afternotok", "after", "singleton") and
+            all(p.replace("_", "").isdigit() for p in part.split(":")[1:])
+            for part in self.dependency.split(",")
+        ):
+            raise ConfigError(f"dependency {self.dependency!r} is not of the form afterok:JOBID[:JOBID]")
+
+
+def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
+    """submitit's SlurmExecutor parameters for this profile and job."""
+    gpus = profile.gpus_per_node if spec.gpus_per_node is None else spec.gpus_per_node
+    if gpus > 0:
+        tasks = gpus  # one task per GPU; ranks come from SLURM_PROCID (never torchrun inside srun)
+    else:
+        tasks = profile.tasks_per_node or 1
+    env = {**COMMON_ENV, **(GPU_ENV if gpus > 0 else {}), **profile.env, **spec.env}
+    for key, value in env.items():
+        if not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise ConfigError(f"environment variable name {key!r} is not a valid shell identifier")
+        _no_control(str(value), f"environment value of {key}")
+    setup = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()] + list(profile.setup)
+
+    srun_args = []
+    if profile.container.image:
+        srun_args.append(f"--container-image={profile.container.image}")
+        if profile.container.mounts:
+            srun_args.append(f"--container-mounts={','.join(profile.container.mounts)}")
+        srun_args.append(f"--container-workdir={profile.container.workdir or str(Path.cwd())}")
+    srun_args += profile.srun_args
+
+    params: dict[str, Any] = {
+        "job_name": spec.name,
+        "nodes": spec.nodes,
+        "ntasks_per_node": tasks,
+        "cpus_per_task": profile.cpus_per_task,
+        "time": parse_time_minutes(spec.time or profile.time_limit),
+        "signal_delay_s": profile.signal_seconds,
+        "setup": setup,
+        "srun_args": srun_args,
+        "stderr_to_stdout": False,
+    }
+    if gpus > 0:
+        params["gpus_per_node"] = gpus
+        if profile.mem_per_gpu_gb:
+            params["mem_per_gpu"] = f"{profile.mem_per_gpu_gb}G"
+    for key in ("partition", "account", "qos"):
+        if getattr(profile, key):
+            params[key] = getattr(profile, key)
+    exclusive = profile.exclusive if spec.exclusive is None else spec.exclusive
+    if exclusive:
+        params["exclusive"] = True
+    extra: dict[str, Any] = {}
+    if spec.dependency:
+        params["dependency"] = spec.dependency
+        extra["kill-on-invalid-dep"] = "yes"  # a failed parent ends its children instead of leaving them pending
+    if extra:
+        params["additional_parameters"] = extra
+    if spec.array_parallelism:
+        params["array_parallelism"] = spec.array_parallelism
+    return params
+
+
+def python_for(profile: ClusterProfile) -> str:
+    return profile.python or sys.executable
+
+
+def logs_dir(spec: JobSpec) -> Path:
+    return spec.run_dir / "logs"
+
+
+def render(profile: ClusterProfile, spec: JobSpec) -> str:
+    """The exact sbatch script submitit will submit for this job."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = sbatch_parameters(profile, spec)
+    folder = logs_dir(spec).resolve()
+    command = " ".join([shlex.quote(python_for(profile)), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    if spec.array_size:
+        params["map_count"] = spec.array_size
+    return _make_sbatch_string(command=command, folder=folder, **params)
+
+
+def make_executor(profile: ClusterProfile, spec: JobSpec, max_restarts: int = 3):
+    import submitit
+
+    try:
+        executor = submitit.SlurmExecutor(
+            folder=logs_dir(spec).resolve(), max_num_timeout=max_restarts, python=shlex.quote(python_for(profile))
+        )
+    except RuntimeError as e:
+        raise LaunchError(f"{e} (no srun on PATH: run on a Slurm login node, or `make cluster-up` for the dev cluster)") from None
+    executor.update_parameters(**sbatch_parameters(profile, spec))
+    return executor
+
+
+def record(run_root: Path, **entry: Any) -> None:
+    """Append a submitted job to the run root's registry, which `mcorekit status` reads."""
+    run_root.mkdir(parents=True, exist_ok=True)
+    entry.setdefault("submitted_at", time.strftime("%Y-%m-%dT%H:%M:%S"))
+    with open(run_root / REGISTRY, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def submit(profile: ClusterProfile, spec: JobSpec, fn: Callable[..., Any], *args: Any, kind: str = "job",
+           max_restarts: int = 3) -> Any:
+    """Submit fn(*args) as one job (every task runs it); returns the submitit Job."""
+    executor = make_executor(profile, spec, max_restarts)
+    try:
+        job = executor.submit(fn, *args)
+    except Exception as e:  # submitit raises plain errors with sbatch's message
+        raise LaunchError(f"sbatch refused job {spec.name!r}: {str(e).strip().splitlines()[-1]}") from None
+    record(spec.run_dir.parent, job_id=job.job_id, name=spec.name, kind=kind, run_dir=str(spec.run_dir))
+    return job

@@ -1,0 +1,5 @@
+import sys
+
+from mcorekit.cli import main
+
+sys.exit(main())

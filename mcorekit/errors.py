@@ -1,0 +1,25 @@
+"""One error type per part. The CLI prints any of them as a single line and exits 2."""
+
+
+class MCoreKitError(Exception):
+    """A problem the user can fix; the message says what was wrong, where, and what to do."""
+
+
+class ConfigError(MCoreKitError):
+    """An experiment file, cluster profile or override is invalid."""
+
+
+class LayoutError(ConfigError):
+    """A parallel layout does not fit the model or the GPUs."""
+
+
+class LaunchError(MCoreKitError):
+    """Submitting, querying or cancelling a Slurm job failed."""
+
+
+class ModelError(MCoreKitError):
+    """A model description is unsupported or inconsistent."""
+
+
+class NotBuiltError(MCoreKitError):
+    """A feature that is planned but not built yet."""

@@ -1,0 +1,1 @@
+"""Model descriptions shared by launch/, train/ and convert/."""

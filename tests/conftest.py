@@ -1,0 +1,39 @@
+"""Markers: `slurm` tests need the dev cluster (make test starts it); `gpu` tests need CUDA."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def _slurm_ready() -> str | None:
+    if shutil.which("sinfo") is None:
+        return "no Slurm client on PATH (make cluster-up installs and starts the dev cluster)"
+    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    if out.returncode != 0 or not any(s.startswith(("idle", "mixed", "allocated")) for s in out.stdout.split()):
+        return f"the dev cluster is not up (sinfo: {out.stdout.strip() or out.stderr.strip()}); run make cluster-up"
+    return None
+
+
+def _cuda() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    return None if torch.cuda.is_available() else "no CUDA device here; gpu tests run on the GPU machine"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slurm_reason = _slurm_ready() if any("slurm" in i.keywords for i in items) else None
+    gpu_reason = _cuda() if any("gpu" in i.keywords for i in items) else None
+    for item in items:
+        if "slurm" in item.keywords and slurm_reason:
+            # `make test` exports MCOREKIT_REQUIRE_SLURM=1: there a missing cluster fails the run, never skips.
+            if os.environ.get("MCOREKIT_REQUIRE_SLURM") == "1":
+                raise pytest.UsageError(f"slurm tests must run but {slurm_reason}")
+            item.add_marker(pytest.mark.skip(reason=slurm_reason))
+        if "gpu" in item.keywords and gpu_reason:
+            item.add_marker(pytest.mark.skip(reason=gpu_reason))

@@ -1,0 +1,35 @@
+"""The CLI's contract: every command explains itself, bad input is one line and exit 2, nothing pretends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mcorekit.cli import PARTS, main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mcorekit", *args], capture_output=True, text=True)
+
+
+def test_missing_config_is_one_line_naming_the_file() -> None:
+    proc = run_cli("launch", "--config", "does-not-exist.yaml")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["mcorekit: error: config file not found: does-not-exist.yaml"]
+
+
+@pytest.mark.parametrize("command", sorted(PARTS))
+def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"mcorekit {command}" in capsys.readouterr().out
+
+
+def test_top_level_help_lists_commands() -> None:
+    proc = run_cli("--help")
+    for command in PARTS:
+        assert command in proc.stdout

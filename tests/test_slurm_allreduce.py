@@ -1,0 +1,34 @@
+"""A real 2-task job on the dev cluster, through submitit: gloo group from SLURM_*, all-reduce, sacct."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mcorekit.launch.accounting import wait_final
+from mcorekit.launch.config import load_profile
+from mcorekit.launch.smoke import allreduce_check
+from mcorekit.launch.submit import REGISTRY, JobSpec, submit
+
+pytestmark = pytest.mark.slurm
+
+
+def test_two_task_gloo_allreduce_completes(tmp_path: Path) -> None:
+    profile = load_profile("local")
+    assert profile.tasks_per_node == 2
+    spec = JobSpec(name="test-allreduce", run_dir=tmp_path / "allreduce", time="00:05:00")
+    job = submit(profile, spec, allreduce_check, kind="test")
+
+    results = job.results()  # one per task, in task order
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world_size"] == 2 for r in results)
+    assert all(r["sum"] == 3.0 for r in results)  # (0 + 1) + (1 + 1)
+    assert all(r["backend"] == "gloo" and r["env_source"] == "slurm" for r in results)
+
+    record = wait_final(job.job_id, timeout_s=120)
+    assert record.state == "COMPLETED"
+    assert record.exit_code == "0:0"
+    entries = [json.loads(line) for line in (tmp_path / REGISTRY).read_text().splitlines()]
+    assert [(e["job_id"], e["name"]) for e in entries] == [(job.job_id, "test-allreduce")]
