@@ -75,6 +75,8 @@ SlurmctldHost=$host
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire seconds before it may start again (default 120).
+AuthInfo=cred_expire=30
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool
 SlurmctldPidFile=$RUN/slurmctld.pid

@@ -1,0 +1,249 @@
+"""Is this parallel layout possible for this model on these GPUs, and will it fit? Checked before anything queues.
+
+The rules are Megatron-Core's (parallel_state.initialize_model_parallel and TransformerConfig): train/ calls
+the same `check()` on the nodes, so a layout the launcher accepts is one the training script accepts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from mcorekit.errors import LayoutError
+from mcorekit.launch.config import ClusterProfile, Experiment
+from mcorekit.models.spec import ModelSpec, resolve
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    vpp: int | None = None
+    sequence_parallel: bool = False
+
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp(self, world: int) -> int:
+        return world // self.model_parallel()
+
+    def __str__(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.vpp:
+            parts.append(f"VPP{self.vpp}")
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        if self.etp > 1:
+            parts.append(f"ETP{self.etp}")
+        return "x".join(parts)
+
+
+def layout_of(exp: Experiment) -> Layout:
+    p = exp.parallel
+    return Layout(p.tp, p.pp, p.cp, p.ep, p.etp, p.vpp, p.sequence_parallel)
+
+
+def world_size(profile: ClusterProfile, nodes: int) -> int:
+    per_node = profile.gpus_per_node if profile.gpus_per_node > 0 else (profile.tasks_per_node or 1)
+    return nodes * per_node
+
+
+def layout_problems(model: ModelSpec, lay: Layout, world: int) -> list[str]:
+    """Every rule the layout breaks, each naming the values and a fix (empty when the layout is valid)."""
+    out: list[str] = []
+    mp = lay.tp * lay.pp * lay.cp
+    if world % mp:
+        out.append(
+            f"TP*PP*CP = {lay.tp}*{lay.pp}*{lay.cp} = {mp} does not divide the world size {world} "
+            f"(nodes x GPUs per node); choose sizes whose product divides {world}, or change the node count"
+        )
+    if model.num_attention_heads % lay.tp:
+        out.append(f"TP={lay.tp} does not divide num_attention_heads={model.num_attention_heads}; use a TP from {_divisors(model.num_attention_heads, 16)}")
+    if model.num_query_groups % lay.tp:
+        out.append(
+            f"TP={lay.tp} does not divide num_query_groups={model.num_query_groups} (KV heads), which Megatron-Core "
+            f"requires; use a TP from {_divisors(model.num_query_groups, 16)}"
+        )
+    if model.num_layers % lay.pp:
+        out.append(f"PP={lay.pp} does not divide num_layers={model.num_layers}; use a PP from {_divisors(model.num_layers, 64)}")
+    if lay.vpp is not None:
+        if lay.pp < 2:
+            out.append(f"VPP={lay.vpp} (interleaved schedule) needs PP >= 2; set parallel.vpp=null or raise parallel.pp")
+        elif model.num_layers % (lay.pp * lay.vpp):
+            out.append(f"PP*VPP = {lay.pp * lay.vpp} does not divide num_layers={model.num_layers}; each virtual stage needs whole layers")
+    if lay.sequence_parallel and lay.tp == 1:
+        out.append("sequence_parallel needs TP > 1; set parallel.sequence_parallel=false or raise parallel.tp")
+    if model.is_moe:
+        if model.num_experts % lay.ep:
+            out.append(f"num_experts={model.num_experts} is not divisible by EP={lay.ep}; use an EP from {_divisors(model.num_experts, 256)}")
+        if world % (lay.pp * lay.ep * lay.etp):
+            out.append(
+                f"PP*EP*ETP = {lay.pp}*{lay.ep}*{lay.etp} does not divide the world size {world} (Megatron forms expert "
+                f"groups as PP x ETP x EP x expert-DP); lower EP or ETP"
+            )
+        if lay.etp > 1 and lay.etp != lay.tp and model.moe_ffn_hidden_size and model.moe_ffn_hidden_size % lay.etp:
+            out.append(f"ETP={lay.etp} does not divide the expert FFN size {model.moe_ffn_hidden_size}")
+    else:
+        if lay.ep > 1 or lay.etp > 1:
+            out.append(f"EP={lay.ep} / ETP={lay.etp} set for a dense model (no experts); set parallel.ep=1 parallel.etp=1")
+    return out
+
+
+def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSpec) -> list[str]:
+    world = world_size(profile, exp.resources.nodes)
+    lay = layout_of(exp)
+    out = layout_problems(model, lay, world)
+    if not out:
+        dp = lay.dp(world)
+        s = exp.schedule
+        if s.global_batch_size % (s.micro_batch_size * dp):
+            out.append(
+                f"global_batch_size={s.global_batch_size} is not divisible by micro_batch_size*DP = {s.micro_batch_size}*{dp} "
+                f"= {s.micro_batch_size * dp}; use a multiple of {s.micro_batch_size * dp}"
+            )
+    if lay.cp > 1 and exp.data.seq_length % (2 * lay.cp):
+        out.append(f"seq_length={exp.data.seq_length} must be divisible by 2*CP = {2 * lay.cp} (load-balanced context parallel)")
+    if exp.data.seq_length > model.max_position_embeddings and not model.rope_scaling:
+        out.append(f"seq_length={exp.data.seq_length} exceeds the model's max_position_embeddings={model.max_position_embeddings}")
+    if exp.precision.fp8 and not profile.transformer_engine:
+        out.append(
+            f"precision.fp8={exp.precision.fp8} needs Transformer Engine on the nodes, and profile {profile.name!r} says "
+            f"transformer_engine: false; drop precision.fp8 or use a profile whose nodes have TE"
+        )
+    if exp.precision.fp8 and profile.gpus_per_node == 0:
+        out.append("precision.fp8 needs GPUs; this profile is CPU-only")
+    if exp.precision.fp8_params and not exp.precision.fp8:
+        out.append("precision.fp8_params needs precision.fp8 set")
+    if exp.data.packing and exp.data.dynamic_batching:
+        out.append("data.packing and data.dynamic_batching are mutually exclusive; choose one")
+    if exp.optimizer.tp_comm_overlap and not (lay.tp > 1 and lay.sequence_parallel):
+        out.append("optimizer.tp_comm_overlap needs TP > 1 with parallel.sequence_parallel=true")
+    if exp.optimizer.overlap_param_gather and not exp.optimizer.distributed:
+        out.append("optimizer.overlap_param_gather needs optimizer.distributed=true")
+    if exp.recompute.granularity == "full" and exp.recompute.num_layers > model.num_layers // lay.pp:
+        out.append(f"recompute.num_layers={exp.recompute.num_layers} exceeds the {model.num_layers // lay.pp} layers per pipeline stage")
+    limit_s = _time_seconds(exp.resources.time or profile.time_limit)
+    if limit_s <= profile.signal_seconds + 60:
+        out.append(
+            f"time limit {limit_s}s leaves no room before the pre-timeout signal ({profile.signal_seconds}s lead; Slurm may "
+            f"send it up to 60 s early); raise resources.time above {profile.signal_seconds + 60}s"
+        )
+    return out
+
+
+def _time_seconds(value: str) -> int:
+    from mcorekit.launch.config import parse_time_minutes
+
+    return parse_time_minutes(value) * 60
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+# ---------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.overhead
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {getattr(self, k) / GiB:.1f}" for k in ("weights", "grads", "optimizer", "activations", "overhead"))
+        return f"{self.total / GiB:.1f} GiB per GPU ({parts})"
+
+
+def estimate_memory(model: ModelSpec, lay: Layout, world: int, seq: int, mbs: int, recompute: str = "none",
+                    distributed_optimizer: bool = True, fp8: bool = False) -> MemoryEstimate:
+    """Bytes per GPU on the busiest rank (first pipeline stage): bf16 weights, fp32 grads, fp32 Adam states +
+    master weights (sharded over DP with the distributed optimizer), activations of one 1F1B pipeline fill."""
+    h, L = model.hidden_size, model.num_layers
+    expert_params = 0
+    if model.is_moe:
+        expert_params = L * model.num_experts * 3 * h * (model.moe_ffn_hidden_size or model.ffn_hidden_size)
+    dense_params = model.num_parameters() - expert_params
+    dp = max(1, lay.dp(world))
+    edp = max(1, world // (lay.pp * lay.ep * lay.etp))
+    dense_local = dense_params / (lay.tp * lay.pp)
+    expert_local = expert_params / (lay.ep * lay.etp * lay.pp)
+    params_local = dense_local + expert_local
+    weights = params_local * (1 if fp8 else 2)
+    grads = params_local * 4
+    opt_bytes = 12  # fp32 master weights + Adam m and v
+    if distributed_optimizer:
+        optimizer = dense_local * opt_bytes / dp + expert_local * opt_bytes / edp
+    else:
+        optimizer = params_local * opt_bytes
+    # Activations per layer for one micro-batch (Korthikanti et al. 2022) with fused attention (no s^2 term):
+    # ~34*s*b*h bytes, split over TP (with SP) and CP; full recompute keeps only each layer's input (2*s*b*h).
+    tokens = seq * mbs / lay.cp
+    split = lay.tp if (lay.sequence_parallel or lay.tp == 1) else 1
+    if recompute == "full":
+        per_layer = 2 * tokens * h / split
+    elif split == lay.tp:
+        per_layer = 34 * tokens * h / lay.tp
+    else:  # TP without SP: layer norms and dropouts are replicated
+        per_layer = (10 + 24 / lay.tp) * tokens * h
+    if model.is_moe:
+        per_layer += tokens * model.moe_router_topk * (model.moe_ffn_hidden_size or model.ffn_hidden_size) * 6 / lay.etp
+    # 1F1B: the first stage holds PP micro-batches of L/PP layers, i.e. L layers' worth; interleaving adds a fraction.
+    in_flight = L * (1 + (lay.pp - 1) / (lay.pp * lay.vpp) if lay.vpp else 1)
+    activations = per_layer * in_flight
+    logits = tokens * model.vocab_size * 4 / lay.tp  # fp32 logits on the last stage
+    activations = max(activations, logits)
+    return MemoryEstimate(weights, grads, optimizer, activations, overhead=3 * GiB)
+
+
+# ---------------------------------------------------------------- the whole check, and plans
+
+
+def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str]]:
+    """Raise LayoutError listing every violation; return the model and warnings (e.g. memory) otherwise."""
+    model = resolve(exp.model.preset, exp.model.hf_config, exp.model.overrides)
+    problems = experiment_problems(exp, profile, model)
+    if problems:
+        raise LayoutError("invalid layout: " + "; ".join(problems))
+    warnings: list[str] = []
+    if profile.gpus_per_node > 0:
+        mem = estimate_memory(model, layout_of(exp), world_size(profile, exp.resources.nodes), exp.data.seq_length,
+                              exp.schedule.micro_batch_size, exp.recompute.granularity, exp.optimizer.distributed,
+                              fp8=exp.precision.fp8_params)
+        if mem.total > profile.gpu_memory_gb * GiB * 0.95:
+            warnings.append(
+                f"estimated memory {mem.describe()} exceeds {profile.gpu_memory_gb:.0f} GiB GPUs: raise TP/PP, lower "
+                f"micro_batch_size, or set recompute.granularity=selective/full (`mcorekit launch plan` proposes layouts)"
+            )
+    return model, warnings
+
+
+def plan(model: ModelSpec, gpus: int, gpus_per_node: int, seq: int, mbs: int, gpu_memory_gb: float,
+         top: int = 5) -> list[tuple[Layout, MemoryEstimate]]:
+    """Valid layouts that fit, smallest model-parallel first (TP inside a node before PP, then EP for MoE)."""
+    found = []
+    tps = [t for t in (1, 2, 4, 8) if t <= gpus_per_node]
+    pps = [p for p in _divisors(model.num_layers, 64)]
+    eps = _divisors(model.num_experts, 64) if model.is_moe else [1]
+    for tp, pp, ep in itertools.product(tps, pps, eps):
+        lay = Layout(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1)
+        if layout_problems(model, lay, gpus):
+            continue
+        mem = estimate_memory(model, lay, gpus, seq, mbs, "selective" if tp > 1 else "none")
+        if mem.total <= gpu_memory_gb * GiB * 0.9:
+            found.append((lay, mem))
+    found.sort(key=lambda lm: (lm[0].tp * lm[0].pp, lm[0].pp, -lm[0].ep, lm[1].total))
+    return found[:top]

@@ -1,0 +1,108 @@
+"""Surviving time limits and preemption: signal -> flag -> save at a step boundary -> requeue -> resume.
+
+submitit's own USR2 handler checkpoints from inside the signal handler on rank 0 alone, which cannot work for
+a distributed checkpoint that every rank must write together. So a payload replaces it with a handler that
+only sets a flag; the loop polls `StopSignal.requested()` between steps (all ranks agree through an
+all-reduce), saves collectively, and rank 0 asks Slurm to requeue the job. On every start the payload finds
+its latest complete checkpoint by itself (nothing is pickled), and `RestartGuard` stops a job that keeps
+restarting without progress or past its restart cap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("mcorekit.requeue")
+
+
+class StopSignal:
+    """Remembers that USR2 (time limit near) or TERM (preemption, scancel) arrived; never acts inside the handler."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def requested(self, group: Any = None) -> bool:
+        """True on every rank as soon as any rank got a signal (one tiny all-reduce when distributed)."""
+        local = self.signum is not None
+        import torch.distributed as dist
+
+        if group is not False and dist.is_available() and dist.is_initialized():
+            import torch
+
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            flag = torch.tensor([1 if local else 0], device=device, dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return bool(flag.item())
+        return local
+
+    @property
+    def is_time_limit(self) -> bool:
+        return self.signum == signal.SIGUSR2
+
+
+def restart_count() -> int:
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
+@dataclass
+class RestartGuard:
+    """Refuses to loop: caps restarts and stops a restart that finds no progress since the previous one."""
+
+    run_dir: Path
+    max_restarts: int
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / "restarts.json"
+
+    def check(self, start_step: int) -> None:
+        """Call once at start with the step the job resumes from; raises RuntimeError to stop for good."""
+        restarts = restart_count()
+        history = json.loads(self.path.read_text()) if self.path.exists() else []
+        if restarts > self.max_restarts:
+            raise RuntimeError(
+                f"restart {restarts} exceeds resources.max_restarts={self.max_restarts}; not resuming "
+                f"(raise resources.max_restarts or resources.time)"
+            )
+        if restarts > 0 and history and history[-1]["start_step"] == start_step and history[-1]["restart"] < restarts:
+            raise RuntimeError(
+                f"restart {restarts} would resume from step {start_step}, the same step as the previous start: no "
+                f"progress was saved in between (a checkpoint save that fails or takes longer than the signal lead "
+                f"time?); stopping instead of looping"
+            )
+        history.append({"restart": restarts, "start_step": start_step, "job_id": os.environ.get("SLURM_JOB_ID")})
+        _write_atomic(self.path, json.dumps(history, indent=1))
+
+    def allow_requeue(self) -> bool:
+        return restart_count() < self.max_restarts
+
+
+def requeue_and_exit(rank: int) -> None:
+    """Rank 0 asks Slurm to requeue this job; every rank then exits without a result, so the job is not 'done'."""
+    job_id = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job_id else os.environ.get("SLURM_JOB_ID")
+    if rank == 0 and job_id:
+        log.warning("requeueing job %s (restart %d)", job_id, restart_count() + 1)
+        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+    sys.stdout.flush()
+    # SystemExit is not an Exception: submitit writes no result file, and the requeued job runs the payload again.
+    raise SystemExit(-1)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
