@@ -1,31 +1,121 @@
-"""`mcorekit launch`: validate an experiment against a cluster profile, then print or submit its sbatch job.
+"""`mcorekit launch`: validate an experiment against a cluster profile, then print or submit its Slurm job(s).
 
   mcorekit launch --config EXP.yaml --cluster local [--nodes N] [--dry-run] [key.path=value ...]
-  mcorekit launch smoke --cluster local [--nodes N] [--dry-run]
+  mcorekit launch sweep --config EXP.yaml --grid optimizer.lr=1e-4,3e-4 [--grid ...] [--max-parallel N]
+  mcorekit launch chain --config EXP.yaml --hf-out DIR [--export-out DIR]   (train -> convert -> export)
+  mcorekit launch plan --model PRESET_OR_HF_DIR --gpus N [--gpus-per-node 8] [--seq 4096] [--mbs 1]
+  mcorekit launch smoke --cluster local       (a one-minute all-reduce over every task)
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from mcorekit.errors import NotBuiltError
+from mcorekit.launch import api
 from mcorekit.launch import config as cfg
 from mcorekit.launch.submit import JobSpec, render, submit
 
 
-def _run_dir(profile: cfg.ClusterProfile, name: str) -> Path:
-    return Path(profile.run_root).resolve() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="local", help="profile name from slurm/clusters/ or a YAML path (default: local)")
-    parser.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the experiment's resources.nodes)")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and the exact sbatch script; submit nothing")
     parser.add_argument("--set", dest="profile_overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a cluster-profile key, e.g. --set partition=batch (repeatable)")
+
+
+def _experiment_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="experiment YAML")
+    parser.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the experiment's resources.nodes)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="experiment overrides, e.g. parallel.tp=2")
+
+
+def _warn(p: api.Prepared) -> None:
+    for w in p.warnings:
+        print(f"mcorekit: warning: {w}", file=sys.stderr)
+
+
+def main_train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mcorekit launch",
+        description="Validate an experiment (layout vs nodes x GPUs, divisibility, memory) and submit it as a Slurm "
+        "job that requeues itself on time limit or preemption. Subcommands: sweep, chain, plan, smoke "
+        "(`mcorekit launch SUBCOMMAND --help`).",
+    )
+    _experiment_args(parser)
+    _common(parser)
+    args = parser.parse_args(argv)
+    p = api.load(args.config, args.cluster, args.overrides, args.profile_overrides, args.nodes)
+    _warn(p)
+    if args.dry_run:
+        print(f"# model: {p.model.architecture}, {p.model.num_parameters() / 1e6:,.1f}M parameters")
+        print("# resolved experiment\n" + cfg.dump(p.experiment))
+        print("# sbatch script\n" + p.script())
+        return 0
+    job = api.submit_prepared(p)
+    print(f"submitted {job.job_id}: {p.spec.run_dir} (mcorekit logs {job.job_id} --follow)")
+    return 0
+
+
+def main_sweep(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mcorekit launch sweep",
+                                     description="A grid over config keys, submitted as one Slurm job array.")
+    _experiment_args(parser)
+    _common(parser)
+    parser.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,...", help="one axis of the grid (repeatable)")
+    parser.add_argument("--max-parallel", type=int, default=None, help="at most this many array tasks run at once")
+    args = parser.parse_args(argv)
+    points, sweep_dir = api.prepare_sweep(args.config, args.cluster, api.parse_axes(args.grid), args.overrides, args.profile_overrides)
+    if args.dry_run:
+        for i, p in enumerate(points):
+            print(f"# point {i}: {p.spec.run_dir}")
+        spec = JobSpec(name=points[0].experiment.name + "-sweep", run_dir=sweep_dir, nodes=points[0].spec.nodes,
+                       time=points[0].spec.time, array_size=len(points), array_parallelism=args.max_parallel)
+        print("# sbatch script\n" + render(points[0].profile, spec))
+        return 0
+    jobs = api.submit_sweep(points, sweep_dir, max_parallel=args.max_parallel)
+    print(f"submitted array {jobs[0].job_id.split('_')[0]} with {len(jobs)} points: {sweep_dir}")
+    return 0
+
+
+def main_chain(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mcorekit launch chain",
+                                     description="Submit train -> convert (to HF) -> export (TensorRT-LLM) as dependent jobs "
+                                     "(afterok, --kill-on-invalid-dep=yes).")
+    _experiment_args(parser)
+    _common(parser)
+    parser.add_argument("--hf-out", required=True, help="where the convert stage writes the HF checkpoint")
+    parser.add_argument("--export-out", default=None, help="where the export stage writes the TensorRT-LLM checkpoint")
+    args = parser.parse_args(argv)
+    api.load(args.config, args.cluster, args.overrides, args.profile_overrides, args.nodes)
+    raise NotBuiltError("chains need train/, convert/ and export/, which are not built yet; "
+                        "the chain machinery itself (api.submit_chain) is built and tested")
+
+
+def main_plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mcorekit launch plan",
+                                     description="Propose TP/PP/EP layouts that are valid and fit in GPU memory.")
+    parser.add_argument("--model", required=True, help="a preset name or an HF model directory / config.json")
+    parser.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length")
+    parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    args = parser.parse_args(argv)
+    from mcorekit.launch.layout import plan
+    from mcorekit.models.spec import PRESETS, resolve
+
+    model = resolve(preset=args.model) if args.model in PRESETS else resolve(hf_config=args.model)
+    layouts = plan(model, args.gpus, args.gpus_per_node, args.seq, args.mbs, args.gpu_memory_gb)
+    print(f"{model.architecture}, {model.num_parameters() / 1e9:.2f}B parameters, {args.gpus} GPUs, seq {args.seq}, mbs {args.mbs}")
+    if not layouts:
+        print("no valid layout fits; add GPUs, lower --seq/--mbs, or use recompute")
+        return 1
+    for lay, mem in layouts:
+        print(f"  {str(lay):<20} DP{lay.dp(args.gpus):<4} {mem.describe()}")
+    return 0
 
 
 def main_smoke(argv: list[str]) -> int:
@@ -35,9 +125,10 @@ def main_smoke(argv: list[str]) -> int:
         "proves a cluster profile end to end before spending GPU hours.",
     )
     _common(parser)
+    parser.add_argument("--nodes", type=int, default=1)
     args = parser.parse_args(argv)
     profile = cfg.load_profile(args.cluster, args.profile_overrides)
-    spec = JobSpec(name="mcorekit-smoke", run_dir=_run_dir(profile, "smoke"), nodes=args.nodes or 1, time="00:05:00")
+    spec = JobSpec(name="mcorekit-smoke", run_dir=api.new_run_dir(profile, "smoke"), nodes=args.nodes, time="00:05:00")
     if args.dry_run:
         print(render(profile, spec))
         return 0
@@ -53,34 +144,12 @@ def main_smoke(argv: list[str]) -> int:
     return 0 if ok else 1
 
 
-def main_train(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="mcorekit launch",
-        description="Validate an experiment (layout vs nodes x GPUs, divisibility) and submit it as a Slurm job. "
-        "Subcommands: `smoke` (cluster check).",
-    )
-    parser.add_argument("--config", required=True, help="experiment YAML")
-    _common(parser)
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="experiment overrides, e.g. parallel.tp=2")
-    args = parser.parse_args(argv)
-    experiment = cfg.load_experiment(args.config, args.overrides)
-    profile = cfg.load_profile(args.cluster, args.profile_overrides)
-    if args.nodes:
-        experiment.resources.nodes = args.nodes
-    spec = JobSpec(
-        name=experiment.name, run_dir=_run_dir(profile, experiment.name), nodes=experiment.resources.nodes,
-        time=experiment.resources.time, exclusive=experiment.resources.exclusive,
-    )
-    if args.dry_run:
-        print("# resolved experiment\n" + cfg.dump(experiment))
-        print("# sbatch script\n" + render(profile, spec))
-        return 0
-    raise NotBuiltError("training jobs need train/, which is not built yet; `--dry-run` shows the job that would be submitted")
+SUBCOMMANDS = {"sweep": main_sweep, "chain": main_chain, "plan": main_plan, "smoke": main_smoke}
 
 
 def main(command: str, argv: list[str]) -> int:
-    if argv and argv[0] == "smoke":
-        return main_smoke(argv[1:])
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     return main_train(argv)
 
 

@@ -220,7 +220,7 @@ class ClusterProfile(Strict):
         for key in v:
             if not ENV_KEY_RE.match(key):
                 raise ValueError(f"environment variable name {key!r} is not a valid shell identifier")
-        return {k: str(val) for k, val in v.items()}
+        return {k: _no_control(str(val), f"environment value of {k}") for k, val in v.items()}
 
     @field_validator("setup", "srun_args", "python", "run_root")
     @classmethod

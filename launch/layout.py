@@ -217,7 +217,7 @@ def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str
     model = resolve(exp.model.preset, exp.model.hf_config, exp.model.overrides)
     problems = experiment_problems(exp, profile, model)
     if problems:
-        raise LayoutError("invalid layout: " + "; ".join(problems))
+        raise LayoutError(f"invalid layout ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - " + "\n  - ".join(problems))
     warnings: list[str] = []
     if profile.gpus_per_node > 0:
         mem = estimate_memory(model, layout_of(exp), world_size(profile, exp.resources.nodes), exp.data.seq_length,
@@ -225,7 +225,7 @@ def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str
                               fp8=exp.precision.fp8_params)
         if mem.total > profile.gpu_memory_gb * GiB * 0.95:
             warnings.append(
-                f"estimated memory {mem.describe()} exceeds {profile.gpu_memory_gb:.0f} GiB GPUs: raise TP/PP, lower "
+                f"estimated memory {mem.describe()} is above 95% of the {profile.gpu_memory_gb:.0f} GiB GPUs: raise TP/PP, lower "
                 f"micro_batch_size, or set recompute.granularity=selective/full (`mcorekit launch plan` proposes layouts)"
             )
     return model, warnings

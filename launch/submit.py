@@ -30,6 +30,13 @@ COMMON_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 REGISTRY = "jobs.jsonl"
 
 
+def _checked(value: str, what: str) -> str:
+    try:
+        return _no_control(value, what)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 @dataclass
 class JobSpec:
     name: str
@@ -46,7 +53,7 @@ class JobSpec:
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
             raise ConfigError(f"job name {self.name!r} must be letters, digits, '.', '_' or '-' (max 64)")
-        _no_control(str(self.run_dir), "run directory")
+        _checked(str(self.run_dir), "run directory")
         if self.dependency is not None and not all(
             part.split(":")[0] in ("afterok", "afterany", "afternotok", "after", "singleton") and
             all(p.replace("_", "").isdigit() for p in part.split(":")[1:])
@@ -66,7 +73,7 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
     for key, value in env.items():
         if not key.replace("_", "a").isalnum() or key[0].isdigit():
             raise ConfigError(f"environment variable name {key!r} is not a valid shell identifier")
-        _no_control(str(value), f"environment value of {key}")
+        _checked(str(value), f"environment value of {key}")
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()] + list(profile.setup)
 
     srun_args = []

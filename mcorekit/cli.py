@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except MCoreKitError as e:
         print(f"mcorekit: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("mcorekit: interrupted", file=sys.stderr)
         return 130
