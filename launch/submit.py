@@ -22,8 +22,6 @@ GPU_ENV = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # keeps TP/SP communication ordered with compute (Megatron needs it)
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a hung collective ends the job instead of burning its time
     "NCCL_DEBUG": "WARN",
-    "NVTE_FWD_LAYERNORM_SM_MARGIN": "16",  # leave SMs free for overlapped communication
-    "NVTE_BWD_LAYERNORM_SM_MARGIN": "16",
 }
 COMMON_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 

@@ -87,6 +87,16 @@ def test_chain_failed_parent_ends_children_and_good_parent_runs_them(tmp_path: P
     assert [wait_final(j.job_id, 120).state for j in good] == ["COMPLETED", "COMPLETED"]
     assert good[1].result() == "ok"
 
+    # `mcorekit status` shows the failure with a diagnosis from the logs; `mcorekit logs` prints the rank's log.
+    cli = [sys.executable, "-m", "mcorekit"]
+    status = subprocess.run([*cli, "status", "--runs", str(tmp_path / "runs")], capture_output=True, text=True, check=True)
+    parent_row = next(line for line in status.stdout.splitlines() if f" {bad[0].job_id} " in line)
+    assert "FAILED" in parent_row and "RuntimeError: parent fails on purpose" in parent_row
+    assert "CANCELLED" in next(line for line in status.stdout.splitlines() if f" {bad[1].job_id} " in line)
+    logs = subprocess.run([*cli, "logs", bad[0].job_id, "--stderr", "--runs", str(tmp_path / "runs")],
+                          capture_output=True, text=True, check=True)
+    assert "parent fails on purpose" in logs.stdout
+
 
 def test_sweep_is_one_array_with_distinct_resolved_configs(tmp_path: Path) -> None:
     cfg_path = tmp_path / "exp.yaml"

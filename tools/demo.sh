@@ -11,8 +11,12 @@ $mk launch smoke --cluster local
 step "2. training job for examples/llama-0.9b.yaml on a 2-node, 8-GPU profile (dry run: the exact sbatch script)"
 $mk launch --config examples/llama-0.9b.yaml --cluster example-h100 --dry-run | sed -n '/# sbatch script/,$p'
 
-step "3. bad input fails early, in one line"
+step "3. bad input fails early: a typo, then an impossible layout (nothing is submitted)"
 $mk launch --config examples/llama-tiny.yaml --cluster local parallel.tpp=2 || true
+$mk launch --config examples/llama-0.9b.yaml --cluster example-h100 parallel.tp=3 parallel.pp=5 || true
+
+step "3b. layouts that fit: a 3B model on 8 GPUs"
+$mk launch plan --model llama-3b --gpus 8 --seq 4096
 
 step "4. this project's jobs"
 $mk status --cluster local
