@@ -8,7 +8,7 @@ CONFIG ?= examples/llama-tiny.yaml
 ARGS ?=
 NODES ?=
 
-.PHONY: help setup demo test test-cpu cluster-up cluster-down cluster-status train dry-run status logs cancel convert export
+.PHONY: help setup demo test test-cpu cluster-up cluster-down cluster-status train sweep dry-run status logs cancel convert export
 
 help:
 	@echo "make demo            bring up the dev Slurm cluster and run the toolchain end to end"
@@ -17,6 +17,7 @@ help:
 	@echo "make cluster-up|cluster-down|cluster-status"
 	@echo "make train CONFIG=exp.yaml CLUSTER=local [NODES=n] [ARGS='parallel.tp=2 ...']"
 	@echo "make dry-run CONFIG=... CLUSTER=...   print the resolved config and sbatch script"
+	@echo "make sweep CONFIG=... GRID=\"optimizer.lr=1e-4,3e-4\" [MAX_PARALLEL=2]"
 	@echo "make status | make logs JOB=id | make cancel JOB=id"
 
 setup:
@@ -59,3 +60,7 @@ cancel: setup
 
 convert export: setup
 	$(MK) $@ $(ARGS)
+
+# make sweep CONFIG=exp.yaml GRID="optimizer.lr=1e-4,3e-4 parallel.tp=1,2" [MAX_PARALLEL=2]
+sweep: setup cluster-up
+	$(MK) launch sweep --config $(CONFIG) --cluster $(CLUSTER) $(foreach g,$(GRID),--grid $(g)) $(if $(MAX_PARALLEL),--max-parallel $(MAX_PARALLEL)) $(ARGS)

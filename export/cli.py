@@ -6,6 +6,8 @@ import argparse
 
 from mcorekit.errors import NotBuiltError
 
+NOT_BUILT = True
+
 
 def main(command: str, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mcorekit export", description=__doc__)

@@ -79,6 +79,33 @@ def training_payload(run_dir: Path) -> Callable[[], Any]:
     return TrainJob(str(run_dir / "config.yaml"), str(run_dir))
 
 
+class CliPayload:
+    """A chain stage that runs one `mcorekit` command on the node (convert, export)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+
+    def __call__(self) -> int:
+        from mcorekit.cli import main
+
+        code = main(self.argv)
+        if code:
+            raise RuntimeError(f"mcorekit {' '.join(self.argv)} exited with {code}")
+        return code
+
+
+def cli_payload(argv: list[str]) -> CliPayload:
+    """Refuses at submission time, not hours later on the node, when the command's part is not built."""
+    import importlib
+
+    from mcorekit.cli import PARTS
+
+    module = importlib.import_module(PARTS[argv[0]][0])
+    if getattr(module, "NOT_BUILT", False):
+        raise NotBuiltError(f"chain stage `mcorekit {argv[0]}` is not built yet; `--dry-run` shows the chain's jobs")
+    return CliPayload(argv)
+
+
 def submit_prepared(p: Prepared, payload: Callable[[], Any] | None = None, kind: str = "train") -> Any:
     payload = payload or training_payload(p.spec.run_dir)
     p.save()

@@ -89,9 +89,27 @@ def main_chain(argv: list[str]) -> int:
     parser.add_argument("--hf-out", required=True, help="where the convert stage writes the HF checkpoint")
     parser.add_argument("--export-out", default=None, help="where the export stage writes the TensorRT-LLM checkpoint")
     args = parser.parse_args(argv)
-    api.load(args.config, args.cluster, args.overrides, args.profile_overrides, args.nodes)
-    raise NotBuiltError("chains need train/, convert/ and export/, which are not built yet; "
-                        "the chain machinery itself (api.submit_chain) is built and tested")
+    p = api.load(args.config, args.cluster, args.overrides, args.profile_overrides, args.nodes)
+    _warn(p)
+    ckpt = p.experiment.checkpoint.dir or str(p.spec.run_dir / "checkpoints")
+    steps = [("train", None, None), ("convert", ["convert", "mcore-to-hf", ckpt, args.hf_out], 0)]
+    if args.export_out:
+        steps.append(("export", ["export", "trtllm", args.hf_out, args.export_out, "--target", "pytorch"], 0))
+    if args.dry_run:
+        for name, argv_stage, gpus in steps:
+            spec = JobSpec(name=f"{p.experiment.name}-{name}", run_dir=p.spec.run_dir / name, nodes=p.spec.nodes if gpus is None else 1,
+                           time=p.spec.time if gpus is None else None, gpus_per_node=gpus,
+                           dependency=None if name == "train" else "afterok:0")
+            print(f"# stage {name}: {'train' if argv_stage is None else 'mcorekit ' + ' '.join(argv_stage)}")
+            print(render(p.profile, spec))
+        return 0
+    stages = [api.Stage(f"{p.experiment.name}-train", api.training_payload(p.spec.run_dir), time=p.spec.time)]
+    for name, argv_stage, gpus in steps[1:]:
+        stages.append(api.Stage(f"{p.experiment.name}-{name}", api.cli_payload(argv_stage), gpus_per_node=gpus))
+    p.save()
+    jobs = api.submit_chain(p.profile, stages, p.spec.run_dir)
+    print("submitted chain: " + " -> ".join(f"{s.name} {j.job_id}" for s, j in zip(stages, jobs)))
+    return 0
 
 
 def main_plan(argv: list[str]) -> int:
