@@ -23,3 +23,7 @@ class ModelError(MCoreKitError):
 
 class NotBuiltError(MCoreKitError):
     """A feature that is planned but not built yet."""
+
+
+class ConversionError(MCoreKitError):
+    """A checkpoint cannot be converted: unsupported, missing, truncated or inconsistent."""

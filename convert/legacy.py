@@ -1,0 +1,278 @@
+"""Megatron-LM's legacy per-rank `torch` checkpoint format, for a fixed TP/PP/EP (and VPP) layout.
+
+    iter_dir/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt  =  {"model" | "model0", "model1", ...: state dict,
+                                                            "checkpoint_version": 3.0, "iteration": 0}
+
+Names are per layer with local indices (`decoder.layers.3.self_attention.linear_qkv.weight`) and sequential
+experts with local ids (`decoder.layers.3.mlp.experts.local_experts.1.linear_fc1.weight`, global id =
+ep_rank * experts/EP + local id). Tensor parallel splits: QKV by query groups, gated fc1 as [gate_i; up_i],
+linear_proj and fc2 along the input dim, vocabulary rows for embedding and output layer; norms and the router
+are replicated. Expert tensor parallelism is 1 or equal to TP. Load it in Megatron-LM with
+`--finetune --no-load-optim --no-load-rng` (it carries weights only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from mcorekit.convert import torch_dist
+from mcorekit.convert.mapping import EXPERT, GLOBAL, LAYER, Ctx
+from mcorekit.errors import ConversionError
+from mcorekit.models.spec import ModelSpec
+
+ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")  # split on dim 1
+COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+GATED = ("linear_fc1.weight",)  # [gate_i; up_i]
+
+
+def rank_dir(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
+    name = f"mp_rank_{tp_rank:02d}"
+    if pp > 1:
+        name += f"_{pp_rank:03d}"
+    if ep > 1:
+        name += f"_{ep_rank:03d}"
+    return name
+
+
+def split_for_rank(key: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    if size == 1:
+        return tensor
+    if key.endswith(GATED):
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        return torch.cat([torch.chunk(gate, size, dim=0)[rank], torch.chunk(up, size, dim=0)[rank]], dim=0)
+    if key.endswith(COLUMN_PARALLEL):
+        return torch.chunk(tensor, size, dim=0)[rank].clone()
+    if key.endswith(ROW_PARALLEL):
+        return torch.chunk(tensor, size, dim=1)[rank].contiguous()
+    return tensor
+
+
+def join_ranks(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    if len(parts) == 1:
+        return parts[0]
+    if key.endswith(GATED):
+        gates, ups = zip(*(torch.chunk(p, 2, dim=0) for p in parts))
+        return torch.cat([torch.cat(gates, dim=0), torch.cat(ups, dim=0)], dim=0)
+    if key.endswith(COLUMN_PARALLEL):
+        return torch.cat(parts, dim=0)
+    if key.endswith(ROW_PARALLEL):
+        return torch.cat(parts, dim=1)
+    return parts[0]
+
+
+def local_name(mcore: str, local_layer: int | None, local_expert: int | None = None) -> str:
+    if local_layer is None:
+        return mcore
+    if local_expert is None:
+        return mcore.replace("decoder.layers.", f"decoder.layers.{local_layer}.", 1)
+    return mcore.replace("decoder.layers.mlp.experts.experts.",
+                         f"decoder.layers.{local_layer}.mlp.experts.local_experts.{local_expert}.", 1)
+
+
+def stages(spec: ModelSpec, pp: int, vpp: int | None) -> dict[tuple[int, int], list[int]]:
+    """(pp_rank, virtual chunk) -> global layer ids, as Megatron assigns them (interleaved when vpp is set)."""
+    v = vpp or 1
+    per = spec.num_layers // (pp * v)
+    return {(p, c): [c * (spec.num_layers // v) + p * per + i for i in range(per)] for p in range(pp) for c in range(v)}
+
+
+def check_layout(spec: ModelSpec, ctx: Ctx, tp: int, pp: int, ep: int, etp: int, vpp: int | None) -> None:
+    problems = []
+    if spec.num_query_groups % tp:
+        problems.append(f"TP={tp} does not divide num_query_groups={spec.num_query_groups}")
+    if spec.num_attention_heads % tp:
+        problems.append(f"TP={tp} does not divide num_attention_heads={spec.num_attention_heads}")
+    if ctx.padded_vocab % tp:
+        problems.append(f"TP={tp} does not divide the padded vocab {ctx.padded_vocab} (raise --vocab-divisible-by)")
+    if spec.ffn_hidden_size % tp and not spec.is_moe:
+        problems.append(f"TP={tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
+    if spec.num_layers % (pp * (vpp or 1)):
+        problems.append(f"PP*VPP={pp * (vpp or 1)} does not divide num_layers={spec.num_layers}")
+    if vpp and pp < 2:
+        problems.append("--vpp needs --pp >= 2")
+    if spec.is_moe:
+        if spec.num_experts % ep:
+            problems.append(f"EP={ep} does not divide num_experts={spec.num_experts}")
+        if etp not in (1, tp):
+            problems.append(f"ETP={etp}: the legacy format supports expert TP of 1 or equal to TP={tp}")
+    elif ep > 1 or etp > 1:
+        problems.append(f"EP={ep}/ETP={etp} given for a dense model")
+    if problems:
+        raise ConversionError("layout does not fit the model: " + "; ".join(problems))
+
+
+def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], spec: ModelSpec, ctx: Ctx, tp: int, pp: int, ep: int,
+          etp: int, vpp: int | None, te_modules: list[tuple[str, str]], on_tensor: Callable[[int], None] | None = None) -> None:
+    check_layout(spec, ctx, tp, pp, ep, etp, vpp)
+    by_key = {t.fqn: t for t in planned}
+    local_experts = (spec.num_experts or 1) // ep
+    iter_dir.mkdir(parents=True)
+    layout = stages(spec, pp, vpp)
+    for p in range(pp):
+        # files[(tp_rank, ep_rank)][chunk] = state dict
+        files: dict[tuple[int, int], dict[int, dict[str, Any]]] = {
+            (t, e): {c: {} for c in range(vpp or 1)} for t in range(tp) for e in range(ep)}
+        for c in range(vpp or 1):
+            first, last = (p == 0 and c == 0), (p == pp - 1 and c == (vpp or 1) - 1)
+            for key, planned_tensor in by_key.items():
+                scope = _scope(planned_tensor)
+                if scope == GLOBAL:
+                    is_emb = key.startswith("embedding.")
+                    if not ((is_emb and first) or (not is_emb and last)):
+                        continue
+                    full = _produce(planned_tensor, ())
+                    for (t, e), chunks in files.items():
+                        chunks[c][key] = split_for_rank(key, full, t, tp)
+                    _tick(on_tensor, full)
+                    continue
+                for i, layer in enumerate(layout[(p, c)]):
+                    if scope == LAYER:
+                        full = _produce(planned_tensor, (layer,))
+                        for (t, e), chunks in files.items():
+                            chunks[c][local_name(key, i)] = split_for_rank(key, full, t, tp)
+                        _tick(on_tensor, full)
+                    else:
+                        for g in range(spec.num_experts):
+                            e, j = divmod(g, local_experts)
+                            full = _produce(planned_tensor, (layer, g))
+                            for t in range(tp):
+                                r, size = (t, tp) if etp == tp else (0, 1)
+                                files[(t, e)][c][local_name(key, i, j)] = split_for_rank(key, full, r, size)
+                            _tick(on_tensor, full)
+            if spec.tie_word_embeddings and last and pp > 1:
+                # Megatron keeps a synchronized copy of the embedding as the last stage's output layer.
+                full = _produce(by_key["embedding.word_embeddings.weight"], ())
+                for (t, e), chunks in files.items():
+                    chunks[c]["output_layer.weight"] = split_for_rank("output_layer.weight", full, t, tp)
+            for (t, e), chunks in files.items():
+                for module, scope in te_modules:
+                    if scope == GLOBAL:
+                        if last:
+                            chunks[c][f"{module}._extra_state"] = None
+                    elif scope == LAYER:
+                        for i in range(len(layout[(p, c)])):
+                            chunks[c][local_name(f"{module}._extra_state", i)] = None
+                    else:
+                        for i in range(len(layout[(p, c)])):
+                            for j in range(local_experts):
+                                chunks[c][local_name(f"{module}._extra_state", i, j)] = None
+        for (t, e), chunks in files.items():
+            state: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": 0}
+            if vpp:
+                state.update({f"model{c}": sd for c, sd in chunks.items()})
+            else:
+                state["model"] = chunks[0]
+            d = iter_dir / rank_dir(t, p, e, pp, ep)
+            d.mkdir()
+            torch.save(state, d / "model_optim_rng.pt")
+
+
+def _scope(t: torch_dist.PlannedTensor) -> str:
+    return t.scope
+
+
+def _produce(t: torch_dist.PlannedTensor, index: tuple[int, ...]) -> torch.Tensor:
+    for c in t.chunks:
+        if tuple(c.offsets[: len(index)]) == index:
+            return c.produce().reshape(c.sizes[len(index):])
+    raise ConversionError(f"{t.fqn}: no slice {index}")
+
+
+def _tick(on_tensor: Callable[[int], None] | None, t: torch.Tensor) -> None:
+    if on_tensor:
+        on_tensor(t.numel() * t.element_size())
+
+
+class LegacyReader:
+    """Reassembles global layer-stacked tensors from per-rank files. Loads every rank file once (weights_only):
+    unlike the torch_dist path this is not streaming, which the legacy format's per-rank files make costly."""
+
+    def __init__(self, iter_dir: Path, spec: ModelSpec) -> None:
+        self.spec = spec
+        dirs = sorted(d for d in iter_dir.glob("mp_rank_*") if d.is_dir())
+        if not dirs:
+            raise ConversionError(f"{iter_dir}: no mp_rank_* directories")
+        states = {}
+        for d in dirs:
+            file = d / "model_optim_rng.pt"
+            if not file.is_file():
+                raise ConversionError(f"missing rank file {file}")
+            try:
+                states[d.name] = torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any unpickling problem is a bad file
+                raise ConversionError(f"cannot read {file} (weights_only): {e}") from None
+        self.ranks: dict[tuple[int, int, int], dict[int, dict[str, Any]]] = {}
+        for name, state in states.items():
+            t, p, e = self._parse(name, states)
+            self.ranks[(t, p, e)] = {int(k[5:] or 0): v for k, v in state.items() if k.startswith("model")}
+        self.tp = 1 + max(k[0] for k in self.ranks)
+        self.pp = 1 + max(k[1] for k in self.ranks)
+        self.ep = 1 + max(k[2] for k in self.ranks)
+        expected = {(t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)}
+        if set(self.ranks) != expected:
+            raise ConversionError(f"{iter_dir}: missing rank directories {sorted(expected - set(self.ranks))}")
+        self.vpp = len(self.ranks[(0, 0, 0)])
+        self.layout = stages(spec, self.pp, self.vpp if self.vpp > 1 else None)
+        self.layer_home = {layer: (p, c, i) for (p, c), layers in self.layout.items() for i, layer in enumerate(layers)}
+        self.local_experts = (spec.num_experts or 1) // self.ep
+        self._sizes = self._global_sizes()
+
+    @staticmethod
+    def _parse(name: str, states: dict[str, Any]) -> tuple[int, int, int]:
+        parts = [int(x) for x in name.split("_")[2:]]
+        if len(parts) == 3:
+            return parts[0], parts[1], parts[2]
+        if len(parts) == 1:
+            return parts[0], 0, 0
+        # One suffix is PP or EP: with PP only the first stage holds the embedding; with EP every file does.
+        model = next(v for k, v in states[name].items() if k.startswith("model"))
+        all_have_embedding = all("embedding.word_embeddings.weight" in next(v for k, v in st.items() if k.startswith("model"))
+                                 for st in states.values())
+        return (parts[0], 0, parts[1]) if all_have_embedding and model is not None else (parts[0], parts[1], 0)
+
+    def _sd(self, t: int, p: int, e: int, c: int) -> dict[str, Any]:
+        return self.ranks[(t, p, e)][c]
+
+    def _global_sizes(self) -> dict[str, tuple[int, ...]]:
+        sizes: dict[str, tuple[int, ...]] = {}
+        L, E = self.spec.num_layers, self.spec.num_experts
+        for key in list(self._sd(0, 0, 0, 0)) + list(self._sd(0, self.pp - 1, 0, self.vpp - 1)):
+            if key.endswith("_extra_state"):
+                continue
+            parts = key.split(".")
+            if key.startswith("decoder.layers.") and parts[2].isdigit():
+                if "local_experts" in parts:
+                    stacked = "decoder.layers." + ".".join(parts[3:5]) + ".experts." + ".".join(parts[7:])
+                    sizes.setdefault(stacked, (L, E) + tuple(self.read(stacked, (0, 0)).shape))
+                else:
+                    stacked = "decoder.layers." + ".".join(parts[3:])
+                    sizes.setdefault(stacked, (L,) + tuple(self.read(stacked, (0,)).shape))
+            elif not (key == "output_layer.weight" and self.spec.tie_word_embeddings):
+                sizes.setdefault(key, tuple(self.read(key).shape))
+        return sizes
+
+    def tensor_keys(self) -> dict[str, Any]:
+        return {k: _Sized(v) for k, v in self._sizes.items()}
+
+    def read(self, key: str, index: tuple[int, ...] = ()) -> torch.Tensor:
+        if not index:
+            p, c = (0, 0) if key.startswith("embedding.") else (self.pp - 1, self.vpp - 1)
+            return join_ranks(key, [self._sd(t, p, 0, c)[key] for t in range(self.tp)])
+        p, c, i = self.layer_home[index[0]]
+        if len(index) == 1:
+            name = local_name(key, i)
+            return join_ranks(key, [self._sd(t, p, 0, c)[name] for t in range(self.tp)])
+        e, j = divmod(index[1], self.local_experts)
+        name = local_name(key, i, j)
+        parts = [self._sd(t, p, e, c)[name] for t in range(self.tp)]
+        f = self.spec.moe_ffn_hidden_size or self.spec.ffn_hidden_size
+        full = (2 * f, self.spec.hidden_size) if key.endswith("linear_fc1.weight") else (self.spec.hidden_size, f)
+        return parts[0] if tuple(parts[0].shape) == full else join_ranks(key, parts)  # expert TP 1 or = TP
+
+
+class _Sized:
+    def __init__(self, size: tuple[int, ...]) -> None:
+        self.size = size
