@@ -1,15 +1,94 @@
-"""`mcorekit convert`: not built yet."""
+"""`mcorekit convert`: HF <-> Megatron checkpoints, and verification.
+
+  mcorekit convert hf-to-mcore HF_DIR OUT_DIR [--format torch_dist|torch] [--tp N --pp N --ep N --etp N --vpp N]
+  mcorekit convert mcore-to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR_OR_CONFIG]
+  mcorekit convert verify HF_A HF_B                      (bitwise, every tensor, strict key coverage)
+  mcorekit convert verify --logits HF_DIR CKPT_DIR       (GPU: HF model vs Megatron model on fixed prompts)
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from mcorekit.errors import NotBuiltError
+from mcorekit.convert import pipeline, verify
 
-NOT_BUILT = True
+
+def _hf_to_mcore(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mcorekit convert hf-to-mcore",
+                                description="HF safetensors -> Megatron-Core checkpoint (torch_dist: any layout loads it; "
+                                "torch: Megatron-LM's per-rank files for the layout given). Streams one tensor at a time.")
+    p.add_argument("hf_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--format", choices=["torch_dist", "torch"], default="torch_dist")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel (torch: files per rank; torch_dist: checked only)")
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--dtype", choices=sorted(pipeline.DTYPES), default=None, help="default: keep the HF dtype")
+    p.add_argument("--vocab-divisible-by", type=int, default=128, help="pad the vocabulary to a multiple of this (Megatron's default 128)")
+    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    s = pipeline.hf_to_mcore(a.hf_dir, a.out_dir, fmt=a.format, dtype=a.dtype, vocab_divisible_by=a.vocab_divisible_by,
+                             tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, vpp=a.vpp, force=a.force, quiet=a.quiet)
+    print(s.line(f"hf-to-mcore -> {a.out_dir}"))
+    return 0
+
+
+def _mcore_to_hf(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mcorekit convert mcore-to-hf",
+                                description="Megatron-Core checkpoint (torch_dist or legacy torch) -> HF safetensors with "
+                                "index, config and tokenizer files. Vocabulary padding is removed.")
+    p.add_argument("ckpt_dir", help="checkpoint root (with latest_checkpointed_iteration.txt) or an iteration directory")
+    p.add_argument("out_dir")
+    p.add_argument("--hf-config", default=None, help="HF directory or config.json (default: the one stored at import)")
+    p.add_argument("--dtype", choices=sorted(pipeline.DTYPES), default=None, help="default: the HF config's dtype")
+    p.add_argument("--max-shard-gb", type=float, default=5.0)
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    s = pipeline.mcore_to_hf(a.ckpt_dir, a.out_dir, hf_config=a.hf_config, dtype=a.dtype,
+                             max_shard_bytes=int(a.max_shard_gb * 1024**3), force=a.force, quiet=a.quiet)
+    print(s.line(f"mcore-to-hf -> {a.out_dir}"))
+    return 0
+
+
+def _verify(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mcorekit convert verify",
+                                description="Bitwise comparison of two HF checkpoints (exit 1 on any difference), or with "
+                                "--logits, HF vs Megatron logits on a GPU (exit 1 below cosine 0.9999 or top-1 100%%).")
+    p.add_argument("a", help="HF checkpoint (reference)")
+    p.add_argument("b", help="HF checkpoint to check, or with --logits a Megatron checkpoint")
+    p.add_argument("--logits", action="store_true")
+    p.add_argument("--all", action="store_true", help="list equal tensors too")
+    a = p.parse_args(argv)
+    if a.logits:
+        from mcorekit.convert.logits import verify_logits
+
+        report = verify_logits(a.a, a.b)
+        print(f"logits: {report.line()} -> {'OK' if report.passed() else 'FAILED'}")
+        return 0 if report.passed() else 1
+    reports = verify.compare_hf(a.a, a.b)
+    bad = [r for r in reports if r.status != "equal"]
+    for r in reports if a.all else bad:
+        print(f"{r.status:>9}  {r.name}  {r.detail}")
+    print(f"verify: {len(reports) - len(bad)} of {len(reports)} tensors bitwise equal" + ("" if not bad else f", {len(bad)} not"))
+    return 0 if not bad else 1
+
+
+COMMANDS = {"hf-to-mcore": _hf_to_mcore, "mcore-to-hf": _mcore_to_hf, "verify": _verify}
 
 
 def main(command: str, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mcorekit convert", description=__doc__)
-    parser.parse_args(argv)
-    raise NotBuiltError("`mcorekit convert` is not built yet: it is planned (see the README's status table) and does nothing today")
+    if not argv or argv[0] not in COMMANDS:
+        p = argparse.ArgumentParser(prog="mcorekit convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("subcommand", choices=list(COMMANDS))
+        p.parse_args(argv[:1] or ["--help"])
+        return 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main("convert", sys.argv[1:]))

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -142,7 +143,14 @@ def write(path: Path, tensors: list[PlannedTensor], blobs: dict[str, bytes], thr
     """Write one torch_dist iteration directory (path must not exist yet)."""
     path.mkdir(parents=True)
     writer = FileSystemWriter(str(path), single_file_per_rank=True, thread_count=threads, sync_files=True)
-    dcp.save({}, storage_writer=writer, planner=StreamingSavePlanner(tensors, blobs, on_chunk), no_dist=True)
+    try:
+        dcp.save({}, storage_writer=writer, planner=StreamingSavePlanner(tensors, blobs, on_chunk), no_dist=True)
+    except CheckpointException as e:  # DCP wraps whatever failed inside it; surface the original
+        inner = next(iter(e.failures.values()), e)
+        inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback)
+        if isinstance(inner, (ConversionError, KeyboardInterrupt)):
+            raise inner from None
+        raise ConversionError(f"writing {path} failed: {inner}") from None
     (path / "metadata.json").write_text(json.dumps(BACKEND))
 
 
