@@ -4,6 +4,7 @@ union of its sharded_state_dict keys with global shapes as JSON. Used by test_mo
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -24,7 +25,8 @@ def rank_main(rank: int, world: int, hf: str, tp: int, pp: int, ep: int, out: st
     from mcorekit.models.megatron import Parallel, build_gpt, transformer_config
     from mcorekit.models.spec import from_hf_config, load_hf_config
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=1)
     spec = from_hf_config(load_hf_config(hf))
     extra = {"moe_token_dispatcher_type": "allgather"} if spec.is_moe else {}  # alltoall allocates CUDA streams
     cfg = transformer_config(spec, Parallel(tp=tp, pp=pp, ep=ep), cpu_init=True, **extra)
@@ -40,7 +42,7 @@ def rank_main(rank: int, world: int, hf: str, tp: int, pp: int, ep: int, out: st
 
 if __name__ == "__main__":
     hf, tp, pp, ep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    world = max(tp * pp, pp * ep)
+    world = math.lcm(tp, ep) * pp
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "keys")
         mp.spawn(rank_main, args=(world, hf, tp, pp, ep, out), nprocs=world, join=True)
