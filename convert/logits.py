@@ -1,0 +1,79 @@
+"""Logits of the HF model (transformers) against the Megatron model loaded from the converted checkpoint (GPU).
+
+The Megatron model is train/'s (models/megatron.py, Transformer Engine spec when TE is importable), loaded with
+`dist_checkpointing.load` under strict="raise_all": a missing or unexpected key fails the check. Both run in
+fp32 on the same fixed prompts; in fp32 the only differences are kernel summation orders, so we require
+cosine >= 0.9999 and 100% top-1 agreement.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mcorekit.convert.pipeline import find_iteration_dir, spec_for
+from mcorekit.convert.torch_dist import TorchDistReader
+from mcorekit.convert.verify import LogitsReport, compare_logits
+from mcorekit.errors import ConversionError
+from mcorekit.models.spec import load_hf_config
+
+
+def fixed_prompts(vocab: int, batch: int = 4, seq: int = 64, seed: int = 1234) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def init_single_gpu() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29577")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def megatron_logits(hf_dir: str | Path, ckpt: str | Path, ids: torch.Tensor) -> torch.Tensor:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from mcorekit.models.megatron import build_gpt, te_available, transformer_config
+
+    spec = spec_for(load_hf_config(hf_dir))
+    iter_dir = find_iteration_dir(Path(ckpt))
+    padded = tuple(TorchDistReader(iter_dir).tensor_keys()["embedding.word_embeddings.weight"].size)[0]
+    init_single_gpu()
+    config = transformer_config(spec)
+    model = build_gpt(spec, config, padded, use_te=te_available()).cuda().eval()
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(iter_dir), strict=StrictHandling.RAISE_ALL)
+    model.load_state_dict(state)
+    ids = ids.cuda()
+    pos = torch.arange(ids.shape[1], device="cuda").unsqueeze(0).expand_as(ids)
+    with torch.no_grad():
+        logits = model(ids, pos, attention_mask=None)
+    return logits[..., : spec.vocab_size].float().cpu()
+
+
+def hf_logits(hf_dir: str | Path, ids: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        return model(ids.cuda()).logits.float().cpu()
+
+
+def verify_logits(hf_dir: str | Path, ckpt: str | Path) -> LogitsReport:
+    if not torch.cuda.is_available():
+        raise ConversionError("--logits needs a CUDA GPU (Megatron-Core does not run a forward pass on CPU)")
+    from mcorekit.models.megatron import te_available
+
+    te_available()  # load TE's cuDNN before anything makes torch load its own (mixing them fails on some images)
+    spec = spec_for(load_hf_config(hf_dir))
+    ids = fixed_prompts(spec.vocab_size)
+    got = megatron_logits(hf_dir, ckpt, ids)
+    return compare_logits(hf_logits(hf_dir, ids), got)
