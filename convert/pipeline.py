@@ -37,10 +37,21 @@ class Summary:
     seconds: float = 0.0
 
     def line(self, what: str) -> str:
-        rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+        rss_gb = peak_rss_gb()
         rate = self.bytes / max(self.seconds, 1e-9) / 1e9
         return (f"{what}: {self.tensors} tensors, {self.bytes / 1e9:.3f} GB in {self.seconds:.1f} s "
                 f"({rate:.2f} GB/s), peak RSS {rss_gb:.2f} GB")
+
+
+def peak_rss_gb() -> float:
+    """This process's peak RSS (VmHWM: unlike ru_maxrss it is not inherited across fork + exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024**2
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
 def padded_vocab_size(vocab: int, divisible_by: int) -> int:

@@ -1,15 +1,73 @@
-"""`mcorekit export`: not built yet."""
+"""`mcorekit export`: checkpoints to TensorRT-LLM.
+
+  mcorekit export trtllm SRC OUT --target pytorch|engine [--tp N --pp N --ep N] [--dtype bf16|fp16] [--fp8 --calib FILE]
+  mcorekit export engine TRTLLM_CKPT ENGINE_DIR [--max-batch-size N ...]   (runs trtllm-build; TensorRT-LLM <= 1.2)
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from mcorekit.errors import NotBuiltError
 
-NOT_BUILT = True
+def _trtllm(argv: list[str]) -> int:
+    from mcorekit.export.pipeline import export
+
+    p = argparse.ArgumentParser(prog="mcorekit export trtllm", description=(
+        "SRC is an HF directory or a Megatron checkpoint (converted through convert/ first). Target pytorch: HF "
+        "weights + config (+ FP8 ModelOpt checkpoint) for today's TensorRT-LLM. Target engine: config.json + "
+        "rank{N}.safetensors for trtllm-build (TensorRT-LLM <= 1.2)."))
+    p.add_argument("src")
+    p.add_argument("out")
+    p.add_argument("--target", choices=["pytorch", "engine"], required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallel (engine: inside the TP group, must divide --tp)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--fp8", action="store_true", help="per-tensor FP8 weights and activation scales (needs --calib)")
+    p.add_argument("--calib", default=None, help="calibration data: JSON lines with input_ids or text")
+    p.add_argument("--hf-config", default=None, help="for a Megatron SRC without a stored HF config")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    s = export(a.src, a.out, a.target, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype, use_fp8=a.fp8, calib=a.calib,
+               hf_config=a.hf_config, force=a.force, quiet=a.quiet)
+    print(f"export {a.target} -> {a.out}: {s.bytes / 1e9:.3f} GB in {s.seconds:.1f} s")
+    return 0
+
+
+def _engine(argv: list[str]) -> int:
+    from mcorekit.export.build import BuildOptions, build
+
+    p = argparse.ArgumentParser(prog="mcorekit export engine", description=(
+        "Build TensorRT engines from a rank-file checkpoint with trtllm-build (TensorRT-LLM <= 1.2 must be installed)."))
+    p.add_argument("checkpoint")
+    p.add_argument("engine_dir")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-input-len", type=int, default=2048)
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--gemm-plugin", default="auto")
+    p.add_argument("--force", action="store_true")
+    a = p.parse_args(argv)
+    opts = BuildOptions(a.max_batch_size, a.max_input_len, a.max_seq_len, a.max_num_tokens, a.gemm_plugin)
+    build(Path(a.checkpoint), Path(a.engine_dir), opts, force=a.force)
+    print(f"engine built in {a.engine_dir}")
+    return 0
+
+
+COMMANDS = {"trtllm": _trtllm, "engine": _engine}
 
 
 def main(command: str, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mcorekit export", description=__doc__)
-    parser.parse_args(argv)
-    raise NotBuiltError("`mcorekit export` is not built yet: it is planned (see the README's status table) and does nothing today")
+    if not argv or argv[0] not in COMMANDS:
+        p = argparse.ArgumentParser(prog="mcorekit export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("subcommand", choices=list(COMMANDS))
+        p.parse_args(argv[:1] or ["--help"])
+        return 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main("export", sys.argv[1:]))

@@ -27,3 +27,7 @@ class NotBuiltError(MCoreKitError):
 
 class ConversionError(MCoreKitError):
     """A checkpoint cannot be converted: unsupported, missing, truncated or inconsistent."""
+
+
+class ExportError(MCoreKitError):
+    """An export to TensorRT-LLM cannot be done as asked."""

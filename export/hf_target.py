@@ -1,0 +1,62 @@
+"""Target `pytorch` (today's TensorRT-LLM): HF-format weights and config, tokenizer files, and for FP8 the
+ModelOpt-style per-tensor FP8 checkpoint (`weight` in float8_e4m3fn, `weight_scale`, `input_scale`) with
+`hf_quant_config.json` and `quantization_config` in config.json, which TensorRT-LLM's loader reads. An
+`llm_api_options.yaml` carries the parallel sizes for `trtllm-serve --extra_llm_api_options`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+
+from mcorekit.convert.hf_io import HFReader, HFWriter, copy_assets
+from mcorekit.export import fp8
+
+EXCLUDED = ("lm_head",)  # kept in the model dtype, as ModelOpt does
+
+
+def linear_modules(reader: HFReader) -> list[str]:
+    """HF modules whose weights get quantized: every 2-D `*.weight` under model.layers except norms and routers."""
+    out = []
+    for name in reader.names():
+        if not name.endswith(".weight") or ".layers." not in name:
+            continue
+        module = name[: -len(".weight")]
+        leaf = module.rsplit(".", 1)[-1]
+        if "norm" in leaf or leaf == "gate" and ("mlp" in module or "block_sparse_moe" in module):
+            continue
+        out.append(module)
+    return out
+
+
+def write(reader: HFReader, out: Path, tp: int, pp: int, ep: int, dtype: torch.dtype | None,
+          scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> int:
+    writer = HFWriter(out)
+    quantized = set(scales or {})
+    for name in reader.names():
+        t = reader.get(name)
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module in quantized:
+            w_scale, a_scale = scales[module]
+            writer.add(name, fp8.quantize(t, w_scale))
+            writer.add(f"{module}.weight_scale", w_scale.clone())
+            writer.add(f"{module}.input_scale", a_scale.clone())
+        else:
+            writer.add(name, t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+    writer.finish()
+    copy_assets(reader.path, out)
+    config = dict(reader.config)
+    if dtype is not None:
+        config["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+    if scales:
+        quant = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": list(EXCLUDED)}
+        (out / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": {"name": "modelopt", "version": "mcorekit"}, "quantization": quant}, indent=2) + "\n")
+        config["quantization_config"] = {"quant_method": "modelopt", **quant}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    options = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "moe_expert_parallel_size": ep}
+    (out / "llm_api_options.yaml").write_text(
+        "# trtllm-serve <this dir> --extra_llm_api_options llm_api_options.yaml\n" + yaml.safe_dump(options, sort_keys=False))
+    return writer.total_bytes
