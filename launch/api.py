@@ -127,12 +127,14 @@ class Stage:
     payload: Callable[[], Any]
     gpus_per_node: int | None = None  # None: the profile's; 0: a CPU job
     time: str | None = None
+    tasks_per_node: int | None = None  # None: one per GPU
 
 
 def submit_chain(profile: cfg.ClusterProfile, stages: list[Stage], run_dir: Path, kind: str = "chain") -> list[Any]:
     """Submit stages as dependent jobs: each runs only if the previous one COMPLETED (afterok); a failed parent
     makes its children end at once (--kill-on-invalid-dep=yes) instead of pending forever."""
-    specs = [JobSpec(name=s.name, run_dir=run_dir / s.name, time=s.time, gpus_per_node=s.gpus_per_node) for s in stages]
+    specs = [JobSpec(name=s.name, run_dir=run_dir / s.name, time=s.time, gpus_per_node=s.gpus_per_node,
+                     tasks_per_node=s.tasks_per_node) for s in stages]
     for s in specs:
         render(profile, s)  # validates every stage's parameters before the first submission
     jobs: list[Any] = []

@@ -88,24 +88,30 @@ def main_chain(argv: list[str]) -> int:
     _common(parser)
     parser.add_argument("--hf-out", required=True, help="where the convert stage writes the HF checkpoint")
     parser.add_argument("--export-out", default=None, help="where the export stage writes the TensorRT-LLM checkpoint")
+    parser.add_argument("--export-target", choices=["pytorch", "engine"], default="pytorch")
+    parser.add_argument("--engine-out", default=None, help="with --export-target engine: also build engines (a GPU job)")
     args = parser.parse_args(argv)
     p = api.load(args.config, args.cluster, args.overrides, args.profile_overrides, args.nodes)
     _warn(p)
     ckpt = p.experiment.checkpoint.dir or str(p.spec.run_dir / "checkpoints")
     steps = [("train", None, None), ("convert", ["convert", "mcore-to-hf", ckpt, args.hf_out], 0)]
     if args.export_out:
-        steps.append(("export", ["export", "trtllm", args.hf_out, args.export_out, "--target", "pytorch"], 0))
+        steps.append(("export", ["export", "trtllm", args.hf_out, args.export_out, "--target", args.export_target], 0))
+        if args.export_target == "engine" and args.engine_out:
+            steps.append(("engine", ["export", "engine", args.export_out, args.engine_out], None))
     if args.dry_run:
         for name, argv_stage, gpus in steps:
-            spec = JobSpec(name=f"{p.experiment.name}-{name}", run_dir=p.spec.run_dir / name, nodes=p.spec.nodes if gpus is None else 1,
-                           time=p.spec.time if gpus is None else None, gpus_per_node=gpus,
+            spec = JobSpec(name=f"{p.experiment.name}-{name}", run_dir=p.spec.run_dir / name, nodes=p.spec.nodes if name == "train" else 1,
+                           time=p.spec.time if name == "train" else None, gpus_per_node=gpus,
+                           tasks_per_node=1 if name == "engine" else None,
                            dependency=None if name == "train" else "afterok:0")
             print(f"# stage {name}: {'train' if argv_stage is None else 'mcorekit ' + ' '.join(argv_stage)}")
             print(render(p.profile, spec))
         return 0
     stages = [api.Stage(f"{p.experiment.name}-train", api.training_payload(p.spec.run_dir), time=p.spec.time)]
     for name, argv_stage, gpus in steps[1:]:
-        stages.append(api.Stage(f"{p.experiment.name}-{name}", api.cli_payload(argv_stage), gpus_per_node=gpus))
+        stages.append(api.Stage(f"{p.experiment.name}-{name}", api.cli_payload(argv_stage), gpus_per_node=gpus,
+                                tasks_per_node=1 if name == "engine" else None))
     p.save()
     jobs = api.submit_chain(p.profile, stages, p.spec.run_dir)
     print("submitted chain: " + " -> ".join(f"{s.name} {j.job_id}" for s, j in zip(stages, jobs)))

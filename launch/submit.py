@@ -46,6 +46,7 @@ class JobSpec:
     array_size: int | None = None  # a job array of this many tasks
     array_parallelism: int | None = None
     gpus_per_node: int | None = None  # default: the profile's; 0 runs a CPU job on a GPU cluster
+    tasks_per_node: int | None = None  # default: one per GPU (a single-process GPU tool such as trtllm-build sets 1)
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,7 +64,9 @@ class JobSpec:
 def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
     """submitit's SlurmExecutor parameters for this profile and job."""
     gpus = profile.gpus_per_node if spec.gpus_per_node is None else spec.gpus_per_node
-    if gpus > 0:
+    if spec.tasks_per_node:
+        tasks = spec.tasks_per_node
+    elif gpus > 0:
         tasks = gpus  # one task per GPU; ranks come from SLURM_PROCID (never torchrun inside srun)
     else:
         tasks = profile.tasks_per_node or 1

@@ -153,3 +153,13 @@ def test_shell_metacharacters_reach_the_job_unchanged_or_are_rejected(tmp_path: 
         JobSpec(name="ok", run_dir=tmp_path / "a\nb")
     with pytest.raises(Exception, match="newline"):
         load_profile("local", ["env={X: \"a\\nb\"}"])
+
+
+def test_convert_and_export_chain_runs_on_the_cluster(tmp_path: Path) -> None:
+    """The demo's chain: HF -> Megatron -> HF -> TensorRT-LLM rank files as three afterok jobs, then bitwise verify."""
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "demo_chain.py"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert proc.stdout.count("COMPLETED exit 0:0") == 3
+    assert "47 of 47 tensors bitwise equal" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "trtllm").glob("rank*.safetensors")) == ["rank0.safetensors", "rank1.safetensors"]

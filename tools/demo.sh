@@ -18,12 +18,14 @@ $mk launch --config examples/llama-0.9b.yaml --cluster example-h100 parallel.tp=
 step "3b. layouts that fit: a 3B model on 8 GPUs"
 $mk launch plan --model llama-3b --gpus 8 --seq 4096
 
-step "4. this project's jobs"
+step "4. HF -> Megatron -> HF -> TensorRT-LLM as a chain of three Slurm jobs (afterok), verified bit for bit"
+.venv/bin/python tools/demo_chain.py "${DEMO_DIR:-$PWD/runs/demo}"
+
+step "5. this project's jobs"
 $mk status --cluster local
+$mk status --runs "${DEMO_DIR:-$PWD/runs/demo}/runs"
 
 step "not built yet"
-for part in "launch --config examples/llama-tiny.yaml (submission: needs train/)" "convert" "export"; do
-  echo "  - mcorekit $part"
-done
+echo "  - train/: mcorekit launch --config ... submits nothing without --dry-run until the training script exists"
 echo
 echo "demo: done"
