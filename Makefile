@@ -19,6 +19,7 @@ help:
 	@echo "make dry-run CONFIG=... CLUSTER=...   print the resolved config and sbatch script"
 	@echo "make sweep CONFIG=... GRID=\"optimizer.lr=1e-4,3e-4\" [MAX_PARALLEL=2]"
 	@echo "make status | make logs JOB=id | make cancel JOB=id"
+	@echo "make convert ARGS=\"hf-to-mcore HF_DIR OUT --tp 2\" | make export ARGS=\"trtllm SRC OUT --target engine --tp 2\""
 
 setup:
 	@bash tools/setup-venv.sh
