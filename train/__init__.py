@@ -1,1 +1,1 @@
-"""mcorekit.train"""
+"""mcorekit.train: the Megatron-Core training entry (python -m mcorekit.train)."""

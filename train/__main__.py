@@ -1,0 +1,35 @@
+"""python -m mcorekit.train --config EXP.yaml [--run-dir DIR] [key=value ...]
+
+What the launcher runs under srun (one process per GPU; ranks from SLURM_*), or by hand with torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mcorekit.launch.config import load_experiment
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mcorekit.train", description=__doc__)
+    p.add_argument("--config", required=True)
+    p.add_argument("--run-dir", default=None, help="where metrics and (by default) checkpoints go")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU peak for MFU (H100/H200 bf16: 989)")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    exp = load_experiment(a.config, a.overrides)
+    run_dir = Path(a.run_dir or Path(a.config).resolve().parent)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from mcorekit.train.loop import train
+
+    train(exp, run_dir, a.peak_tflops)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

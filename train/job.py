@@ -1,0 +1,26 @@
+"""The launcher's payload: every srun task runs the training loop from the run folder's resolved config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class TrainJob:
+    def __init__(self, config_path: str, run_dir: str, peak_tflops: float = 989.0) -> None:
+        self.config_path = config_path
+        self.run_dir = run_dir
+        self.peak_tflops = peak_tflops
+
+    def __call__(self) -> dict[str, Any]:
+        from mcorekit.launch.config import load_experiment
+        from mcorekit.train.loop import train
+
+        losses = train(load_experiment(self.config_path), Path(self.run_dir), self.peak_tflops)
+        return {"steps": len(losses), "final_loss": losses[-1] if losses else None}
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """Unused while the loop runs (it handles USR2 itself); lets submitit treat the job as checkpointable."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self)

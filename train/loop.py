@@ -1,0 +1,117 @@
+"""The training loop: one screen. The machinery lives in build.py, checkpoint.py, data.py and flops.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcorekit.launch.config import Experiment
+from mcorekit.launch.requeue import RestartGuard, StopSignal, requeue_and_exit
+from mcorekit.train import checkpoint
+from mcorekit.train.build import Trainer, build
+from mcorekit.train.data import mock_batches
+from mcorekit.train.flops import train_flops_per_token
+
+log = logging.getLogger("mcorekit.train")
+
+
+def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    per_token = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
+    mask = batch["loss_mask"]
+
+    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = (output.float() * mask).sum() / mask.sum()
+        return loss, {"lm loss": loss.detach()}
+
+    return per_token, loss_func
+
+
+def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: Any = None) -> list[float]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    t = build(exp)
+    rank0 = dist.get_rank() == 0
+    stop = StopSignal()
+    ckpt_root = Path(exp.checkpoint.dir or run_dir / "checkpoints")
+    step = _resume(t, ckpt_root, exp)
+    if rank0:
+        RestartGuard(run_dir, exp.resources.max_restarts).check(step)
+    s = exp.schedule
+    micro_batches = s.global_batch_size // (s.micro_batch_size * t.dp_size)
+    data = mock_batches(exp.data.seed, t.spec.vocab_size, exp.data.seq_length, s.micro_batch_size,
+                        step * s.global_batch_size, t.dp_rank, t.dp_size)
+    flops_per_step = train_flops_per_token(t.spec, exp.data.seq_length, t.padded_vocab) * s.global_batch_size * exp.data.seq_length
+    fwd_bwd = get_forward_backward_func()
+    losses: list[float] = []
+    timer = time.perf_counter()
+    while step < s.train_iters:
+        if stop.requested():  # USR2 before the time limit, or preemption: save together, then requeue
+            checkpoint.save(ckpt_root, step, t.model, t.optimizer, t.scheduler, exp.checkpoint.keep_last)
+            requeue_and_exit(dist.get_rank())
+        t.optimizer.zero_grad()
+        t.model.zero_grad_buffer()
+        out = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=[t.model], num_microbatches=micro_batches,
+                      seq_length=exp.data.seq_length, micro_batch_size=s.micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = t.optimizer.step()
+        t.scheduler.step(increment=s.global_batch_size)
+        step += 1
+        loss = _mean_loss(out)
+        losses.append(loss)
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            raise FloatingPointError(f"NaN or Inf in loss ({loss}) or grad norm ({grad_norm}) at step {step}: lower "
+                                     f"optimizer.lr, lengthen warmup, check the data")
+        if step % exp.logging.log_interval == 0 or step == s.train_iters:
+            torch.cuda.synchronize()
+            elapsed, timer = time.perf_counter() - timer, time.perf_counter()
+            n = exp.logging.log_interval if step % exp.logging.log_interval == 0 else step % exp.logging.log_interval
+            world = dist.get_world_size()
+            tflops = flops_per_step * n / elapsed / world / 1e12
+            metrics = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": t.optimizer.param_groups[0]["lr"],
+                       "tokens_per_s": s.global_batch_size * exp.data.seq_length * n / elapsed,
+                       "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops,
+                       "mem_gb": torch.cuda.max_memory_allocated() / 1e9}
+            if rank0:
+                print(f"step {step}/{s.train_iters} " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k != "step"
+                                                                   and v is not None), flush=True)
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+            if on_step:
+                on_step(metrics)
+        if step % exp.checkpoint.save_interval == 0 or step == s.train_iters:
+            checkpoint.save(ckpt_root, step, t.model, t.optimizer, t.scheduler, exp.checkpoint.keep_last)
+    return losses
+
+
+def _resume(t: Trainer, root: Path, exp: Experiment) -> int:
+    found = checkpoint.latest(root)
+    if found is not None:
+        step = checkpoint.load(found, t.model, t.optimizer, t.scheduler)
+        log.warning("resumed from %s at step %d", found, step)
+        return step
+    if exp.checkpoint.load:  # e.g. converted from HF: weights only, fresh optimizer, step 0
+        start = checkpoint.latest(Path(exp.checkpoint.load)) or Path(exp.checkpoint.load)
+        checkpoint.load(start, t.model, None, None)
+        log.warning("initialised weights from %s", start)
+    return 0
+
+
+def _mean_loss(out: list[dict[str, torch.Tensor]]) -> float:
+    from megatron.core import parallel_state as ps
+
+    if not ps.is_pipeline_last_stage():
+        value = torch.zeros(1, device="cuda")
+    else:
+        value = torch.stack([o["lm loss"] for o in out]).mean().reshape(1)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(value, group=ps.get_pipeline_model_parallel_group())
+    dist.all_reduce(value, group=ps.get_data_parallel_group())
+    return value.item() / ps.get_data_parallel_world_size()
