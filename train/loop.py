@@ -62,6 +62,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
         out = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=[t.model], num_microbatches=micro_batches,
                       seq_length=exp.data.seq_length, micro_batch_size=s.micro_batch_size, forward_only=False)
         ok, grad_norm, _ = t.optimizer.step()
+        grad_norm = None if grad_norm is None else float(grad_norm)
         t.scheduler.step(increment=s.global_batch_size)
         step += 1
         loss = _mean_loss(out)
@@ -75,7 +76,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
             n = exp.logging.log_interval if step % exp.logging.log_interval == 0 else step % exp.logging.log_interval
             world = dist.get_world_size()
             tflops = flops_per_step * n / elapsed / world / 1e12
-            metrics = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": t.optimizer.param_groups[0]["lr"],
+            metrics = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": float(t.optimizer.param_groups[0]["lr"]),
                        "tokens_per_s": s.global_batch_size * exp.data.seq_length * n / elapsed,
                        "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops,
                        "mem_gb": torch.cuda.max_memory_allocated() / 1e9}
