@@ -121,6 +121,8 @@ def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSp
         out.append("precision.fp8 needs GPUs; this profile is CPU-only")
     if exp.precision.fp8_params and not exp.precision.fp8:
         out.append("precision.fp8_params needs precision.fp8 set")
+    if exp.schedule.warmup_iters >= exp.schedule.train_iters:
+        out.append(f"schedule.warmup_iters={exp.schedule.warmup_iters} must be below train_iters={exp.schedule.train_iters}")
     if exp.data.packing and exp.data.dynamic_batching:
         out.append("data.packing and data.dynamic_batching are mutually exclusive; choose one")
     if exp.optimizer.tp_comm_overlap and not (lay.tp > 1 and lay.sequence_parallel):

@@ -84,7 +84,7 @@ def test_hf_converted_checkpoint_starts_at_hf_loss(tmp_path: Path) -> None:
     hf_model.save_pretrained(tmp_path / "hf")
     pipeline.hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", quiet=True)
     cfg = {**BASE, "model": {"hf_config": str(tmp_path / "hf")}, "precision": {"dtype": "fp32"},
-           "schedule": {**BASE["schedule"], "train_iters": 1}, "checkpoint": {"load": str(tmp_path / "mcore"), "finetune": True}}
+           "schedule": {**BASE["schedule"], "train_iters": 1, "warmup_iters": 0}, "checkpoint": {"load": str(tmp_path / "mcore"), "finetune": True}}
     m = run(tmp_path, "ft", cfg)
     from mcorekit.train.data import mock_batches
 

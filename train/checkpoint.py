@@ -13,6 +13,9 @@ import torch
 import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# fully_reshardable: the optimizer state is stored per model parameter, so a checkpoint resumes at another
+# TP/PP/DP layout (saving gathers it over DP; dp_reshardable would be faster but fixes the layout).
+SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False}
 
 
 def iter_dir(root: Path, step: int) -> Path:
@@ -36,8 +39,9 @@ def save(root: Path, step: int, model: Any, optimizer: Any, scheduler: Any, keep
         shutil.rmtree(path, ignore_errors=True)  # a half-written one from an interrupted save
         path.mkdir(parents=True)
     dist.barrier()
-    model_sd = model.sharded_state_dict()
-    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd), "scheduler": scheduler.state_dict(),
+    model_sd = model.sharded_state_dict(metadata=SHARDING)
+    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=SHARDING),
+             "scheduler": scheduler.state_dict(),
              "iteration": step}
     dist_checkpointing.save(_flatten(state), str(path))
     dist.barrier()
@@ -57,12 +61,12 @@ def load(path: Path, model: Any, optimizer: Any | None, scheduler: Any | None) -
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    model_sd = model.sharded_state_dict()
+    model_sd = model.sharded_state_dict(metadata=SHARDING)
     if optimizer is None:  # weights only (e.g. converted from HF), fresh optimizer
         state = dist_checkpointing.load(_flatten({"model": model_sd}), str(path), strict=StrictHandling.LOG_UNEXPECTED)
         model.load_state_dict(_unflatten(state)["model"])
         return 0
-    sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=SHARDING)}
     state = _unflatten(dist_checkpointing.load(_flatten(sharded), str(path)))
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
