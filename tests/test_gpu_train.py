@@ -67,6 +67,7 @@ def test_signal_save_resume_reproduces_losses(tmp_path: Path) -> None:
     resumed = run(tmp_path, "interrupted", cfg)  # same run folder: finds its checkpoint by itself
     after = [x for x in resumed if x["step"] > 10]
     assert [x["step"] for x in after] == list(range(11, 21))
+    print("resume losses:", [round(x["loss"], 5) for x in after], "uninterrupted:", [round(x["loss"], 5) for x in full[10:]])
     for a, b in zip(after, full[10:]):
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a, b)
 

@@ -31,8 +31,17 @@ def latest(root: Path) -> Path | None:
     return path if (path / "metadata.json").is_file() else None
 
 
+def unwrap(model: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module: its keys are the checkpoint's (and convert/'s) keys."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def save(root: Path, step: int, model: Any, optimizer: Any, scheduler: Any, keep_last: int) -> Path:
     from megatron.core import dist_checkpointing
+
+    model = unwrap(model)
 
     path = iter_dir(root, step)
     if dist.get_rank() == 0:
@@ -61,6 +70,7 @@ def load(path: Path, model: Any, optimizer: Any | None, scheduler: Any | None) -
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    model = unwrap(model)
     model_sd = model.sharded_state_dict(metadata=SHARDING)
     if optimizer is None:  # weights only (e.g. converted from HF), fresh optimizer
         state = dist_checkpointing.load(_flatten({"model": model_sd}), str(path), strict=StrictHandling.LOG_UNEXPECTED)

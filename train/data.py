@@ -1,5 +1,6 @@
-"""Mock data: deterministic token batches keyed by (seed, global sample index), so a resumed run continues
-the exact data order. Indexed datasets and SFT packing are not built yet."""
+"""Mock data: deterministic, learnable token sequences keyed by (seed, global sample index), so a resumed run
+continues the exact data order. Each sequence is an arithmetic progression modulo the vocabulary (random start
+and stride), so a model can learn it and the loss visibly falls. Indexed datasets and SFT packing are not built yet."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def mock_batches(seed: int, vocab: int, seq_len: int, micro_batch: int, first_sa
         rows = []
         for i in range(micro_batch):
             g = torch.Generator().manual_seed(seed * 1_000_003 + sample + i)
-            rows.append(torch.randint(0, vocab, (seq_len + 1,), generator=g))
+            start, stride = torch.randint(0, vocab, (2,), generator=g).tolist()
+            rows.append((start + (stride % 16 + 1) * torch.arange(seq_len + 1)) % vocab)
         seq = torch.stack(rows)
         yield {
             "tokens": seq[:, :-1].cuda(non_blocking=True),

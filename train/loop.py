@@ -30,7 +30,7 @@ def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = (output.float() * mask).sum() / mask.sum()
-        return loss, {"lm loss": loss.detach()}
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place afterwards
 
     return per_token, loss_func
 
