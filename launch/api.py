@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mcorekit.errors import ConfigError, NotBuiltError
+from mcorekit.errors import ConfigError, LaunchError, NotBuiltError
 from mcorekit.launch import config as cfg
 from mcorekit.launch import layout
 from mcorekit.launch.submit import JobSpec, make_executor, record, render
@@ -107,6 +107,9 @@ def cli_payload(argv: list[str]) -> CliPayload:
 
 
 def submit_prepared(p: Prepared, payload: Callable[[], Any] | None = None, kind: str = "train") -> Any:
+    if payload is None and p.profile.gpus_per_node == 0:
+        raise LaunchError(f"training runs on GPUs (Megatron-Core has no CPU forward pass) and profile {p.profile.name!r} "
+                          f"is CPU-only; use a GPU profile, or --dry-run to see the job")
     payload = payload or training_payload(p.spec.run_dir)
     p.save()
     executor = make_executor(p.profile, p.spec, max_restarts=p.experiment.resources.max_restarts)

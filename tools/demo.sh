@@ -25,7 +25,8 @@ step "5. this project's jobs"
 $mk status --cluster local
 $mk status --runs "${DEMO_DIR:-$PWD/runs/demo}/runs"
 
-step "not built yet"
-echo "  - train/: mcorekit launch --config ... submits nothing without --dry-run until the training script exists"
+step "6. training needs GPUs: the dev cluster is CPU-only, so the launcher refuses before submitting"
+$mk launch --config examples/llama-tiny.yaml --cluster local || true
+echo "  (train/ runs on the GPU machine: see docs/gpu-runs.md; multi-GPU layouts are not verified yet)"
 echo
 echo "demo: done"
