@@ -33,3 +33,9 @@ def test_top_level_help_lists_commands() -> None:
     proc = run_cli("--help")
     for command in PARTS:
         assert command in proc.stdout
+
+
+def test_training_on_a_cpu_only_profile_is_refused_before_submission(tmp_path) -> None:
+    proc = run_cli("launch", "--config", "examples/llama-tiny.yaml", "--cluster", "local", "--set", f"run_root={tmp_path}")
+    assert proc.returncode == 2 and "CPU-only" in proc.stderr
+    assert not (tmp_path / "jobs.jsonl").exists()
