@@ -36,9 +36,28 @@ def _run(cmd: list[str]) -> str:
 
 
 def sacct(job_ids: list[str]) -> dict[str, JobRecord]:
-    """Allocation-level records (no steps) keyed by job id; array tasks appear as ID_N."""
+    """Allocation-level records (no steps) keyed by job id; array tasks appear as ID_N. Without accounting
+    (sacct fails), falls back to squeue, which knows only jobs still in the controller's memory."""
     if not job_ids:
         return {}
+    try:
+        return _sacct(job_ids)
+    except LaunchError as e:
+        if "accounting" not in str(e).lower() and "slurmdbd" not in str(e).lower():
+            raise
+        return _squeue(job_ids)
+
+
+def _squeue(job_ids: list[str]) -> dict[str, JobRecord]:
+    out = _run(["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%j|%T|%M|%R"])
+    records = {}
+    for line in out.splitlines():
+        jid, name, state, elapsed, _ = (line.split("|") + [""] * 5)[:5]
+        records[jid] = JobRecord(jid, name, state, "", elapsed, 0)
+    return records
+
+
+def _sacct(job_ids: list[str]) -> dict[str, JobRecord]:
     out = _run(["sacct", "-n", "-P", "-X", "-D", "-j", ",".join(job_ids),
                 "-o", "JobID,JobName,State,ExitCode,Elapsed"])
     records: dict[str, JobRecord] = {}

@@ -7,13 +7,13 @@ about where new features land, not about removal.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mcorekit.errors import ModelError
+from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec
 
 LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -25,17 +25,6 @@ def te_available() -> bool:
     except (ImportError, OSError):
         return False
     return True
-
-
-@dataclass(frozen=True)
-class Parallel:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    vpp: int | None = None
-    sequence_parallel: bool = False
 
 
 def rope_scaling_factor(spec: ModelSpec) -> float | None:
@@ -52,7 +41,7 @@ def rope_scaling_factor(spec: ModelSpec) -> float | None:
     return float(rs.get("factor", 8.0))
 
 
-def transformer_config(spec: ModelSpec, par: Parallel = Parallel(), params_dtype: torch.dtype = torch.float32,
+def transformer_config(spec: ModelSpec, par: Layout = Layout(), params_dtype: torch.dtype = torch.float32,
                        cpu_init: bool = False, **overrides: Any) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -22,14 +22,15 @@ def rank_main(rank: int, world: int, hf: str, tp: int, pp: int, ep: int, out: st
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     from mcorekit.convert.pipeline import padded_vocab_size
-    from mcorekit.models.megatron import Parallel, build_gpt, transformer_config
+    from mcorekit.models.megatron import build_gpt, transformer_config
+    from mcorekit.models.parallel import Layout
     from mcorekit.models.spec import from_hf_config, load_hf_config
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=1)
     spec = from_hf_config(load_hf_config(hf))
     extra = {"moe_token_dispatcher_type": "allgather"} if spec.is_moe else {}  # alltoall allocates CUDA streams
-    cfg = transformer_config(spec, Parallel(tp=tp, pp=pp, ep=ep), cpu_init=True, **extra)
+    cfg = transformer_config(spec, Layout(tp=tp, pp=pp, ep=ep), cpu_init=True, **extra)
     model = build_gpt(spec, cfg, padded_vocab_size(spec.vocab_size, 128), use_te=False,
                       pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     sd = model.sharded_state_dict()

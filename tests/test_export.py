@@ -36,8 +36,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 ENGINE_CASES = [("llama", dict(tp=1)), ("llama", dict(tp=2)), ("llama", dict(tp=4)), ("llama", dict(pp=2)),
-                ("qwen3", dict(tp=2)), ("qwen3", dict(tp=4)), ("qwen3", dict(pp=2)), ("qwen2", dict(tp=4, pp=2)),
-                ("qwen3_moe", dict(tp=2)), ("qwen3_moe", dict(tp=2, ep=2)), ("qwen3_moe", dict(pp=2)),
+                ("qwen3", dict(tp=1)), ("qwen3", dict(tp=2)), ("qwen3", dict(tp=4)), ("qwen3", dict(pp=2)),
+                ("qwen2", dict(tp=4, pp=2)), ("qwen3_moe", dict(tp=1)), ("qwen3_moe", dict(tp=2)),
+                ("qwen3_moe", dict(tp=4)), ("qwen3_moe", dict(tp=2, ep=2)), ("qwen3_moe", dict(pp=2)),
                 ("qwen3_moe", dict(tp=4, ep=2)), ("mixtral", dict(tp=2, ep=2)), ("mixtral", dict(tp=4))]
 
 

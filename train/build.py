@@ -10,7 +10,8 @@ import torch
 
 from mcorekit.launch.config import Experiment
 from mcorekit.launch.env import DistEnv, init_process_group
-from mcorekit.models.megatron import Parallel, build_gpt, te_available, transformer_config
+from mcorekit.models.megatron import build_gpt, te_available, transformer_config
+from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec, resolve
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -74,7 +75,7 @@ def build(exp: Experiment) -> Trainer:
         extra.update(recompute_granularity=exp.recompute.granularity)
         if exp.recompute.granularity == "full":
             extra.update(recompute_method=exp.recompute.method, recompute_num_layers=exp.recompute.num_layers)
-    par = Parallel(p.tp, p.pp, p.cp, p.ep, p.etp, p.vpp, p.sequence_parallel)
+    par = Layout(p.tp, p.pp, p.cp, p.ep, p.etp, p.vpp, p.sequence_parallel)
     config = transformer_config(spec, par, params_dtype=dtype, tp_comm_overlap=opt.tp_comm_overlap,
                                 bias_activation_fusion=use_te, apply_rope_fusion=use_te, masked_softmax_fusion=use_te,
                                 **extra)
