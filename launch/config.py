@@ -110,7 +110,7 @@ class CheckpointConfig(Strict):
     dir: str | None = None  # default: <run dir>/checkpoints
     save_interval: int = Field(500, ge=1)
     keep_last: int = Field(3, ge=1)
-    async_save: bool = True
+    async_save: bool = False  # not built yet: train/ refuses true rather than silently saving synchronously
     load: str | None = None  # a checkpoint to start from (e.g. converted from HF)
     finetune: bool = False  # weights only, fresh optimizer and step 0
 
@@ -122,7 +122,7 @@ class CheckpointConfig(Strict):
 
 class LoggingConfig(Strict):
     log_interval: int = Field(10, ge=1)
-    tensorboard: bool = True
+    tensorboard: bool = False  # not built yet: train/ refuses true; metrics go to <run>/metrics.jsonl
 
 
 class ResourcesConfig(Strict):

@@ -1,4 +1,4 @@
-"""FLOP formula against hand-computed values (dense and MoE)."""
+"""train/ on CPU: the FLOP formula against hand-computed values (dense and MoE), and refusal of unbuilt options."""
 
 from __future__ import annotations
 
@@ -31,3 +31,13 @@ def test_benchmark_shape_matches_the_6n_rule_of_thumb() -> None:
     f = train_flops_per_token(spec, 2048)
     n = spec.num_parameters() - spec.vocab_size * spec.hidden_size  # the input embedding does no matmul
     assert 6 * n < f < 6 * n * 1.2  # attention over 2048 tokens adds ~10%
+
+
+def test_train_refuses_options_it_does_not_implement() -> None:
+    from mcorekit.errors import NotBuiltError
+    from mcorekit.launch.config import load_experiment
+    from mcorekit.train.build import refuse_unbuilt
+
+    refuse_unbuilt(load_experiment("examples/llama-tiny.yaml"))  # the defaults are all built
+    with pytest.raises(NotBuiltError, match="data.kind=indexed.*checkpoint.async_save=true"):
+        refuse_unbuilt(load_experiment("examples/llama-tiny.yaml", ["data.kind=indexed", "checkpoint.async_save=true"]))
