@@ -154,8 +154,6 @@ def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: ArchitectureMap, ctx: 
             used.update(hf_names_at(m, index))
         try:
             probe = m.to_mcore([reader.get(n) for n in hf_names_at(m, indices[0])], ctx)
-        except ConversionError:
-            raise
         except RuntimeError as e:
             raise ConversionError(f"{m.mcore}: HF tensors {hf_names_at(m, indices[0])} do not fit the config ({e})") from None
         want = shapes.get(m.mcore)

@@ -95,14 +95,11 @@ class CliPayload:
 
 
 def cli_payload(argv: list[str]) -> CliPayload:
-    """Refuses at submission time, not hours later on the node, when the command's part is not built."""
-    import importlib
-
+    """Refuses an unknown command at submission time, not later on the node."""
     from mcorekit.cli import PARTS
 
-    module = importlib.import_module(PARTS[argv[0]][0])
-    if getattr(module, "NOT_BUILT", False):
-        raise NotBuiltError(f"chain stage `mcorekit {argv[0]}` is not built yet; `--dry-run` shows the chain's jobs")
+    if argv[0] not in PARTS:
+        raise NotBuiltError(f"chain stage `mcorekit {argv[0]}` does not exist; commands: {', '.join(PARTS)}")
     return CliPayload(argv)
 
 

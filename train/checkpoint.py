@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -96,6 +95,3 @@ def _unflatten(state: dict[str, Any]) -> dict[str, Any]:
     rest = {k: state.pop(k) for k in ("optimizer", "scheduler", "iteration") if k in state}
     return {"model": state, **rest}
 
-
-def set_seed(seed: int) -> None:
-    torch.manual_seed(seed)
