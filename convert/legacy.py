@@ -118,7 +118,7 @@ def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], spec: ModelSp
         for c in range(vpp or 1):
             first, last = (p == 0 and c == 0), (p == pp - 1 and c == (vpp or 1) - 1)
             for key, planned_tensor in by_key.items():
-                scope = _scope(planned_tensor)
+                scope = planned_tensor.scope
                 if scope == GLOBAL:
                     is_emb = key.startswith("embedding.")
                     if not ((is_emb and first) or (not is_emb and last)):
@@ -168,10 +168,6 @@ def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], spec: ModelSp
             d = iter_dir / rank_dir(t, p, e, pp, ep)
             d.mkdir()
             torch.save(state, d / "model_optim_rng.pt")
-
-
-def _scope(t: torch_dist.PlannedTensor) -> str:
-    return t.scope
 
 
 def _produce(t: torch_dist.PlannedTensor, index: tuple[int, ...]) -> torch.Tensor:

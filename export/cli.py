@@ -61,13 +61,9 @@ COMMANDS = {"trtllm": _trtllm, "engine": _engine}
 
 
 def main(command: str, argv: list[str]) -> int:
-    if not argv or argv[0] not in COMMANDS:
-        p = argparse.ArgumentParser(prog="mcorekit export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("subcommand", choices=list(COMMANDS))
-        p.parse_args(argv[:1] or ["--help"])
-        return 2
-    return COMMANDS[argv[0]](argv[1:])
+    from mcorekit.cli import dispatch
 
+    return dispatch("mcorekit export", __doc__, COMMANDS, argv)
 
 if __name__ == "__main__":
     sys.exit(main("export", sys.argv[1:]))

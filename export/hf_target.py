@@ -25,7 +25,8 @@ def linear_modules(reader: HFReader) -> list[str]:
             continue
         module = name[: -len(".weight")]
         leaf = module.rsplit(".", 1)[-1]
-        if "norm" in leaf or leaf == "gate" and ("mlp" in module or "block_sparse_moe" in module):
+        is_router = leaf == "gate" and ("mlp" in module or "block_sparse_moe" in module)
+        if "norm" in leaf or is_router:
             continue
         out.append(module)
     return out

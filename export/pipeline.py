@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from mcorekit.convert.hf_io import HFReader
+from mcorekit.convert.hf_io import HFReader, copy_assets
 from mcorekit.convert.pipeline import DTYPES, Summary, mcore_to_hf, spec_for, staged_output
 from mcorekit.errors import ExportError
 from mcorekit.export import engine, fp8, hf_target
@@ -28,7 +28,9 @@ def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int =
     src, out = Path(src), Path(out)
     if target not in ("pytorch", "engine"):
         raise ExportError(f"unknown target {target!r}; use pytorch (today's TensorRT-LLM) or engine (<= 1.2)")
-    with tempfile.TemporaryDirectory(prefix=".mcorekit-export-", dir=out.resolve().parent if out.resolve().parent.exists() else None) as tmp:
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    # A Megatron source is converted to HF next to the output (same filesystem, never a small /tmp).
+    with tempfile.TemporaryDirectory(prefix=".mcorekit-export-", dir=out.resolve().parent) as tmp:
         if is_hf_dir(src):
             hf_dir = src
         else:  # a Megatron checkpoint: through convert/ first (streaming, verified mappings)
@@ -55,11 +57,8 @@ def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int =
                 summary.bytes = hf_target.write(reader, stage, tp, pp, ep, DTYPES[dtype], scales)
             else:
                 summary.bytes = engine.write(reader, spec, stage, tp, pp, ep, DTYPES[dtype], DTYPE_NAMES[dtype], scales)
-                from mcorekit.convert.hf_io import copy_assets
-
                 (stage / "hf").mkdir()
                 copy_assets(hf_dir, stage / "hf")  # tokenizer for serving the engine
         reader.close()
-    summary.tensors = 0
     summary.seconds = time.monotonic() - start
     return summary

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mcorekit.errors import ConfigError, LaunchError
-from mcorekit.launch.config import NAME_RE, ClusterProfile, _no_control, parse_time_minutes
+from mcorekit.launch.config import ENV_KEY_RE, NAME_RE, ClusterProfile, _no_control, parse_time_minutes
 
 # Environment every Megatron job gets; a profile's env can override any of them.
 GPU_ENV = {
@@ -72,7 +72,7 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
         tasks = profile.tasks_per_node or 1
     env = {**COMMON_ENV, **(GPU_ENV if gpus > 0 else {}), **profile.env, **spec.env}
     for key, value in env.items():
-        if not key.replace("_", "a").isalnum() or key[0].isdigit():
+        if not ENV_KEY_RE.match(key):
             raise ConfigError(f"environment variable name {key!r} is not a valid shell identifier")
         _checked(str(value), f"environment value of {key}")
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()] + list(profile.setup)

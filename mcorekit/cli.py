@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable
 
 from mcorekit.errors import MCoreKitError, NotBuiltError
 
@@ -18,6 +19,16 @@ PARTS = {
     "convert": ("mcorekit.convert.cli", "HF <-> Megatron checkpoint conversion and verification"),
     "export": ("mcorekit.export.cli", "Megatron/HF checkpoints to TensorRT-LLM"),
 }
+
+
+def dispatch(prog: str, doc: str | None, commands: dict[str, Callable[[list[str]], int]], argv: list[str]) -> int:
+    """`mcorekit PART SUBCOMMAND ...`: run the subcommand, or print the part's help and exit 2."""
+    if not argv or argv[0] not in commands:
+        p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("subcommand", choices=list(commands))
+        p.parse_args(argv[:1] or ["--help"])
+        return 2
+    return commands[argv[0]](argv[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
