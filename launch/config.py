@@ -55,6 +55,7 @@ class PrecisionConfig(Strict):
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     fp8: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] | None = None
     fp8_params: bool = False
+    loss_scale: float | None = None  # fp16 only: None = dynamic loss scaling, a number = static scale
 
 
 class MoEConfig(Strict):
@@ -63,19 +64,31 @@ class MoEConfig(Strict):
     capacity_factor: float | None = None
     grouped_gemm: bool = True
     dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
-    shared_expert_ffn: int | None = None
+    shared_expert_ffn: int | None = None  # FFN size of the shared expert(s) every token also passes through
+    shared_expert_overlap: bool = False  # overlap the shared expert with the token dispatch (alltoall/allgather)
     permute_fusion: bool = True
+    router_fusion: bool = False  # TE's fused top-k + softmax + aux loss
+    a2a_overlap: bool = False  # overlap expert-parallel all-to-all with compute (needs EP > 1)
 
 
 class DataConfig(Strict):
     kind: Literal["mock", "indexed", "sft"] = "mock"
+    # indexed: path prefixes of .bin/.idx pairs (from `mcorekit data preprocess`); sft: .jsonl files
     paths: list[str] = Field(default_factory=list)
-    weights: list[float] | None = None
-    tokenizer: str | None = None
+    weights: list[float] | None = None  # blend weights, one per path (indexed)
+    tokenizer: str | None = None  # an HF tokenizer directory (sft; indexed takes its eod from the .idx side-car)
     seq_length: int = Field(2048, ge=1)
-    packing: bool = False
+    packing: bool = False  # sft: several conversations per sequence, attention kept within each
     dynamic_batching: bool = False
+    cache_dir: str | None = None  # dataset index caches; default <run dir>/data_cache
     seed: int = 1234
+
+    @field_validator("paths", "tokenizer", "cache_dir")
+    @classmethod
+    def _paths(cls, v: Any) -> Any:
+        for item in [v] if isinstance(v, str) else (v or []):
+            _no_control(item, "data path")
+        return v
 
 
 class OptimizerConfig(Strict):
@@ -89,6 +102,7 @@ class OptimizerConfig(Strict):
     distributed: bool = True
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
+    bucket_size: int | None = Field(40_000_000, ge=1)  # parameters per gradient bucket; null = one bucket
     tp_comm_overlap: bool = False
 
 
@@ -103,14 +117,17 @@ class ScheduleConfig(Strict):
 class RecomputeConfig(Strict):
     granularity: Literal["none", "selective", "full"] = "none"
     method: Literal["uniform", "block"] = "uniform"
-    num_layers: int = 1
+    num_layers: int = Field(1, ge=1)
+    # selective: which submodules to recompute (Megatron-Core names: core_attn, mlp, moe, moe_act, layernorm, ...)
+    modules: list[str] = Field(default_factory=lambda: ["core_attn"])
+    offload_layers: int = Field(0, ge=0)  # layers whose activations go to host memory (Transformer Engine)
 
 
 class CheckpointConfig(Strict):
     dir: str | None = None  # default: <run dir>/checkpoints
     save_interval: int = Field(500, ge=1)
     keep_last: int = Field(3, ge=1)
-    async_save: bool = False  # not built yet: train/ refuses true rather than silently saving synchronously
+    async_save: bool = False  # write in the background while training continues
     load: str | None = None  # a checkpoint to start from (e.g. converted from HF)
     finetune: bool = False  # weights only, fresh optimizer and step 0
 
@@ -122,7 +139,7 @@ class CheckpointConfig(Strict):
 
 class LoggingConfig(Strict):
     log_interval: int = Field(10, ge=1)
-    tensorboard: bool = False  # not built yet: train/ refuses true; metrics go to <run>/metrics.jsonl
+    tensorboard: bool = False  # also write <run>/tensorboard (metrics always go to <run>/metrics.jsonl)
 
 
 class ResourcesConfig(Strict):

@@ -97,6 +97,24 @@ def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSp
         out.append(f"schedule.warmup_iters={exp.schedule.warmup_iters} must be below train_iters={exp.schedule.train_iters}")
     if exp.data.packing and exp.data.dynamic_batching:
         out.append("data.packing and data.dynamic_batching are mutually exclusive; choose one")
+    d = exp.data
+    if d.packing and d.kind != "sft":
+        out.append(f"data.packing applies to SFT data (data.kind=sft), not data.kind={d.kind}")
+    if d.packing and exp.schedule.micro_batch_size != 1:
+        out.append("data.packing puts several examples into one sequence: set schedule.micro_batch_size=1 "
+                   "(raise data.seq_length to put more tokens in a micro-batch)")
+    if d.packing and not profile.transformer_engine:
+        out.append("data.packing needs Transformer Engine's attention (packed sequences); the profile has none")
+    if d.weights is not None and len(d.weights) != len(d.paths):
+        out.append(f"data.weights has {len(d.weights)} entries for {len(d.paths)} data.paths; give one weight per path")
+    if d.kind != "mock" and not d.paths:
+        out.append(f"data.kind={d.kind} needs data.paths")
+    if exp.precision.loss_scale is not None and exp.precision.dtype != "fp16":
+        out.append("precision.loss_scale applies to fp16 only; remove it or set precision.dtype=fp16")
+    if exp.moe.a2a_overlap and lay.ep == 1:
+        out.append("moe.a2a_overlap overlaps the expert-parallel all-to-all, so it needs parallel.ep > 1")
+    if exp.recompute.offload_layers and not profile.transformer_engine:
+        out.append("recompute.offload_layers needs Transformer Engine on the nodes")
     if exp.optimizer.tp_comm_overlap and not (lay.tp > 1 and lay.sequence_parallel):
         out.append("optimizer.tp_comm_overlap needs TP > 1 with parallel.sequence_parallel=true")
     if exp.optimizer.overlap_param_gather and not exp.optimizer.distributed:
@@ -190,6 +208,10 @@ def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str
     """Raise LayoutError listing every violation; return the model and warnings (e.g. memory) otherwise."""
     model = resolve(exp.model.preset, exp.model.hf_config, exp.model.overrides)
     problems = experiment_problems(exp, profile, model)
+    if not problems and profile.gpus_per_node > 0:  # then Megatron-Core's own checks, as the nodes will run them
+        from mcorekit.train.megatron_args import megatron_problems
+
+        problems = megatron_problems(exp, model, use_te=profile.transformer_engine)
     if problems:
         raise LayoutError(f"invalid layout ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - " + "\n  - ".join(problems))
     warnings: list[str] = []

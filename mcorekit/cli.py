@@ -1,4 +1,4 @@
-"""`mcorekit`: one CLI for launch, status, logs, cancel, convert and export.
+"""`mcorekit`: one CLI for launch, status, logs, cancel, data, convert and export.
 
 Every user-fixable problem is an MCoreKitError: printed as one line `mcorekit: error: ...`, exit code 2.
 """
@@ -16,6 +16,7 @@ PARTS = {
     "status": ("mcorekit.launch.jobs_cli", "table of this project's Slurm jobs"),
     "logs": ("mcorekit.launch.jobs_cli", "print (or follow) a job's logs"),
     "cancel": ("mcorekit.launch.jobs_cli", "cancel a job"),
+    "data": ("mcorekit.train.data.cli", "prepare training data (jsonl -> Megatron .bin/.idx)"),
     "convert": ("mcorekit.convert.cli", "HF <-> Megatron checkpoint conversion and verification"),
     "export": ("mcorekit.export.cli", "Megatron/HF checkpoints to TensorRT-LLM"),
 }

@@ -98,8 +98,12 @@ def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False) -> Any
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=spec.num_experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=spec.qk_layernorm)
+    from mcorekit.models.sdpa_attention import SDPAttention
+
     local = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=spec.num_experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    # PyTorch's fused SDPA instead of Megatron's unfused local attention (no parameters: checkpoints unchanged)
+    local.submodules.self_attention.submodules.core_attention = SDPAttention
     if spec.is_moe:
         # The local spec renames pre_mlp_layernorm to the dense TE name (mlp.linear_fc1.layer_norm_weight) even in
         # MoE layers, where the TE spec keeps decoder.layers.pre_mlp_layernorm.weight; keep the TE name so

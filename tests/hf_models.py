@@ -34,3 +34,29 @@ def make_model(name: str, tied: bool, out: Path, seed: int = 0) -> Path:
     model.save_pretrained(out, max_shard_size="40KB")
     (out / "tokenizer_config.json").write_text('{"model_max_length": 256}')
     return out
+
+
+WORDS = ("the a an of to and in is it that for on with as was at by be this are from or have not but what all "
+         "were when we there can more if out so up said about into than them only some could new time two may "
+         "first then do any like my now over such our man me even most made after also did many before must "
+         "through back years where much your way well down should because each just those people how too little "
+         "state good very make world still own see men work long get here between both life being under never "
+         "day same another know while last might us great old year off come since against go came right used "
+         "take three hello question answer user assistant system yes no").split()
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def make_tokenizer(out: Path) -> Path:
+    """A small word-level HF tokenizer (fast, with offsets) and a chat template, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    vocab = {w: i for i, w in enumerate(specials + sorted(set(WORDS)))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                                eos_token="<eos>", additional_special_tokens=specials[3:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return out

@@ -87,9 +87,10 @@ def test_hf_converted_checkpoint_starts_at_hf_loss(tmp_path: Path) -> None:
     cfg = {**BASE, "model": {"hf_config": str(tmp_path / "hf")}, "precision": {"dtype": "fp32"},
            "schedule": {**BASE["schedule"], "train_iters": 1, "warmup_iters": 0}, "checkpoint": {"load": str(tmp_path / "mcore"), "finetune": True}}
     m = run(tmp_path, "ft", cfg)
-    from mcorekit.train.data import mock_batches
+    from mcorekit.train.data import batches
+    from mcorekit.train.data.mock import MockDataset
 
-    batch_iter = mock_batches(7, 512, 256, 4, 0, 0, 1)
+    batch_iter = batches(MockDataset(7, 512, 256), 4, 0, 0, 1)
     losses = []
     hf_model = hf_model.cuda()
     with torch.no_grad():

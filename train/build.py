@@ -11,12 +11,9 @@ import torch
 from mcorekit.errors import NotBuiltError
 from mcorekit.launch.config import Experiment
 from mcorekit.launch.env import DistEnv, init_process_group
-from mcorekit.models.megatron import build_gpt, te_available, transformer_config
-from mcorekit.models.parallel import Layout
+from mcorekit.models.megatron import build_gpt, te_available
 from mcorekit.models.spec import ModelSpec, resolve
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FP8_RECIPES = {"delayed": "delayed", "tensorwise": "tensorwise", "blockwise": "blockwise", "mxfp8": "mxfp8"}
+from mcorekit.train import megatron_args as margs
 
 
 @dataclass
@@ -24,7 +21,7 @@ class Trainer:
     exp: Experiment
     spec: ModelSpec
     env: DistEnv
-    model: Any
+    model: list[Any]  # one DDP-wrapped chunk per virtual pipeline stage (one without interleaving)
     optimizer: Any
     scheduler: Any
     padded_vocab: int
@@ -49,86 +46,60 @@ def init_distributed(exp: Experiment) -> DistEnv:
 def refuse_unbuilt(exp: Experiment) -> None:
     """Options the schema accepts but this loop does not implement yet fail here instead of being ignored."""
     unbuilt = []
-    if exp.data.kind != "mock":
-        unbuilt.append(f"data.kind={exp.data.kind} (only mock data is built)")
-    if exp.data.packing or exp.data.dynamic_batching:
-        unbuilt.append("data.packing / data.dynamic_batching")
-    if exp.checkpoint.async_save:
-        unbuilt.append("checkpoint.async_save=true")
-    if exp.logging.tensorboard:
-        unbuilt.append("logging.tensorboard=true (metrics are written to <run>/metrics.jsonl)")
-    if exp.moe.shared_expert_ffn:
-        unbuilt.append("moe.shared_expert_ffn")
+    if exp.data.dynamic_batching:
+        unbuilt.append("data.dynamic_batching (use data.packing for variable-length SFT data)")
+    if exp.data.packing and exp.parallel.cp > 1:
+        unbuilt.append("data.packing with parallel.cp > 1 (documents would need padding to 2*CP)")
     if unbuilt:
         raise NotBuiltError("not built yet in train/: " + "; ".join(unbuilt))
 
 
 def build(exp: Experiment) -> Trainer:
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
 
     refuse_unbuilt(exp)
     env = init_distributed(exp)
     spec = resolve(exp.model.preset, exp.model.hf_config, exp.model.overrides)
-    p, prec, moe, opt = exp.parallel, exp.precision, exp.moe, exp.optimizer
     use_te = te_available()
-    dtype = DTYPES[prec.dtype]
-    extra: dict[str, Any] = {}
-    if prec.fp8:
-        if not use_te:
-            raise RuntimeError("precision.fp8 needs Transformer Engine, which is not importable on this node")
-        extra.update(fp8="hybrid" if prec.fp8 == "delayed" else "e4m3", fp8_recipe=FP8_RECIPES[prec.fp8],
-                     fp8_param=prec.fp8_params)
-    if spec.is_moe:
-        extra.update(moe_grouped_gemm=moe.grouped_gemm and use_te, moe_token_dispatcher_type=moe.dispatcher,
-                     moe_aux_loss_coeff=moe.aux_loss_coeff, moe_router_enable_expert_bias=moe.expert_bias,
-                     moe_router_load_balancing_type="none" if moe.expert_bias else "aux_loss",
-                     moe_expert_capacity_factor=moe.capacity_factor, moe_permute_fusion=moe.permute_fusion and use_te,
-                     moe_router_dtype="fp32")
-        if moe.expert_bias:
-            extra["moe_router_score_function"] = "sigmoid"
-    if exp.recompute.granularity != "none":
-        extra.update(recompute_granularity=exp.recompute.granularity)
-        if exp.recompute.granularity == "full":
-            extra.update(recompute_method=exp.recompute.method, recompute_num_layers=exp.recompute.num_layers)
-    par = Layout(p.tp, p.pp, p.cp, p.ep, p.etp, p.vpp, p.sequence_parallel)
-    config = transformer_config(spec, par, params_dtype=dtype, tp_comm_overlap=opt.tp_comm_overlap,
-                                bias_activation_fusion=use_te, apply_rope_fusion=use_te, masked_softmax_fusion=use_te,
-                                **extra)
-    padded_vocab = -(-spec.vocab_size // (128 * p.tp)) * 128 * p.tp
-    model = build_gpt(spec, config, padded_vocab, use_te=use_te, grouped_gemm=bool(extra.get("moe_grouped_gemm")),
-                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()).cuda()
-    if dtype != torch.float32:
-        model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=opt.overlap_grad_reduce, use_distributed_optimizer=opt.distributed,
-        overlap_param_gather=opt.overlap_param_gather and opt.distributed, average_in_collective=True,
-        check_for_nan_in_grad=True, bucket_size=40_000_000)
-    model = DistributedDataParallel(config, ddp_config, model)
+    if exp.precision.fp8 and not use_te:
+        raise RuntimeError("precision.fp8 needs Transformer Engine, which is not importable on this node")
+    config = margs.transformer_config(exp, spec, use_te)
+    if config.tp_comm_overlap:
+        _init_tp_comm_overlap(exp, spec)
+    padded_vocab = -(-spec.vocab_size // (128 * exp.parallel.tp)) * 128 * exp.parallel.tp
+    ddp_config = margs.ddp_config(exp)
+    chunks = []
+    for vp in range(exp.parallel.vpp or 1):
+        vp_stage = vp if exp.parallel.vpp else None
+        chunk = build_gpt(spec, config, padded_vocab, use_te=use_te, grouped_gemm=config.moe_grouped_gemm,
+                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                          vp_stage=vp_stage).cuda()
+        if config.params_dtype != torch.float32:
+            chunk = Float16Module(config, chunk)
+        # Only the first chunk's buffers are bucketed for overlap (as Megatron-LM does): the others' grads are
+        # ready only at the end of the interleaved schedule anyway.
+        chunks.append(DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=vp > 0))
     # The schedule calls these: grad sync hooks of the overlapped DDP and the loss scale of the optimizer.
-    from megatron.core.distributed import finalize_model_grads
-
-    config.no_sync_func = model.no_sync
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     if ddp_config.overlap_param_gather:
-        config.param_sync_func = model.start_param_sync
-    opt_config = OptimizerConfig(
-        optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
-        adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad, bf16=prec.dtype == "bf16",
-        fp16=prec.dtype == "fp16", params_dtype=dtype, use_distributed_optimizer=opt.distributed,
-        overlap_param_gather=opt.overlap_param_gather and opt.distributed)
-    optimizer = get_megatron_optimizer(opt_config, [model])
+        config.param_sync_func = [c.start_param_sync for c in chunks] if len(chunks) > 1 else chunks[0].start_param_sync
+    optimizer = get_megatron_optimizer(margs.optimizer_config(exp), chunks)
     config.grad_scale_func = optimizer.scale_loss
-    s = exp.schedule
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=s.warmup_iters * s.global_batch_size,
-        lr_decay_steps=s.train_iters * s.global_batch_size,
-        lr_decay_style="WSD" if s.decay == "wsd" else s.decay, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
-        wd_incr_steps=s.train_iters * s.global_batch_size, wd_incr_style="constant",
-        wsd_decay_steps=(s.train_iters // 5) * s.global_batch_size if s.decay == "wsd" else None,
-        lr_wsd_decay_style="cosine" if s.decay == "wsd" else None)
-    return Trainer(exp, spec, env, model, optimizer, scheduler, padded_vocab,
+    scheduler = OptimizerParamScheduler(optimizer, **margs.scheduler_kwargs(exp))
+    return Trainer(exp, spec, env, chunks, optimizer, scheduler, padded_vocab,
                    ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+
+
+def _init_tp_comm_overlap(exp: Experiment, spec: ModelSpec) -> None:
+    """TE's userbuffers for overlapping TP all-gather/reduce-scatter with the GEMMs (TP > 1 with SP)."""
+    from transformer_engine.pytorch.module.base import initialize_ub
+
+    tokens = exp.data.seq_length * exp.schedule.micro_batch_size // exp.parallel.cp
+    initialize_ub(shape=[tokens, spec.hidden_size], tp_size=exp.parallel.tp, use_fp8=exp.precision.fp8 is not None,
+                  dtype=margs.DTYPES[exp.precision.dtype])

@@ -1,5 +1,5 @@
 """Distributed (torch_dist) checkpoints: iter_N/ directories, a latest tracker written atomically after the
-checkpoint is complete, keep-last-N retention. Loading an HF-converted checkpoint (tracker `release`) for
+checkpoint is complete (every rank's part, also for asynchronous saves), keep-last-N retention. Loading an HF-converted checkpoint (tracker `release`) for
 fine-tuning takes the weights only."""
 
 from __future__ import annotations
@@ -37,61 +37,104 @@ def unwrap(model: Any) -> Any:
     return model
 
 
-def save(root: Path, step: int, model: Any, optimizer: Any, scheduler: Any, keep_last: int) -> Path:
-    from megatron.core import dist_checkpointing
+class Saver:
+    """Saves iter_N/ checkpoints; with async_save the write happens in a background process while training
+    continues, and the tracker is updated only once every rank's part is on disk (one save in flight)."""
 
-    model = unwrap(model)
+    def __init__(self, root: Path, keep_last: int, async_save: bool) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    path = iter_dir(root, step)
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)  # a half-written one from an interrupted save
-        path.mkdir(parents=True)
-    dist.barrier()
-    model_sd = model.sharded_state_dict(metadata=SHARDING)
-    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=SHARDING),
-             "scheduler": scheduler.state_dict(),
-             "iteration": step}
-    dist_checkpointing.save(_flatten(state), str(path))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        tmp = root / (TRACKER + ".tmp")
-        tmp.write_text(str(step))
-        os.replace(tmp, root / TRACKER)  # only now is this the latest checkpoint
-        done = sorted(p for p in root.glob("iter_*") if p != path)
-        for old in done[: max(0, len(done) - (keep_last - 1))]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return path
+        self.root, self.keep_last = root, keep_last
+        self.queue = AsyncCallsQueue() if async_save else None
+
+    def save(self, step: int, chunks: list[Any], optimizer: Any, scheduler: Any, wait: bool = False) -> Path:
+        from megatron.core import dist_checkpointing
+
+        self.wait()
+        path = iter_dir(self.root, step)
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)  # a half-written one from an interrupted save
+            path.mkdir(parents=True)
+        dist.barrier()
+        model_sd = _model_state(chunks)
+        state = {**model_sd, "optimizer": optimizer.sharded_state_dict(_merged(model_sd), metadata=SHARDING),
+                 "scheduler": scheduler.state_dict(), "iteration": step}
+        if self.queue is None:
+            dist_checkpointing.save(state, str(path))
+            dist.barrier()
+            self._finalize(path, step)
+        else:
+            request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
+            request.add_finalize_fn(lambda: self._finalize(path, step))
+            self.queue.schedule_async_request(request)
+            if wait:
+                self.wait()
+        return path
+
+    def poll(self) -> None:
+        """Between steps: finish a background save that is complete everywhere (never blocks)."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def close(self) -> None:
+        if self.queue is not None:
+            self.wait()
+            self.queue.close()
+
+    def _finalize(self, path: Path, step: int) -> None:
+        if dist.get_rank() == 0:
+            tmp = self.root / (TRACKER + ".tmp")
+            tmp.write_text(str(step))
+            os.replace(tmp, self.root / TRACKER)  # only now is this the latest checkpoint
+            done = sorted(p for p in self.root.glob("iter_*") if p != path)
+            for old in done[: max(0, len(done) - (self.keep_last - 1))]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
 
 
-def load(path: Path, model: Any, optimizer: Any | None, scheduler: Any | None) -> int:
+def _model_state(chunks: list[Any]) -> dict[str, Any]:
+    """Model tensors keep their bare keys (the keys convert/ writes) with one chunk; with virtual pipeline
+    stages each chunk is a sub-dict model0, model1, ... (the sharded keys inside are global either way)."""
+    sds = [unwrap(c).sharded_state_dict(metadata=SHARDING) for c in chunks]
+    return sds[0] if len(sds) == 1 else {f"model{i}": sd for i, sd in enumerate(sds)}
+
+
+def _merged(model_sd: dict[str, Any]) -> dict[str, Any]:
+    if not any(k.startswith("model") and isinstance(v, dict) and k[5:].isdigit() for k, v in model_sd.items()):
+        return model_sd
+    return {f"{k}.{kk}": vv for k, v in model_sd.items() for kk, vv in v.items()}
+
+
+def load(path: Path, chunks: list[Any], optimizer: Any | None, scheduler: Any | None) -> int:
     """Load into the model (and optimizer/scheduler unless fine-tuning); returns the step to continue from."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    model = unwrap(model)
-    model_sd = model.sharded_state_dict(metadata=SHARDING)
+    model_sd = _model_state(chunks)
     if optimizer is None:  # weights only (e.g. converted from HF), fresh optimizer
-        state = dist_checkpointing.load(_flatten({"model": model_sd}), str(path), strict=StrictHandling.LOG_UNEXPECTED)
-        model.load_state_dict(_unflatten(state)["model"])
+        state = dist_checkpointing.load(model_sd, str(path), strict=StrictHandling.LOG_UNEXPECTED)
+        _load_model(chunks, state)
         return 0
-    sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=SHARDING)}
-    state = _unflatten(dist_checkpointing.load(_flatten(sharded), str(path)))
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    sharded = {**model_sd, "optimizer": optimizer.sharded_state_dict(_merged(model_sd), is_loading=True,
+                                                                      metadata=SHARDING)}
+    state = dist_checkpointing.load(sharded, str(path))
+    optimizer_state = state.pop("optimizer")
+    _load_model(chunks, state)
+    optimizer.load_state_dict(optimizer_state)
     common = dist_checkpointing.load_common_state_dict(str(path))
     scheduler.load_state_dict(common["scheduler"])
     return int(common["iteration"])
 
 
-def _flatten(state: dict[str, Any]) -> dict[str, Any]:
-    """Model tensors keep their bare keys (the keys convert/ writes); other parts are namespaced."""
-    out = dict(state.pop("model"))
-    out.update(state)
-    return out
-
-
-def _unflatten(state: dict[str, Any]) -> dict[str, Any]:
-    rest = {k: state.pop(k) for k in ("optimizer", "scheduler", "iteration") if k in state}
-    return {"model": state, **rest}
-
+def _load_model(chunks: list[Any], state: dict[str, Any]) -> None:
+    for key in ("optimizer", "scheduler", "iteration"):  # load() also returns the checkpoint's common state
+        state.pop(key, None)
+    if len(chunks) == 1:
+        unwrap(chunks[0]).load_state_dict(state)
+    else:
+        for i, c in enumerate(chunks):
+            unwrap(c).load_state_dict(state[f"model{i}"])

@@ -1,12 +1,10 @@
-"""The training loop: one screen. The machinery lives in build.py, checkpoint.py, data.py and flops.py."""
+"""The training loop: one screen. The machinery lives in build.py, checkpoint.py, data/, metrics.py and flops.py."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +15,27 @@ from mcorekit.launch.config import Experiment
 from mcorekit.launch.requeue import RestartGuard, StopSignal, requeue_and_exit
 from mcorekit.train import checkpoint
 from mcorekit.train.build import Trainer, build
-from mcorekit.train.data import mock_batches
+from mcorekit.train.data import batches, build_dataset
 from mcorekit.train.flops import train_flops_per_token
+from mcorekit.train.metrics import ExpertLoad, MetricsWriter
 
 log = logging.getLogger("mcorekit.train")
 
 
 def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     batch = next(data_iterator)
-    per_token = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
+    packed = None
+    if "cu_seqlens" in batch:  # packed SFT: attention stays within each example
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu, n = batch["cu_seqlens"], batch["max_seqlen"]
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+    per_token = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
+                      packed_seq_params=packed)
     mask = batch["loss_mask"]
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss = (output.float() * mask).sum() / mask.sum()
+        loss = (output.float() * mask).sum() / mask.sum().clamp(min=1)
         return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place afterwards
 
     return per_token, loss_func
@@ -41,54 +47,66 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     t = build(exp)
     rank0 = dist.get_rank() == 0
     stop = StopSignal()
-    ckpt_root = Path(exp.checkpoint.dir or run_dir / "checkpoints")
-    step = _resume(t, ckpt_root, exp)
+    saver = checkpoint.Saver(Path(exp.checkpoint.dir or run_dir / "checkpoints"), exp.checkpoint.keep_last,
+                             exp.checkpoint.async_save)
+    step = _resume(t, saver.root, exp)
     if rank0:
         RestartGuard(run_dir, exp.resources.max_restarts).check(step)
     s = exp.schedule
     micro_batches = s.global_batch_size // (s.micro_batch_size * t.dp_size)
-    data = mock_batches(exp.data.seed, t.spec.vocab_size, exp.data.seq_length, s.micro_batch_size,
-                        step * s.global_batch_size, t.dp_rank, t.dp_size)
-    flops_per_step = train_flops_per_token(t.spec, exp.data.seq_length, t.padded_vocab) * s.global_batch_size * exp.data.seq_length
+    dataset = build_dataset(exp, t.spec, run_dir)
+    # one iterator per virtual pipeline stage: each model chunk reads the same micro-batches
+    data = [batches(dataset, s.micro_batch_size, step * s.global_batch_size, t.dp_rank, t.dp_size) for _ in t.model]
+    tokens_per_step = s.global_batch_size * exp.data.seq_length
+    flops_per_step = train_flops_per_token(t.spec, exp.data.seq_length, t.padded_vocab) * tokens_per_step
+    writer = MetricsWriter(run_dir, exp.logging.tensorboard, rank0)
+    experts = ExpertLoad(t.model, exp.parallel.sequence_parallel) if t.spec.is_moe else None
     fwd_bwd = get_forward_backward_func()
     losses: list[float] = []
+    skipped = 0
     timer = time.perf_counter()
     while step < s.train_iters:
         if stop.requested():  # USR2 before the time limit, or preemption: save together, then requeue
-            checkpoint.save(ckpt_root, step, t.model, t.optimizer, t.scheduler, exp.checkpoint.keep_last)
+            saver.save(step, t.model, t.optimizer, t.scheduler, wait=True)
             requeue_and_exit(dist.get_rank())
+        saver.poll()
+        for chunk in t.model:
+            chunk.zero_grad_buffer()
         t.optimizer.zero_grad()
-        t.model.zero_grad_buffer()
-        out = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=[t.model], num_microbatches=micro_batches,
-                      seq_length=exp.data.seq_length, micro_batch_size=s.micro_batch_size, forward_only=False)
-        ok, grad_norm, _ = t.optimizer.step()
-        grad_norm = None if grad_norm is None else float(grad_norm)
-        t.scheduler.step(increment=s.global_batch_size)
+        out = fwd_bwd(forward_step_func=forward_step, data_iterator=data if len(data) > 1 else data[0], model=t.model,
+                      num_microbatches=micro_batches, seq_length=exp.data.seq_length,
+                      micro_batch_size=s.micro_batch_size, forward_only=False)
+        updated, grad_norm, _ = t.optimizer.step()
+        if updated:
+            t.scheduler.step(increment=s.global_batch_size)
+        else:  # fp16: the loss scaler found Inf/NaN gradients, lowered the scale and skipped the update
+            skipped += 1
         step += 1
         loss = _mean_loss(out)
         losses.append(loss)
-        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        if not math.isfinite(loss) or (updated and grad_norm is not None and not math.isfinite(grad_norm)):
             raise FloatingPointError(f"NaN or Inf in loss ({loss}) or grad norm ({grad_norm}) at step {step}: lower "
                                      f"optimizer.lr, lengthen warmup, check the data")
         if step % exp.logging.log_interval == 0 or step == s.train_iters:
             torch.cuda.synchronize()
             elapsed, timer = time.perf_counter() - timer, time.perf_counter()
-            n = exp.logging.log_interval if step % exp.logging.log_interval == 0 else step % exp.logging.log_interval
-            world = dist.get_world_size()
-            tflops = flops_per_step * n / elapsed / world / 1e12
+            n = (step - 1) % exp.logging.log_interval + 1  # steps since the last log line
+            tflops = flops_per_step * n / elapsed / dist.get_world_size() / 1e12
             metrics = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": float(t.optimizer.param_groups[0]["lr"]),
-                       "tokens_per_s": s.global_batch_size * exp.data.seq_length * n / elapsed,
-                       "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops,
+                       "tokens_per_s": tokens_per_step * n / elapsed, "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops,
                        "mem_gb": torch.cuda.max_memory_allocated() / 1e9}
-            if rank0:
-                print(f"step {step}/{s.train_iters} " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k != "step"
-                                                                   and v is not None), flush=True)
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(metrics) + "\n")
+            if exp.precision.dtype == "fp16":
+                metrics.update(loss_scale=float(t.optimizer.get_loss_scale()), skipped_steps=skipped)
+            if experts:
+                metrics.update(experts.read_and_reset())
+            writer.write(step, s.train_iters, metrics)
             if on_step:
                 on_step(metrics)
         if step % exp.checkpoint.save_interval == 0 or step == s.train_iters:
-            checkpoint.save(ckpt_root, step, t.model, t.optimizer, t.scheduler, exp.checkpoint.keep_last)
+            saver.save(step, t.model, t.optimizer, t.scheduler, wait=step == s.train_iters)
+    saver.close()
+    writer.close()
     return losses
 
 

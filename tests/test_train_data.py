@@ -1,0 +1,266 @@
+"""train/data on CPU: preprocessing jsonl -> .bin/.idx (both cores), Megatron's GPTDataset and blending over it,
+SFT loss masks, and packing (no token crosses an example boundary). Real tokenizers (built offline) and
+Megatron-Core's own dataset classes; nothing mocked."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hf_models import WORDS, make_tokenizer
+from mcorekit.errors import ConfigError
+from mcorekit.train.data import batches
+from mcorekit.train.data.indexed import build_gpt_dataset, read_documents
+from mcorekit.train.data.packing import Example, first_fit_decreasing, pack
+from mcorekit.train.data.preprocess import preprocess
+from mcorekit.train.data.sft import SFTDataset, tokenize_chat
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def write_corpus(path: Path, docs: int, seed: int, key: str = "text") -> list[str]:
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))) for _ in range(docs)]
+    path.write_text("".join(json.dumps({key: t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return texts
+
+
+def test_preprocess_writes_every_document_with_eod(tmp_path: Path, tok: Path) -> None:
+    from transformers import AutoTokenizer
+
+    texts = write_corpus(tmp_path / "a.jsonl", 1300, seed=1)  # more than two worker batches
+    s = preprocess([str(tmp_path / "a.jsonl")], str(tok), str(tmp_path / "out" / "a"), workers=2, quiet=True)
+    t = AutoTokenizer.from_pretrained(tok)
+    docs = read_documents(str(tmp_path / "out" / "a"))
+    assert s.documents == len(docs) == 1300
+    for text, doc in zip(texts, docs):  # input order kept across workers
+        assert doc.tolist() == t(text, add_special_tokens=False)["input_ids"] + [t.eos_token_id]
+    meta = json.loads((tmp_path / "out" / "a.json").read_text())
+    assert meta["eod"] == t.eos_token_id and meta["vocab_size"] == len(t) and meta["tokens"] == s.tokens
+    assert not list((tmp_path / "out").glob("*.tmp"))
+    # same bytes with one worker: the output does not depend on the worker count
+    preprocess([str(tmp_path / "a.jsonl")], str(tok), str(tmp_path / "one"), workers=1, quiet=True)
+    assert (tmp_path / "one.bin").read_bytes() == (tmp_path / "out" / "a.bin").read_bytes()
+    assert (tmp_path / "one.idx").read_bytes() == (tmp_path / "out" / "a.idx").read_bytes()
+
+
+def test_preprocess_refuses_bad_input_and_overwrite(tmp_path: Path, tok: Path) -> None:
+    write_corpus(tmp_path / "a.jsonl", 5, seed=2)
+    preprocess([str(tmp_path / "a.jsonl")], str(tok), str(tmp_path / "a"), workers=1, quiet=True)
+    before = (tmp_path / "a.bin").read_bytes()
+    with pytest.raises(ConfigError, match="output exists.*--force"):
+        preprocess([str(tmp_path / "a.jsonl")], str(tok), str(tmp_path / "a"), workers=1, quiet=True)
+    assert (tmp_path / "a.bin").read_bytes() == before
+    (tmp_path / "bad.jsonl").write_text('{"text": "hello"}\n{"body": "no text key"}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: not a JSON object with a 'text' string"):
+        preprocess([str(tmp_path / "bad.jsonl")], str(tok), str(tmp_path / "bad"), workers=1, quiet=True)
+    assert not list(tmp_path.glob("bad.*.tmp")) and not (tmp_path / "bad.idx").exists()
+    with pytest.raises(ConfigError, match="input not found"):
+        preprocess([str(tmp_path / "missing.jsonl")], str(tok), str(tmp_path / "m"), quiet=True)
+
+
+def test_cli_preprocess(tmp_path: Path, tok: Path) -> None:
+    import subprocess
+    import sys
+
+    write_corpus(tmp_path / "a.jsonl", 20, seed=3, key="body")
+    cmd = [sys.executable, "-m", "mcorekit.cli", "data", "preprocess", str(tmp_path / "a.jsonl"), "--tokenizer", str(tok),
+           "--output-prefix", str(tmp_path / "a"), "--key", "body", "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0 and "20 documents" in r.stdout, r.stderr
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith("mcorekit: error: output exists"), r.stderr
+
+
+@pytest.fixture(scope="module")
+def two_corpora(tmp_path_factory: pytest.TempPathFactory, tok: Path) -> list[str]:
+    d = tmp_path_factory.mktemp("corpora")
+    prefixes = []
+    for name, seed in (("web", 4), ("code", 5)):
+        write_corpus(d / f"{name}.jsonl", 400, seed=seed)
+        preprocess([str(d / f"{name}.jsonl")], str(tok), str(d / name), workers=2, quiet=True)
+        prefixes.append(str(d / name))
+    return prefixes
+
+
+def pieces(window: list[int], eod: int = 2) -> list[list[int]]:
+    """A sample split after each end-of-document token."""
+    out, cur = [], []
+    for t in window:
+        cur.append(t)
+        if t == eod:
+            out.append(cur)
+            cur = []
+    return out + ([cur] if cur else [])
+
+
+def contains(docs: list[np.ndarray], piece: list[int]) -> bool:
+    key = " " + " ".join(map(str, piece)) + " "
+    return any(key in " " + " ".join(map(str, d.tolist())) + " " for d in docs)
+
+
+def test_gpt_dataset_samples_are_windows_of_documents(two_corpora: list[str], tmp_path: Path) -> None:
+    ds = build_gpt_dataset(two_corpora[:1], None, 64, 200, seed=9, cache_dir=tmp_path / "cache", tokenizer_dir=None,
+                           model_vocab=256)
+    docs = read_documents(two_corpora[0])
+    whole = {tuple(d.tolist()) for d in docs}
+    for i in (0, 1, 57, 199):
+        s = ds[i]
+        assert s["tokens"].shape == (64,) and torch.equal(s["tokens"][1:], s["labels"][:-1])
+        assert s["loss_mask"].sum() == 64
+        # 65 consecutive tokens of the (shuffled) document stream: a document's tail, whole documents, a head
+        parts = pieces(s["tokens"].tolist() + [int(s["labels"][-1])])
+        assert all(contains(docs, p) for p in parts)
+        assert all(tuple(p) in whole for p in parts[1:-1])
+    again = build_gpt_dataset(two_corpora[:1], None, 64, 200, seed=9, cache_dir=tmp_path / "cache", tokenizer_dir=None,
+                              model_vocab=256)
+    assert all(torch.equal(ds[i]["tokens"], again[i]["tokens"]) for i in range(20))  # same seed, same order
+    other = build_gpt_dataset(two_corpora[:1], None, 64, 200, seed=10, cache_dir=tmp_path / "cache", tokenizer_dir=None,
+                              model_vocab=256)
+    assert not all(torch.equal(ds[i]["tokens"], other[i]["tokens"]) for i in range(20))
+
+
+def test_blend_follows_weights(two_corpora: list[str], tmp_path: Path) -> None:
+    ds = build_gpt_dataset(two_corpora, [3.0, 1.0], 32, 400, seed=1, cache_dir=tmp_path / "cache", tokenizer_dir=None,
+                           model_vocab=256)
+    web, code = read_documents(two_corpora[0]), read_documents(two_corpora[1])
+    from_web = 0
+    for i in range(400):
+        longest = max(pieces(ds[i]["tokens"].tolist()), key=len)
+        in_web, in_code = contains(web, longest), contains(code, longest)
+        assert in_web or in_code
+        from_web += in_web and not in_code
+    assert 285 <= from_web <= 305, from_web  # 3:1 -> 300 of 400 (Megatron's blend is exact up to rounding)
+
+
+def test_loader_resumes_the_exact_order(two_corpora: list[str], tmp_path: Path) -> None:
+    ds = build_gpt_dataset(two_corpora, None, 32, 256, seed=1, cache_dir=tmp_path / "cache", tokenizer_dir=None,
+                           model_vocab=256)
+    gbs, mbs, dp = 8, 2, 2
+    full = [[next(it)["tokens"] for _ in range(2 * 8 // (mbs * dp))] for it in
+            (batches(ds, mbs, 0, r, dp, device="cpu") for r in range(dp))]
+    resumed = [[next(it)["tokens"] for _ in range(8 // (mbs * dp))] for it in
+               (batches(ds, mbs, 1 * gbs, r, dp, device="cpu") for r in range(dp))]  # resume after step 1
+    for r in range(dp):
+        assert all(torch.equal(a, b) for a, b in zip(full[r][2:], resumed[r]))
+    seen = torch.cat([t for rank in full for t in rank[:2]])  # step 1 over both ranks: samples 0..7, once each
+    assert sorted(tuple(x.tolist()) for x in seen) == sorted(tuple(ds[i]["tokens"].tolist()) for i in range(8))
+
+
+def test_indexed_errors(two_corpora: list[str], tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"indexed data not found: .*nope.bin"):
+        build_gpt_dataset([str(tmp_path / "nope")], None, 32, 10, 1, tmp_path, None, 256)
+    with pytest.raises(ConfigError, match="one positive weight per path"):
+        build_gpt_dataset(two_corpora, [1.0], 32, 10, 1, tmp_path, None, 256)
+    with pytest.raises(ConfigError, match="vocabulary is 100"):
+        build_gpt_dataset(two_corpora, None, 32, 10, 1, tmp_path, None, 100)
+
+
+# ---------------------------------------------------------------- SFT and packing
+
+
+def test_chat_loss_mask_covers_assistant_turns_only(tok: Path) -> None:
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(tok)
+    ex = tokenize_chat(t, [{"role": "system", "content": "you are good"}, {"role": "user", "content": "hello what is it"},
+                           {"role": "assistant", "content": "it is a question"}, {"role": "user", "content": "yes"},
+                           {"role": "assistant", "content": "no"}])
+    learned = [w for w, m in zip(t.convert_ids_to_tokens(ex.ids), ex.mask) if m]
+    assert learned == ["it", "is", "a", "question", "<|end|>", "no", "<|end|>"]
+
+
+def sft_file(path: Path, n: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        words = lambda k: " ".join(rng.choice(WORDS) for _ in range(k))  # noqa: E731
+        if i % 2:
+            lines.append({"messages": [{"role": "user", "content": words(rng.randint(1, 20))},
+                                       {"role": "assistant", "content": words(rng.randint(1, 30))}]})
+        else:
+            lines.append({"prompt": words(rng.randint(1, 20)), "response": words(rng.randint(1, 30))})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_packing_keeps_examples_apart(tmp_path: Path, tok: Path) -> None:
+    path = sft_file(tmp_path / "sft.jsonl", 120, seed=6)
+    ds = SFTDataset([str(path)], str(tok), 128, seed=3, packing=True, vocab_size=256)
+    unpacked = SFTDataset([str(path)], str(tok), 128, seed=3, packing=False, vocab_size=256)
+    assert len(ds) < len(unpacked) / 3  # packing saves most of the padding
+    rows = set()
+    for i in range(len(ds)):
+        s = ds[i]
+        cu = s["cu_seqlens"].tolist()
+        assert cu[0] == 0 and cu[-1] == 128 and s["max_seqlen"] == max(b - a for a, b in zip(cu, cu[1:]))
+        for a, b in zip(cu, cu[1:]):
+            assert s["position_ids"][a:b].tolist() == list(range(b - a))  # positions restart per example
+            seg = (s["tokens"][a:b].tolist(), s["labels"][a:b].tolist(), s["loss_mask"][a:b].tolist())
+            # labels are the segment's own next tokens: the label of its last position is its own last token,
+            # never the next example's first token
+            assert seg[0][1:] == seg[1][:-1]
+            if any(seg[2]):
+                rows.add(tuple(seg[0] + seg[1][-1:]))
+            else:
+                assert set(seg[0]) == {ds.pad_id}  # a segment with nothing to learn is end-of-bin padding
+    # every example appears exactly once per epoch, whole, with the same tokens and mask as unpacked
+    assert len(rows) == len(ds.examples) == len(unpacked)
+    assert rows == {tuple(ex.ids) for ex in ds.examples}
+
+
+def test_unpacked_sample_masks_prompt_and_padding(tmp_path: Path, tok: Path) -> None:
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(tok)
+    (tmp_path / "one.jsonl").write_text(json.dumps({"prompt": "hello what", "response": "it is"}) + "\n")
+    s = SFTDataset([str(tmp_path / "one.jsonl")], str(tok), 16, seed=0, packing=False, vocab_size=256)[0]
+    ids = t("hello what", add_special_tokens=False)["input_ids"] + t("it is", add_special_tokens=False)["input_ids"]
+    assert s["tokens"][:4].tolist() == ids and s["labels"][:3].tolist() == ids[1:] + []
+    # targets: "it", "is", <eos> (predicted from "what", "it", "is"); the prompt and the padding are not learned
+    assert s["loss_mask"].tolist() == [0, 1, 1, 1] + [0] * 12
+    assert s["labels"][1:4].tolist() == ids[2:] + [t.eos_token_id]
+    assert "cu_seqlens" not in s
+
+
+def test_first_fit_decreasing() -> None:
+    lengths = [50, 30, 30, 20, 70, 10, 40]
+    bins = first_fit_decreasing(lengths, 100)
+    assert sorted(i for b in bins for i in b) == list(range(7))
+    assert all(sum(lengths[i] for i in b) <= 100 for b in bins)
+    assert len(bins) == 3  # 250 positions in bins of 100
+    with pytest.raises(ValueError, match="more than the sequence length"):
+        first_fit_decreasing([101], 100)
+    s = pack([Example([1, 2, 3], [0, 1, 1]), Example([4, 5], [0, 1])], 6, pad_id=0)
+    assert s["tokens"].tolist() == [1, 2, 4, 0, 0, 0] and s["labels"].tolist() == [2, 3, 5, 0, 0, 0]
+    assert s["loss_mask"].tolist() == [1, 1, 1, 0, 0, 0] and s["cu_seqlens"].tolist() == [0, 2, 3, 6]
+
+
+def test_sft_order_is_reproducible_and_reshuffled_per_epoch(tmp_path: Path, tok: Path) -> None:
+    path = sft_file(tmp_path / "sft.jsonl", 40, seed=7)
+    a = SFTDataset([str(path)], str(tok), 128, seed=3, packing=False, vocab_size=256)
+    b = SFTDataset([str(path)], str(tok), 128, seed=3, packing=False, vocab_size=256)
+    n = len(a)
+    first = [a[i]["tokens"].tolist() for i in range(n)]
+    assert first == [b[i]["tokens"].tolist() for i in range(n)]
+    second = [a[n + i]["tokens"].tolist() for i in range(n)]
+    assert sorted(map(tuple, first)) == sorted(map(tuple, second)) and first != second
+
+
+def test_sft_errors(tmp_path: Path, tok: Path) -> None:
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "hello"}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:1: expected 'messages', 'prompt'\+'response'"):
+        SFTDataset([str(tmp_path / "bad.jsonl")], str(tok), 64, 0, False, 256)
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "hello", "response": "x"}\n{oops\n')
+    with pytest.raises(ConfigError, match=r"broken.jsonl:2: not valid JSON"):
+        SFTDataset([str(tmp_path / "broken.jsonl")], str(tok), 64, 0, False, 256)
+    with pytest.raises(ConfigError, match="vocabulary is 100"):
+        SFTDataset([str(tmp_path / "bad.jsonl")], str(tok), 64, 0, False, 100)

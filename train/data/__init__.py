@@ -1,0 +1,58 @@
+"""Training data: mock sequences, Megatron indexed datasets (GPTDataset, blended), and SFT jsonl with loss masks
+and optional packing. Every kind is a dataset indexed by *global sample number*, so the loader can start at
+`step * global_batch_size` after a resume and continue the exact order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from mcorekit.errors import ConfigError
+
+if TYPE_CHECKING:  # kept out of import time: preprocessing workers import this package and need no torch
+    import torch
+
+    from mcorekit.launch.config import Experiment
+    from mcorekit.models.spec import ModelSpec
+
+
+def build_dataset(exp: Experiment, spec: ModelSpec, run_dir: Path) -> Any:
+    d = exp.data
+    if d.kind == "mock":
+        from mcorekit.train.data.mock import MockDataset
+
+        return MockDataset(d.seed, spec.vocab_size, d.seq_length)
+    if not d.paths:
+        raise ConfigError(f"data.kind={d.kind} needs data.paths (indexed: .bin/.idx prefixes; sft: .jsonl files)")
+    cache = Path(d.cache_dir or run_dir / "data_cache")
+    if d.kind == "indexed":
+        from mcorekit.train.data.indexed import build_gpt_dataset
+
+        samples = exp.schedule.train_iters * exp.schedule.global_batch_size
+        return build_gpt_dataset(d.paths, d.weights, d.seq_length, samples, d.seed, cache, d.tokenizer, spec.vocab_size)
+    from mcorekit.train.data.sft import SFTDataset
+
+    if not d.tokenizer:
+        raise ConfigError("data.kind=sft needs data.tokenizer (an HF tokenizer directory with a chat template)")
+    return SFTDataset(d.paths, d.tokenizer, d.seq_length, d.seed, packing=d.packing, vocab_size=spec.vocab_size)
+
+
+def batches(dataset: Any, micro_batch: int, first_sample: int, dp_rank: int, dp_size: int,
+            device: str = "cuda") -> Iterator[dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches from global sample `first_sample` on: each global batch is
+    consumed in order, rank r taking micro-batch slices r, r + dp, ... of it."""
+    import torch
+
+    sample = first_sample + dp_rank * micro_batch
+    while True:
+        rows = [dataset[sample + i] for i in range(micro_batch)]
+        batch: dict[str, torch.Tensor] = {}
+        for key in rows[0]:
+            if key == "cu_seqlens":  # packed: micro_batch is 1 (checked by the launcher), no batch dimension
+                batch[key] = rows[0][key].to(device, non_blocking=True)
+            elif key == "max_seqlen":
+                batch[key] = rows[0][key]
+            else:
+                batch[key] = torch.stack([r[key] for r in rows]).to(device, non_blocking=True)
+        yield batch
+        sample += micro_batch * dp_size

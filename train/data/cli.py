@@ -1,0 +1,33 @@
+"""`mcorekit data`: prepare training data.
+
+  mcorekit data preprocess INPUT.jsonl [...] --tokenizer HF_DIR --output-prefix PREFIX [--key text] [--workers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mcorekit.cli import dispatch
+
+
+def _preprocess(argv: list[str]) -> int:
+    from mcorekit.train.data.preprocess import preprocess
+
+    p = argparse.ArgumentParser(prog="mcorekit data preprocess",
+                                description="jsonl (one document per line) -> Megatron .bin/.idx with an end-of-document "
+                                "token after each document, tokenized on all cores. Use the prefix in data.paths.")
+    p.add_argument("inputs", nargs="+")
+    p.add_argument("--tokenizer", required=True, help="HF tokenizer directory")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
+    p.add_argument("--key", default="text", help="the JSON field holding the text (default: text)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--force", action="store_true", help="replace existing output")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    s = preprocess(a.inputs, a.tokenizer, a.output_prefix, a.key, a.workers, a.force, a.quiet)
+    print(s.line(a.output_prefix))
+    return 0
+
+
+def main(command: str, argv: list[str]) -> int:
+    return dispatch("mcorekit data", __doc__, {"preprocess": _preprocess}, argv)

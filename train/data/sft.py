@@ -1,0 +1,122 @@
+"""Supervised fine-tuning data from jsonl: chat conversations or prompt/response pairs, tokenized with an HF
+tokenizer, with a loss mask that keeps only what the model should learn to say.
+
+Accepted lines:
+  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}  (the tokenizer's chat template)
+  {"prompt": "...", "response": "..."}   (also "instruction"/"input"/"output": prompt = instruction + input)
+Loss mask: 1 on assistant turns (the template's text of each assistant message, including its end-of-turn
+token) or on the response and the eos token after it; 0 elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mcorekit.errors import ConfigError
+from mcorekit.train.data.packing import Example, first_fit_decreasing, pack, pad_one
+
+log = logging.getLogger("mcorekit.train")
+
+
+def _read(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    if not path.is_file():
+        raise ConfigError(f"SFT data not found: {path}")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    out.append((n, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path}:{n}: not valid JSON ({e})") from None
+    return out
+
+
+def tokenize_chat(tok: Any, messages: list[dict[str, str]]) -> Example:
+    """Render the whole conversation once; assistant spans are found from the renderings of its prefixes (the
+    template must render a prefix of the conversation as a prefix of the text, which chat templates do)."""
+    text = tok.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        start = len(tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0
+        end = len(tok.apply_chat_template(messages[: i + 1], tokenize=False))
+        if text[:end] != tok.apply_chat_template(messages[: i + 1], tokenize=False):
+            raise ConfigError("the tokenizer's chat template does not render conversations prefix by prefix; "
+                              "loss masks cannot be placed")
+        spans.append((start, end))
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
+    return Example(list(enc["input_ids"]), mask)
+
+
+def tokenize_pair(tok: Any, prompt: str, response: str) -> Example:
+    p = tok(prompt, add_special_tokens=False)["input_ids"]
+    r = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return Example(list(p) + list(r), [0] * len(p) + [1] * len(r))
+
+
+def tokenize_record(tok: Any, record: dict[str, Any], where: str) -> Example:
+    if isinstance(record.get("messages"), list):
+        if not tok.chat_template:
+            raise ConfigError(f"{where}: chat data needs a tokenizer with a chat template")
+        return tokenize_chat(tok, record["messages"])
+    if "prompt" in record and "response" in record:
+        return tokenize_pair(tok, str(record["prompt"]), str(record["response"]))
+    if "instruction" in record and "output" in record:
+        prompt = str(record["instruction"]) + ("\n\n" + str(record["input"]) if record.get("input") else "")
+        return tokenize_pair(tok, prompt + "\n\n", str(record["output"]))
+    raise ConfigError(f"{where}: expected 'messages', 'prompt'+'response' or 'instruction'+'output' "
+                      f"(got keys {sorted(record)})")
+
+
+class SFTDataset:
+    """Tokenized examples, optionally packed; sample i of epoch e is a seeded permutation's pick, so the order
+    is reproducible and a resumed run continues it."""
+
+    def __init__(self, paths: list[str], tokenizer_dir: str, seq_length: int, seed: int, packing: bool,
+                 vocab_size: int) -> None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if len(tok) > vocab_size:
+            raise ConfigError(f"tokenizer {tokenizer_dir} has {len(tok)} tokens but the model's vocabulary is {vocab_size}")
+        if tok.eos_token_id is None:
+            raise ConfigError(f"tokenizer {tokenizer_dir} has no eos token")
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        examples, truncated = [], 0
+        for path in paths:
+            for n, record in _read(Path(path)):
+                ex = tokenize_record(tok, record, f"{path}:{n}")
+                if ex.positions > seq_length:
+                    ex, truncated = Example(ex.ids[: seq_length + 1], ex.mask[: seq_length + 1]), truncated + 1
+                if sum(ex.mask[1:]) and ex.positions > 0:
+                    examples.append(ex)
+        if not examples:
+            raise ConfigError(f"no usable SFT examples (with a response to learn) in {', '.join(paths)}")
+        if truncated:
+            log.warning("%d of %d SFT examples were longer than seq_length=%d and were truncated", truncated,
+                        len(examples), seq_length)
+        self.examples, self.seq_length, self.seed, self.packing = examples, seq_length, seed, packing
+        self.bins = first_fit_decreasing([e.positions for e in examples], seq_length) if packing else \
+            [[i] for i in range(len(examples))]
+        self._order: tuple[int, Any] = (-1, None)
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        epoch, i = divmod(index, len(self.bins))
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.bins)))
+        members = [self.examples[j] for j in self.bins[self._order[1][i]]]
+        if self.packing:
+            return pack(members, self.seq_length, self.pad_id)
+        return pad_one(members[0], self.seq_length, self.pad_id)

@@ -1,0 +1,125 @@
+"""Our experiment schema -> Megatron-Core's config objects. Pure functions (no GPU, no process groups), so each
+feature's mapping is tested on CPU and the launcher can ask Megatron-Core itself whether it accepts a config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mcorekit.launch.config import Experiment
+from mcorekit.models.parallel import Layout
+from mcorekit.models.spec import ModelSpec
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DDP_BUCKET_DEFAULT = 40_000_000
+
+
+def layout(exp: Experiment) -> Layout:
+    p = exp.parallel
+    return Layout(p.tp, p.pp, p.cp, p.ep, p.etp, p.vpp, p.sequence_parallel)
+
+
+def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: bool = True) -> dict[str, Any]:
+    """TransformerConfig fields beyond the model shape (which models/megatron.py derives from the ModelSpec).
+    `fusions=False` leaves out the fused kernels, whose checks need TE importable (the launcher's login node)."""
+    prec, moe, rc = exp.precision, exp.moe, exp.recompute
+    fuse = use_te and fusions
+    kw: dict[str, Any] = dict(
+        # Fusions: TE's fused bias-SwiGLU and RoPE, Megatron's native fused cross entropy (its TE variant has
+        # known stability issues, Megatron-LM rejects it). The non-TE path keeps the plain PyTorch ops.
+        bias_activation_fusion=fuse, apply_rope_fusion=fuse, masked_softmax_fusion=fuse,
+        cross_entropy_loss_fusion=fuse, cross_entropy_fusion_impl="native",
+        # Writing wgrads straight into DDP's fp32 main_grad needs APEX's extension for the output layer.
+        gradient_accumulation_fusion=fuse and _apex_wgrad_available(),
+        tp_comm_overlap=exp.optimizer.tp_comm_overlap,
+    )
+    if prec.fp8:
+        # delayed scaling uses the hybrid format (e4m3 forward, e5m2 gradients); the current-scaling recipes e4m3.
+        kw.update(fp8="hybrid" if prec.fp8 == "delayed" else "e4m3", fp8_recipe=prec.fp8, fp8_param=prec.fp8_params)
+    if spec.is_moe:
+        kw.update(moe_grouped_gemm=moe.grouped_gemm and use_te, moe_token_dispatcher_type=moe.dispatcher,
+                  moe_permute_fusion=moe.permute_fusion and fuse, moe_router_fusion=moe.router_fusion and fuse,
+                  moe_router_dtype="fp32", moe_expert_capacity_factor=moe.capacity_factor,
+                  overlap_moe_expert_parallel_comm=moe.a2a_overlap)
+        if moe.capacity_factor is not None:
+            kw.update(moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=False)
+        if moe.expert_bias:  # aux-loss-free balancing (DeepSeek-V3): a per-expert bias on sigmoid scores
+            kw.update(moe_router_enable_expert_bias=True, moe_router_load_balancing_type="none",
+                      moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.0)
+        else:
+            kw.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe.aux_loss_coeff)
+        if moe.shared_expert_ffn:
+            kw.update(moe_shared_expert_intermediate_size=moe.shared_expert_ffn,
+                      moe_shared_expert_overlap=moe.shared_expert_overlap)
+    if rc.granularity == "selective":
+        kw.update(recompute_granularity="selective", recompute_modules=list(rc.modules))
+    elif rc.granularity == "full":
+        kw.update(recompute_granularity="full", recompute_method=rc.method, recompute_num_layers=rc.num_layers)
+    if rc.offload_layers:
+        kw.update(cpu_offloading=True, cpu_offloading_num_layers=rc.offload_layers, cpu_offloading_activations=True,
+                  cpu_offloading_weights=False)
+    return kw
+
+
+def _apex_wgrad_available() -> bool:
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: bool = True) -> Any:
+    from mcorekit.models.megatron import transformer_config as base
+
+    return base(spec, layout(exp), params_dtype=DTYPES[exp.precision.dtype],
+                **transformer_kwargs(exp, spec, use_te, fusions))
+
+
+def ddp_config(exp: Experiment) -> Any:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    o = exp.optimizer
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce, use_distributed_optimizer=o.distributed,
+        overlap_param_gather=o.overlap_param_gather and o.distributed, average_in_collective=True,
+        check_for_nan_in_grad=True, bucket_size=o.bucket_size,
+        fp8_param_gather=exp.precision.fp8_params)  # FP8 params are all-gathered in FP8: half the bytes
+
+
+def optimizer_config(exp: Experiment) -> Any:
+    from megatron.core.optimizer import OptimizerConfig
+
+    o, prec = exp.optimizer, exp.precision
+    return OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=prec.dtype == "bf16",
+        fp16=prec.dtype == "fp16", params_dtype=DTYPES[prec.dtype], use_distributed_optimizer=o.distributed,
+        overlap_param_gather=o.overlap_param_gather and o.distributed,
+        loss_scale=prec.loss_scale, initial_loss_scale=2.0**16, min_loss_scale=1.0, loss_scale_window=1000,
+        hysteresis=2)
+
+
+def scheduler_kwargs(exp: Experiment) -> dict[str, Any]:
+    """OptimizerParamScheduler arguments; Megatron counts its steps in samples, so iterations x global batch."""
+    s, o = exp.schedule, exp.optimizer
+    gbs = s.global_batch_size
+    wsd = s.decay == "wsd"
+    return dict(init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=s.warmup_iters * gbs,
+                lr_decay_steps=s.train_iters * gbs, lr_decay_style="WSD" if wsd else s.decay,
+                start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=s.train_iters * gbs,
+                wd_incr_style="constant",
+                # WSD: constant after warmup, then the last fifth decays (cosine) to min_lr
+                wsd_decay_steps=(s.train_iters // 5) * gbs if wsd else None,
+                lr_wsd_decay_style="cosine" if wsd else None)
+
+
+def megatron_problems(exp: Experiment, spec: ModelSpec, use_te: bool = True) -> list[str]:
+    """What Megatron-Core's own config checks reject (empty when it accepts). The launcher calls this on the
+    login node so a config Megatron would refuse at start-up fails before it queues."""
+    try:
+        transformer_config(exp, spec, use_te, fusions=False)
+    except (AssertionError, ValueError) as e:
+        return [f"Megatron-Core rejects the configuration: {e}"]
+    return []

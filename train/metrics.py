@@ -1,0 +1,90 @@
+"""Where metrics go (stdout, <run>/metrics.jsonl, TensorBoard) and the MoE expert-load statistics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class MetricsWriter:
+    """Rank 0 writes; other ranks hold a no-op writer."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool) -> None:
+        self.enabled = enabled
+        self.jsonl = run_dir / "metrics.jsonl"
+        self.tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, step: int, total_steps: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+        print(f"step {step}/{total_steps} " + " ".join(f"{k} {v:.4g}" for k, v in scalars.items()), flush=True)
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+            for layer, counts in (metrics.get("expert_tokens") or {}).items():
+                self.tb.add_histogram(f"expert_tokens/layer_{layer}", torch.tensor(counts, dtype=torch.float32), step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+class ExpertLoad:
+    """Tokens routed to each expert, per MoE layer, counted on the GPU by a hook on every router (no host sync
+    until it is read). Read it at log time: summed over the data-parallel ranks (and expert-parallel ranks,
+    which see other tokens), it gives per-layer counts and the imbalance max/mean (1.0 = perfectly even)."""
+
+    def __init__(self, model_chunks: list[Any], sequence_parallel: bool) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.sequence_parallel = sequence_parallel
+        self.counts: dict[int, torch.Tensor] = {}
+        for chunk in model_chunks:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    module.register_forward_hook(self._hook)
+
+    def _hook(self, module: Any, inputs: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if not torch.is_grad_enabled() and module.training:
+            return  # the no-grad first pass of a recomputed region; its replay in backward is the one counted
+        per_expert = output[1].sum(dim=0)
+        layer = int(module.layer_number)
+        self.counts[layer] = self.counts[layer] + per_expert if layer in self.counts else per_expert
+
+    def read_and_reset(self) -> dict[str, Any]:
+        if not self.counts:
+            return {}
+        from megatron.core import parallel_state as ps
+
+        layers = sorted(self.counts)
+        stacked = torch.stack([self.counts[layer] for layer in layers]).float()
+        # Sum over every rank that routes other tokens: data- and context-parallel peers (expert-parallel ranks
+        # are among them), and tensor-parallel peers when sequence parallelism splits the tokens between them.
+        dist.all_reduce(stacked, group=ps.get_data_parallel_group(with_context_parallel=True))
+        if ps.get_tensor_model_parallel_world_size() > 1 and self.sequence_parallel:
+            dist.all_reduce(stacked, group=ps.get_tensor_model_parallel_group())
+        self.counts.clear()
+        pairs = list(zip(layers, stacked.long().tolist()))
+        if ps.get_pipeline_model_parallel_world_size() > 1:  # other stages hold the other layers
+            gathered: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
+            dist.all_gather_object(gathered, pairs, group=ps.get_pipeline_model_parallel_group())
+            pairs = sorted(p for part in gathered for p in part)
+        layers = [layer for layer, _ in pairs]
+        rows = [row for _, row in pairs]
+        counts = torch.tensor(rows, dtype=torch.float32)
+        imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1)).tolist()
+        return {"expert_imbalance_max": max(imbalance),
+                "expert_imbalance": {str(layer): round(v, 4) for layer, v in zip(layers, imbalance)},
+                "expert_tokens": {str(layer): row for layer, row in zip(layers, rows)}}
