@@ -39,6 +39,9 @@ class ModelConfig(Strict):
     preset: str | None = None  # a name from mcorekit.models.spec.PRESETS
     hf_config: str | None = None  # an HF model directory or config.json
     overrides: dict[str, Any] = Field(default_factory=dict)  # ModelSpec fields, e.g. {num_layers: 2}
+    # te: Transformer Engine layers (needed for FP8 and packing); local: Megatron-Core's own layers with PyTorch's
+    # fused SDPA attention; auto: te where Transformer Engine is importable, else local
+    backend: Literal["auto", "te", "local"] = "auto"
 
 
 class ParallelConfig(Strict):

@@ -103,8 +103,11 @@ def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSp
     if d.packing and exp.schedule.micro_batch_size != 1:
         out.append("data.packing puts several examples into one sequence: set schedule.micro_batch_size=1 "
                    "(raise data.seq_length to put more tokens in a micro-batch)")
-    if d.packing and not profile.transformer_engine:
-        out.append("data.packing needs Transformer Engine's attention (packed sequences); the profile has none")
+    if d.packing and (not profile.transformer_engine or exp.model.backend == "local"):
+        out.append("data.packing needs Transformer Engine's attention (packed sequences): a profile with "
+                   "transformer_engine: true and model.backend auto or te")
+    if exp.precision.fp8 and exp.model.backend == "local":
+        out.append("precision.fp8 needs Transformer Engine layers; set model.backend=auto or te")
     if d.weights is not None and len(d.weights) != len(d.paths):
         out.append(f"data.weights has {len(d.weights)} entries for {len(d.paths)} data.paths; give one weight per path")
     if d.kind != "mock" and not d.paths:
@@ -211,7 +214,7 @@ def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str
     if not problems and profile.gpus_per_node > 0:  # then Megatron-Core's own checks, as the nodes will run them
         from mcorekit.train.megatron_args import megatron_problems
 
-        problems = megatron_problems(exp, model, use_te=profile.transformer_engine)
+        problems = megatron_problems(exp, model, use_te=profile.transformer_engine and exp.model.backend != "local")
     if problems:
         raise LayoutError(f"invalid layout ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - " + "\n  - ".join(problems))
     warnings: list[str] = []

@@ -4,6 +4,7 @@ uninterrupted losses, and an HF-converted checkpoint starts at the HF model's lo
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -49,16 +50,32 @@ def test_fp8_trains(tmp_path: Path, recipe: str) -> None:
     assert m[-1]["loss"] < m[0]["loss"] - 0.5
 
 
-def test_moe_grouped_gemm_trains(tmp_path: Path) -> None:
-    cfg = {**BASE, "model": {"preset": "mixtral-tiny", "overrides": {"hidden_size": 256, "num_attention_heads": 8,
-           "num_query_groups": 4, "kv_channels": 32, "num_experts": 8, "moe_ffn_hidden_size": 256, "vocab_size": 512}},
-           "moe": {"grouped_gemm": True, "dispatcher": "alltoall"}}
-    m = run(tmp_path, "moe", cfg)
+MOE = {**BASE, "model": {"preset": "mixtral-tiny", "overrides": {"hidden_size": 256, "num_attention_heads": 8,
+       "num_query_groups": 4, "kv_channels": 32, "num_experts": 8, "moe_ffn_hidden_size": 256, "vocab_size": 512}},
+       "moe": {"grouped_gemm": True, "dispatcher": "alltoall"}}
+
+
+def test_moe_grouped_gemm_trains_and_logs_expert_load(tmp_path: Path) -> None:
+    m = run(tmp_path, "moe", MOE)
+    assert m[-1]["loss"] < m[0]["loss"] - 0.5
+    # every token goes to top-2 of 8 experts in each of the 4 layers: 8 sequences x 256 tokens x 2 per step
+    for x in m:
+        assert sorted(x["expert_tokens"]) == ["1", "2", "3", "4"]
+        assert all(len(c) == 8 and sum(c) == 8 * 256 * 2 for c in x["expert_tokens"].values())
+        assert x["expert_imbalance_max"] >= 1.0
+    print("expert load, last step:", m[-1]["expert_imbalance"])
+
+
+def test_moe_shared_expert_and_aux_loss_free_balancing(tmp_path: Path) -> None:
+    cfg = {**MOE, "moe": {**MOE["moe"], "shared_expert_ffn": 256, "expert_bias": True, "router_fusion": True}}
+    m = run(tmp_path, "moe-shared", cfg)
     assert m[-1]["loss"] < m[0]["loss"] - 0.5
 
 
-def test_signal_save_resume_reproduces_losses(tmp_path: Path) -> None:
-    cfg = {**BASE, "schedule": {**BASE["schedule"], "train_iters": 20}}
+@pytest.mark.parametrize("async_save", [False, True])
+def test_signal_save_resume_reproduces_losses(tmp_path: Path, async_save: bool) -> None:
+    cfg = {**BASE, "schedule": {**BASE["schedule"], "train_iters": 20},
+           "checkpoint": {**BASE["checkpoint"], "async_save": async_save, "save_interval": 4}}
     full = run(tmp_path, "full", cfg)
     first = run(tmp_path, "interrupted", cfg, stop_at=10, expect=3)  # USR2 after step 10: save at 10, exit
     assert [x["step"] for x in first] == list(range(1, 11))
@@ -101,3 +118,91 @@ def test_hf_converted_checkpoint_starts_at_hf_loss(tmp_path: Path) -> None:
     hf_loss = sum(losses) / 2
     print(f"megatron first-step loss {m[0]['loss']:.6f}, HF loss on the same batch {hf_loss:.6f}")
     assert abs(m[0]["loss"] - hf_loss) < 1e-3 * hf_loss
+
+
+def test_fp16_with_dynamic_loss_scaling(tmp_path: Path) -> None:
+    m = run(tmp_path, "fp16", {**BASE, "precision": {"dtype": "fp16"}})
+    assert m[-1]["loss"] < m[0]["loss"] - 0.5
+    scales = [x["loss_scale"] for x in m]
+    assert all(s > 0 and math.log2(s) == int(math.log2(s)) for s in scales)  # powers of two, from 2^16 down
+    print("fp16 loss scales:", sorted(set(scales)), "skipped steps:", m[-1]["skipped_steps"])
+
+
+def test_local_backend_with_sdpa_trains(tmp_path: Path) -> None:
+    m = run(tmp_path, "local", {**BASE, "model": {**BASE["model"], "backend": "local"}})
+    assert m[-1]["loss"] < m[0]["loss"] - 0.5
+
+
+def test_full_recompute_same_losses_less_memory(tmp_path: Path) -> None:
+    cfg = {**BASE, "schedule": {**BASE["schedule"], "train_iters": 8}}
+    plain = run(tmp_path, "plain", cfg)
+    full = run(tmp_path, "full", {**cfg, "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}})
+    sel = run(tmp_path, "selective", {**cfg, "recompute": {"granularity": "selective", "modules": ["core_attn", "mlp"]}})
+    print("peak memory GB: plain", plain[-1]["mem_gb"], "selective", sel[-1]["mem_gb"], "full", full[-1]["mem_gb"])
+    for other in (full, sel):
+        for a, b in zip(plain, other):
+            assert abs(a["loss"] - b["loss"]) < 2e-3 * a["loss"], (a, b)
+    assert full[-1]["mem_gb"] < plain[-1]["mem_gb"] and sel[-1]["mem_gb"] < plain[-1]["mem_gb"]
+
+
+def test_tensorboard_has_the_logged_metrics(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = {**BASE, "schedule": {**BASE["schedule"], "train_iters": 6}, "logging": {"log_interval": 2, "tensorboard": True}}
+    m = run(tmp_path, "tb", cfg)
+    acc = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
+    acc.Reload()
+    losses = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert [s for s, _ in losses] == [2, 4, 6]
+    assert [round(v, 4) for _, v in losses] == [round(x["loss"], 4) for x in m]
+    assert {"grad_norm", "lr", "tokens_per_s", "mfu", "mem_gb"} <= set(acc.Tags()["scalars"])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hf_models import make_tokenizer
+
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_indexed_blend_trains(tmp_path: Path, tokenizer: Path) -> None:
+    from test_train_data import write_corpus
+
+    from mcorekit.train.data.preprocess import preprocess
+
+    prefixes = []
+    for name, seed in (("a", 1), ("b", 2)):
+        write_corpus(tmp_path / f"{name}.jsonl", 2000, seed=seed)
+        preprocess([str(tmp_path / f"{name}.jsonl")], str(tokenizer), str(tmp_path / name), quiet=True)
+        prefixes.append(str(tmp_path / name))
+    cfg = {**BASE, "data": {"kind": "indexed", "paths": prefixes, "weights": [0.7, 0.3], "seq_length": 256, "seed": 3}}
+    m = run(tmp_path, "indexed", cfg)
+    assert m[-1]["loss"] < m[0]["loss"] - 0.5  # from ln(512) toward the corpus' word entropy
+
+
+def sft_config(tmp_path: Path, tokenizer: Path, packing: bool) -> dict:
+    from test_train_data import sft_file
+
+    path = sft_file(tmp_path / "sft.jsonl", 400, seed=5)
+    return {**BASE, "data": {"kind": "sft", "paths": [str(path)], "tokenizer": str(tokenizer), "seq_length": 256,
+                             "packing": packing, "seed": 3},
+            "schedule": {**BASE["schedule"], "micro_batch_size": 1 if packing else 4, "global_batch_size": 8}}
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_sft_trains(tmp_path: Path, tokenizer: Path, packing: bool) -> None:
+    m = run(tmp_path, "sft", sft_config(tmp_path, tokenizer, packing))
+    assert m[-1]["loss"] < m[0]["loss"] - 0.5
+
+
+def test_packed_attention_stays_within_examples(tmp_path: Path, tokenizer: Path) -> None:
+    cfg = sft_config(tmp_path, tokenizer, packing=True)
+    (tmp_path / "pack.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, str(HERE / "gpu_packing_driver.py"), str(tmp_path / "pack.yaml"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads([x for x in proc.stdout.splitlines() if x.startswith("PACKING ")][-1][8:])
+    print("per-token loss differences vs each example alone:", result)
+    assert result["segments"] >= 2
+    assert result["leaky"] > 0.1  # the control: attention across examples changes the losses visibly
+    assert result["packed"] < 0.05 and result["packed"] < result["leaky"] / 10

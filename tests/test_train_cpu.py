@@ -1,6 +1,10 @@
-"""train/ on CPU: the FLOP formula against hand-computed values (dense and MoE), and refusal of unbuilt options."""
+"""train/ on CPU: the FLOP formula against hand-computed values (dense and MoE), the mapping of every experiment
+option onto Megatron-Core's own config objects (constructed for real, so their checks run), the schedules, and
+the launcher asking Megatron-Core before it queues."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -39,5 +43,149 @@ def test_train_refuses_options_it_does_not_implement() -> None:
     from mcorekit.train.build import refuse_unbuilt
 
     refuse_unbuilt(load_experiment("examples/llama-tiny.yaml"))  # the defaults are all built
-    with pytest.raises(NotBuiltError, match="data.kind=indexed.*checkpoint.async_save=true"):
-        refuse_unbuilt(load_experiment("examples/llama-tiny.yaml", ["data.kind=indexed", "checkpoint.async_save=true"]))
+    with pytest.raises(NotBuiltError, match="data.dynamic_batching"):
+        refuse_unbuilt(load_experiment("examples/llama-tiny.yaml", ["data.dynamic_batching=true"]))
+
+
+# ---------------------------------------------------------------- experiment -> Megatron-Core config, per feature
+
+
+def exp(*overrides: str) -> Any:
+    from mcorekit.launch.config import load_experiment
+
+    return load_experiment("examples/llama-tiny.yaml", list(overrides))
+
+
+def tcfg(e: Any, use_te: bool = True, moe: bool = False) -> Any:
+    """The TransformerConfig train/ builds, constructed on CPU (fusions off: their checks import TE)."""
+    from mcorekit.models.spec import resolve
+    from mcorekit.train.megatron_args import transformer_config
+
+    spec = resolve("mixtral-tiny" if moe else e.model.preset, None, e.model.overrides)
+    return transformer_config(e, spec, use_te, fusions=False)
+
+
+def test_fusions_follow_transformer_engine() -> None:
+    from mcorekit.models.spec import resolve
+    from mcorekit.train.megatron_args import transformer_kwargs
+
+    spec = resolve("llama-tiny", None, {})
+    on, off = transformer_kwargs(exp(), spec, use_te=True), transformer_kwargs(exp(), spec, use_te=False)
+    for key in ("bias_activation_fusion", "apply_rope_fusion", "masked_softmax_fusion", "cross_entropy_loss_fusion"):
+        assert on[key] is True and off[key] is False, key
+    assert on["cross_entropy_fusion_impl"] == "native"  # TE's variant is known unstable; Megatron-LM rejects it
+
+
+@pytest.mark.parametrize("recipe,fmt", [("delayed", "hybrid"), ("tensorwise", "e4m3"), ("blockwise", "e4m3"), ("mxfp8", "e4m3")])
+def test_fp8_recipes(recipe: str, fmt: str) -> None:
+    c = tcfg(exp(f"precision.fp8={recipe}"))
+    assert (c.fp8, c.fp8_recipe, c.fp8_param) == (fmt, recipe, False)
+    c = tcfg(exp(f"precision.fp8={recipe}", "precision.fp8_params=true"))
+    assert c.fp8_param is True
+    from mcorekit.train.megatron_args import ddp_config
+
+    assert ddp_config(exp(f"precision.fp8={recipe}", "precision.fp8_params=true")).fp8_param_gather is True
+
+
+def test_precision_dtypes_and_fp16_loss_scaling() -> None:
+    import torch
+
+    from mcorekit.train.megatron_args import optimizer_config
+
+    c = tcfg(exp())
+    assert c.bf16 and not c.fp16 and c.params_dtype == torch.bfloat16 and c.fp8 is None
+    o = optimizer_config(exp())
+    assert o.bf16 and not o.fp16
+    o = optimizer_config(exp("precision.dtype=fp16"))
+    assert o.fp16 and not o.bf16 and o.loss_scale is None and o.initial_loss_scale == 2.0**16  # dynamic
+    assert tcfg(exp("precision.dtype=fp16")).fp16
+    assert optimizer_config(exp("precision.dtype=fp16", "precision.loss_scale=128")).loss_scale == 128.0  # static
+
+
+def test_moe_options() -> None:
+    c = tcfg(exp(), moe=True)
+    assert (c.num_moe_experts, c.moe_router_topk, c.moe_grouped_gemm, c.moe_token_dispatcher_type) == (4, 2, True, "alltoall")
+    assert c.moe_router_load_balancing_type == "aux_loss" and c.moe_aux_loss_coeff == 1e-2
+    c = tcfg(exp("moe.expert_bias=true"), moe=True)
+    assert c.moe_router_enable_expert_bias and c.moe_router_load_balancing_type == "none"
+    assert c.moe_router_score_function == "sigmoid" and c.moe_aux_loss_coeff == 0.0
+    c = tcfg(exp("moe.capacity_factor=1.25"), moe=True)
+    assert c.moe_expert_capacity_factor == 1.25 and c.moe_token_drop_policy == "probs"
+    c = tcfg(exp("moe.shared_expert_ffn=96", "moe.shared_expert_overlap=true"), moe=True)
+    assert c.moe_shared_expert_intermediate_size == 96 and c.moe_shared_expert_overlap
+    c = tcfg(exp("moe.grouped_gemm=false", "moe.dispatcher=allgather", "moe.aux_loss_coeff=0.001"), moe=True)
+    assert not c.moe_grouped_gemm and c.moe_token_dispatcher_type == "allgather" and c.moe_aux_loss_coeff == 0.001
+    assert not tcfg(exp(), use_te=False, moe=True).moe_grouped_gemm  # grouped GEMM is TE's GroupedLinear
+    c = tcfg(exp("parallel.ep=2", "moe.a2a_overlap=true"), moe=True)
+    assert c.overlap_moe_expert_parallel_comm and c.expert_model_parallel_size == 2
+
+
+def test_recompute_and_offloading() -> None:
+    c = tcfg(exp("recompute.granularity=selective"))
+    assert c.recompute_granularity == "selective" and c.recompute_modules == ["core_attn"]
+    c = tcfg(exp("recompute.granularity=selective", "recompute.modules=[core_attn,mlp,layernorm]"))
+    assert c.recompute_modules == ["core_attn", "mlp", "layernorm"]
+    c = tcfg(exp("recompute.granularity=full", "recompute.method=block", "recompute.num_layers=2"))
+    assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == ("full", "block", 2)
+    c = tcfg(exp("recompute.offload_layers=1"))
+    assert c.cpu_offloading and c.cpu_offloading_num_layers == 1 and c.cpu_offloading_activations
+    assert tcfg(exp()).recompute_granularity is None and not tcfg(exp()).cpu_offloading
+
+
+def test_parallel_and_overlap_options() -> None:
+    from mcorekit.train.megatron_args import ddp_config, optimizer_config
+
+    c = tcfg(exp("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.vpp=2", "parallel.cp=2",
+                 "optimizer.tp_comm_overlap=true"))
+    assert (c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size,
+            c.context_parallel_size, c.sequence_parallel, c.tp_comm_overlap) == (2, 2, 2, 2, True, True)
+    d = ddp_config(exp())
+    assert d.use_distributed_optimizer and d.overlap_grad_reduce and d.overlap_param_gather and d.average_in_collective
+    assert d.grad_reduce_in_fp32 and d.bucket_size == 40_000_000 and d.check_for_nan_in_grad
+    d = ddp_config(exp("optimizer.distributed=false", "optimizer.overlap_param_gather=false", "optimizer.bucket_size=null"))
+    assert not d.use_distributed_optimizer and not d.overlap_param_gather and d.bucket_size is None
+    o = optimizer_config(exp("optimizer.lr=0.001", "optimizer.clip_grad=0.5", "optimizer.weight_decay=0.05"))
+    assert (o.optimizer, o.lr, o.clip_grad, o.weight_decay, o.use_distributed_optimizer) == ("adam", 0.001, 0.5, 0.05, True)
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "wsd", "constant"])
+def test_schedules(decay: str) -> None:
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from mcorekit.train.megatron_args import scheduler_kwargs
+
+    e = exp(f"schedule.decay={decay}", "schedule.train_iters=100", "schedule.warmup_iters=10", "optimizer.lr=1.0",
+            "optimizer.min_lr=0.1", "schedule.global_batch_size=8")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    sched = OptimizerParamScheduler(opt, **scheduler_kwargs(e))
+    lrs = []
+    for _ in range(100):
+        sched.step(increment=8)
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs[4] == pytest.approx(0.5) and lrs[9] == pytest.approx(1.0)  # linear warmup over 10 steps
+    mid, end = lrs[54], lrs[99]
+    expected = {"cosine": (0.55, 0.1), "linear": (0.55, 0.1), "wsd": (1.0, 0.1), "constant": (1.0, 1.0)}[decay]
+    assert (mid, end) == pytest.approx(expected, abs=0.03)
+    if decay == "wsd":  # flat until the last fifth, then down to min_lr
+        assert lrs[79] == pytest.approx(1.0) and lrs[89] < 0.9
+
+
+def test_launcher_runs_megatron_core_checks() -> None:
+    from mcorekit.errors import LayoutError
+    from mcorekit.launch.config import load_profile
+    from mcorekit.launch.layout import check
+
+    h100 = load_profile("example-h100")
+    gbs = "schedule.global_batch_size=64"
+    with pytest.raises(LayoutError, match="Megatron-Core rejects the configuration: Invalid choices for recompute_modules"):
+        check(exp(gbs, "recompute.granularity=selective", "recompute.modules=[attention]"), h100)
+    with pytest.raises(LayoutError, match="CPU offloading does not work when activation recomputation is enabled"):
+        check(exp(gbs, "recompute.granularity=full", "recompute.offload_layers=1"), h100)
+    with pytest.raises(LayoutError, match="schedule.micro_batch_size=1"):
+        check(exp(gbs, "data.kind=sft", "data.paths=[x.jsonl]", "data.packing=true", "schedule.micro_batch_size=2"), h100)
+    with pytest.raises(LayoutError, match="moe.a2a_overlap .* needs parallel.ep > 1"):
+        check(exp(gbs, "moe.a2a_overlap=true"), h100)
+    with pytest.raises(LayoutError, match="precision.loss_scale applies to fp16 only"):
+        check(exp(gbs, "precision.loss_scale=128"), h100)
+    check(exp(gbs, "precision.dtype=fp16", "precision.loss_scale=128", "recompute.granularity=selective"), h100)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mcorekit.errors import NotBuiltError
+from mcorekit.errors import ConfigError, NotBuiltError
 from mcorekit.launch.config import Experiment
 from mcorekit.launch.env import DistEnv, init_process_group
 from mcorekit.models.megatron import build_gpt, te_available
@@ -54,6 +54,21 @@ def refuse_unbuilt(exp: Experiment) -> None:
         raise NotBuiltError("not built yet in train/: " + "; ".join(unbuilt))
 
 
+def use_transformer_engine(exp: Experiment) -> bool:
+    backend = exp.model.backend
+    if backend == "auto":
+        backend = "te" if te_available() else "local"
+    needs = [what for what, on in (("precision.fp8", exp.precision.fp8), ("data.packing", exp.data.packing),
+                                   ("recompute.offload_layers", exp.recompute.offload_layers)) if on]
+    if backend == "local" and needs:
+        raise ConfigError(f"{', '.join(needs)} need{'s' if len(needs) == 1 else ''} Transformer Engine, but the model "
+                          f"uses the local backend (model.backend={exp.model.backend}); use model.backend=te")
+    if backend == "te" and not te_available():
+        raise ConfigError("model.backend=te but Transformer Engine is not importable on this node "
+                          "(pip install mcorekit[gpu]); or set model.backend=local")
+    return backend == "te"
+
+
 def build(exp: Experiment) -> Trainer:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -64,9 +79,7 @@ def build(exp: Experiment) -> Trainer:
     refuse_unbuilt(exp)
     env = init_distributed(exp)
     spec = resolve(exp.model.preset, exp.model.hf_config, exp.model.overrides)
-    use_te = te_available()
-    if exp.precision.fp8 and not use_te:
-        raise RuntimeError("precision.fp8 needs Transformer Engine, which is not importable on this node")
+    use_te = use_transformer_engine(exp)
     config = margs.transformer_config(exp, spec, use_te)
     if config.tp_comm_overlap:
         _init_tp_comm_overlap(exp, spec)

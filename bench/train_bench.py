@@ -1,0 +1,154 @@
+"""Training throughput on one GPU: mcorekit's Megatron-Core loop next to HF transformers training the same shape,
+in one run (same GPU, same sequence length, micro-batch and global batch).
+
+    python bench/train_bench.py [--shape dense|moe|all] [--steps 16] [--out DIR] [--runs hf-bf16,bf16,fp8-tensorwise]
+
+Shapes: `dense` is the 0.89B Llama shape (16 x 2048, GQA 16/8, SwiGLU 5632, vocab 32768) at seq 2048, micro-batch
+8; `moe` the 8-expert top-2 shape (16 x 2048, expert FFN 1408) at seq 2048, micro-batch 4. Global batch: 8
+micro-batches (gradient accumulation in both). Each run is its own process:
+  hf-bf16            transformers (SDPA attention, bf16 weights, fused torch AdamW), a plain loop
+  bf16, fp8-*        `python -m mcorekit.train` (the real entry) on mock data; fp8-* names the TE recipe
+Tokens/s is the median over the logged intervals after the first (the first holds start-up and warm-up);
+MFU uses Megatron's FLOP formula and the H200's dense bf16 peak (989 TFLOP/s) for every row, FP8 included.
+Prints a Markdown table and writes results.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+SHAPES = {
+    "dense": {"preset": "llama-0.9b", "mbs": 8},
+    "moe": {"preset": "moe-8x-1.4b", "mbs": 4},
+}
+SEQ = 2048
+MICRO_BATCHES = 8
+PEAK = 989.0
+DEFAULT_RUNS = ["hf-bf16", "bf16", "fp8-tensorwise", "fp8-delayed"]
+
+
+def mcore_run(shape: str, run: str, steps: int, out: Path, extra: list[str]) -> dict:
+    s = SHAPES[shape]
+    run_dir = out / f"{shape}-{run}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    cfg = {"name": f"bench-{shape}-{run}", "model": {"preset": s["preset"]},
+           "precision": {"dtype": "bf16", "fp8": run.removeprefix("fp8-") if run.startswith("fp8-") else None},
+           "data": {"kind": "mock", "seq_length": SEQ},
+           "schedule": {"train_iters": steps, "warmup_iters": 1, "micro_batch_size": s["mbs"],
+                        "global_batch_size": s["mbs"] * MICRO_BATCHES},
+           "checkpoint": {"save_interval": 10**6, "dir": str(run_dir / "ckpt")}, "logging": {"log_interval": 2}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29571", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    cmd = [sys.executable, "-m", "mcorekit.train", "--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir),
+           *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        return {"shape": shape, "run": run, "error": (proc.stdout + proc.stderr)[-1500:]}
+    m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = m[1:] or m
+    tps = statistics.median(x["tokens_per_s"] for x in steady)
+    return {"shape": shape, "run": run, "tokens_per_s": tps, "mfu": statistics.median(x["mfu"] for x in steady),
+            "mem_gb": max(x["mem_gb"] for x in m), "loss_first": m[0]["loss"], "loss_last": m[-1]["loss"]}
+
+
+HF_WORKER = r"""
+import json, statistics, sys, time, torch, transformers
+from mcorekit.models.spec import resolve
+from mcorekit.train.data import batches
+from mcorekit.train.data.mock import MockDataset
+from mcorekit.train.flops import train_flops_per_token
+preset, mbs, micro, steps, seq, peak = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+spec = resolve(preset, None, {})
+common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+              num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_query_groups,
+              head_dim=spec.kv_channels, max_position_embeddings=spec.max_position_embeddings,
+              rms_norm_eps=spec.norm_epsilon, tie_word_embeddings=False)
+if spec.is_moe:
+    cfg = transformers.MixtralConfig(**common, intermediate_size=spec.moe_ffn_hidden_size, num_local_experts=spec.num_experts,
+                                     num_experts_per_tok=spec.moe_router_topk, router_aux_loss_coef=0.0)
+else:
+    cfg = transformers.LlamaConfig(**common, intermediate_size=spec.ffn_hidden_size)
+cfg._attn_implementation = "sdpa"
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+data = batches(MockDataset(1234, spec.vocab_size, seq), mbs, 0, 0, 1)
+flops = train_flops_per_token(spec, seq, spec.vocab_size) * mbs * micro * seq
+times, losses = [], []
+for step in range(steps):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(micro):
+        b = next(data)
+        loss = model(input_ids=b["tokens"], labels=b["tokens"]).loss / micro  # HF shifts the labels itself
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step(); opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(); times.append(time.perf_counter() - t); losses.append(loss.item() * micro)
+steady = times[2:]
+tps = mbs * micro * seq / statistics.median(steady)
+print("RESULT " + json.dumps({"tokens_per_s": tps, "mfu": flops / statistics.median(steady) / 1e12 / peak,
+      "mem_gb": torch.cuda.max_memory_allocated() / 1e9, "loss_first": losses[0], "loss_last": losses[-1]}))
+"""
+
+
+def hf_run(shape: str, steps: int) -> dict:
+    s = SHAPES[shape]
+    proc = subprocess.run([sys.executable, "-c", HF_WORKER, s["preset"], str(s["mbs"]), str(MICRO_BATCHES), str(steps),
+                           str(SEQ), str(PEAK)], capture_output=True, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        return {"shape": shape, "run": "hf-bf16", "error": (proc.stdout + proc.stderr)[-1500:]}
+    return {"shape": shape, "run": "hf-bf16", **json.loads(lines[-1][7:])}
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| shape | run | tokens/s | MFU | peak mem GB | vs HF bf16 | loss first -> last |", "|---|---|---|---|---|---|---|"]
+    hf = {r["shape"]: r.get("tokens_per_s") for r in results if r["run"] == "hf-bf16"}
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['shape']} | {r['run']} | failed: {r['error'].splitlines()[-1][:80]} | | | | |")
+            continue
+        base = hf.get(r["shape"])
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
+        rows.append(f"| {r['shape']} | {r['run']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['mfu'] * 100:.1f}% | "
+                    f"{r['mem_gb']:.1f} | {ratio} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["dense", "moe", "all"], default="all")
+    p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma-separated: hf-bf16, bf16, fp8-<recipe>")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--out", default="/tmp/mcorekit-train-bench")
+    p.add_argument("extra", nargs="*", help="key=value overrides for the mcorekit runs, e.g. moe.router_fusion=true")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for shape in (["dense", "moe"] if a.shape == "all" else [a.shape]):
+        for run in a.runs.split(","):
+            t = time.perf_counter()
+            r = hf_run(shape, a.steps) if run == "hf-bf16" else mcore_run(shape, run, a.steps, out, a.extra)
+            r["wall_s"] = round(time.perf_counter() - t, 1)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(table(results))
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
