@@ -64,7 +64,8 @@ class Saver:
             dist.barrier()
             self._finalize(path, step)
         else:
-            request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
+            # "mcore": Megatron-Core's own background writer (the default "nvrx" needs nvidia-resiliency-ext)
+            request = dist_checkpointing.save(state, str(path), async_sharded_save=True, async_strategy="mcore")
             request.add_finalize_fn(lambda: self._finalize(path, step))
             self.queue.schedule_async_request(request)
             if wait:
