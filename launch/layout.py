@@ -108,6 +108,8 @@ def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSp
                    "transformer_engine: true and model.backend auto or te")
     if exp.precision.fp8 and exp.model.backend == "local":
         out.append("precision.fp8 needs Transformer Engine layers; set model.backend=auto or te")
+    if d.packing and lay.cp > 1:
+        out.append("data.packing with parallel.cp > 1 is not built (examples would need padding to 2*CP); use cp=1")
     if d.weights is not None and len(d.weights) != len(d.paths):
         out.append(f"data.weights has {len(d.weights)} entries for {len(d.paths)} data.paths; give one weight per path")
     if d.kind != "mock" and not d.paths:
