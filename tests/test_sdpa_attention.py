@@ -5,19 +5,19 @@ fp32 reference, and drops into the local layer spec."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
 
 @pytest.fixture(scope="module")
-def model_parallel():  # one gloo rank: what Megatron's modules need to look up their (size-1) TP group
+def model_parallel(tmp_path_factory: pytest.TempPathFactory):  # one gloo rank: Megatron's modules look up their TP group
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29547")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # a file store, not MASTER_PORT in os.environ: that would leak into the Slurm jobs later tests submit
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     ps.initialize_model_parallel()
     yield
     ps.destroy_model_parallel()

@@ -57,7 +57,7 @@ class Saver:
             path.mkdir(parents=True)
         dist.barrier()
         model_sd = _model_state(chunks)
-        state = {**model_sd, "optimizer": optimizer.sharded_state_dict(_merged(model_sd), metadata=SHARDING),
+        state = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=SHARDING),
                  "scheduler": scheduler.state_dict(), "iteration": step}
         if self.queue is None:
             dist_checkpointing.save(state, str(path))
@@ -104,12 +104,6 @@ def _model_state(chunks: list[Any]) -> dict[str, Any]:
     return sds[0] if len(sds) == 1 else {f"model{i}": sd for i, sd in enumerate(sds)}
 
 
-def _merged(model_sd: dict[str, Any]) -> dict[str, Any]:
-    if not any(k.startswith("model") and isinstance(v, dict) and k[5:].isdigit() for k, v in model_sd.items()):
-        return model_sd
-    return {f"{k}.{kk}": vv for k, v in model_sd.items() for kk, vv in v.items()}
-
-
 def load(path: Path, chunks: list[Any], optimizer: Any | None, scheduler: Any | None) -> int:
     """Load into the model (and optimizer/scheduler unless fine-tuning); returns the step to continue from."""
     from megatron.core import dist_checkpointing
@@ -120,8 +114,7 @@ def load(path: Path, chunks: list[Any], optimizer: Any | None, scheduler: Any | 
         state = dist_checkpointing.load(model_sd, str(path), strict=StrictHandling.LOG_UNEXPECTED)
         _load_model(chunks, state)
         return 0
-    sharded = {**model_sd, "optimizer": optimizer.sharded_state_dict(_merged(model_sd), is_loading=True,
-                                                                      metadata=SHARDING)}
+    sharded = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=SHARDING)}
     state = dist_checkpointing.load(sharded, str(path))
     optimizer_state = state.pop("optimizer")
     _load_model(chunks, state)
