@@ -189,3 +189,14 @@ def test_launcher_runs_megatron_core_checks() -> None:
     with pytest.raises(LayoutError, match="precision.loss_scale applies to fp16 only"):
         check(exp(gbs, "precision.loss_scale=128"), h100)
     check(exp(gbs, "precision.dtype=fp16", "precision.loss_scale=128", "recompute.granularity=selective"), h100)
+
+
+def test_entry_rejects_a_bad_config_in_one_line() -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mcorekit.train", "--config", "examples/llama-tiny.yaml", "data.knd=sft"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == ("mcorekit.train: error: override 'data.knd=sft': unknown key "
+                                                  "'data.knd'; did you mean 'kind'?")

@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from mcorekit.errors import MCoreKitError
 from mcorekit.launch.config import load_experiment
 
 
@@ -18,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU peak for MFU (H100/H200 bf16: 989)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    exp = load_experiment(a.config, a.overrides)
+    try:
+        exp = load_experiment(a.config, a.overrides)
+    except MCoreKitError as e:  # a bad config: one line that says what to change, before any GPU work
+        print(f"mcorekit.train: error: {e}", file=sys.stderr)
+        return 2
     run_dir = Path(a.run_dir or Path(a.config).resolve().parent)
     run_dir.mkdir(parents=True, exist_ok=True)
     from mcorekit.train.loop import train
