@@ -31,6 +31,7 @@ def allreduce_check() -> dict[str, Any]:
         "backend": backend,
         "host": socket.gethostname(),
         "env_source": d.source,
+        "master_port": d.master_port,
     }
     dist.destroy_process_group()
     return result

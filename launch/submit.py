@@ -24,6 +24,7 @@ GPU_ENV = {
     "NCCL_DEBUG": "WARN",
 }
 COMMON_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 REGISTRY = "jobs.jsonl"
 
@@ -75,7 +76,11 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
         if not ENV_KEY_RE.match(key):
             raise ConfigError(f"environment variable name {key!r} is not a valid shell identifier")
         _checked(str(value), f"environment value of {key}")
-    setup = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()] + list(profile.setup)
+    # sbatch passes the submitting shell's environment on: rendezvous variables left there by a torchrun or
+    # an interactive session would pin every job to one port (jobs sharing a node collide) or to wrong ranks.
+    # Ranks and ports come from SLURM_* and the job id; a profile or job that sets them still wins below.
+    setup = [f"unset {' '.join(INHERITED_RENDEZVOUS)}"]
+    setup += [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()] + list(profile.setup)
 
     srun_args = []
     if profile.container.image:

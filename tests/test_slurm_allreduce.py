@@ -9,13 +9,17 @@ import pytest
 
 from mcorekit.launch.accounting import wait_final
 from mcorekit.launch.config import load_profile
+from mcorekit.launch.env import port_for_job
 from mcorekit.launch.smoke import allreduce_check
 from mcorekit.launch.submit import REGISTRY, JobSpec, submit
 
 pytestmark = pytest.mark.slurm
 
 
-def test_two_task_gloo_allreduce_completes(tmp_path: Path) -> None:
+def test_two_task_gloo_allreduce_completes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rendezvous variables in the submitting shell (here: a stale torchrun's) must not reach the job.
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setenv("RANK", "5")
     profile = load_profile("local")
     assert profile.tasks_per_node == 2
     spec = JobSpec(name="test-allreduce", run_dir=tmp_path / "allreduce", time="00:05:00")
@@ -26,6 +30,7 @@ def test_two_task_gloo_allreduce_completes(tmp_path: Path) -> None:
     assert all(r["world_size"] == 2 for r in results)
     assert all(r["sum"] == 3.0 for r in results)  # (0 + 1) + (1 + 1)
     assert all(r["backend"] == "gloo" and r["env_source"] == "slurm" for r in results)
+    assert all(r["master_port"] == port_for_job(job.job_id) for r in results)
 
     record = wait_final(job.job_id, timeout_s=120)
     assert record.state == "COMPLETED"
