@@ -200,3 +200,17 @@ def test_entry_rejects_a_bad_config_in_one_line() -> None:
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == ("mcorekit.train: error: override 'data.knd=sft': unknown key "
                                                   "'data.knd'; did you mean 'kind'?")
+
+
+def test_fp8_recipes_need_their_gpu_generation() -> None:
+    from mcorekit.errors import ConfigError
+    from mcorekit.train.build import check_fp8_support
+
+    for recipe in ("delayed", "tensorwise", "blockwise"):
+        check_fp8_support(recipe, (9, 0))  # H100/H200
+    check_fp8_support("mxfp8", (10, 0))
+    check_fp8_support(None, (7, 0))
+    with pytest.raises(ConfigError, match=r"mxfp8 needs Blackwell .* this GPU is 9.0; on Hopper use delayed"):
+        check_fp8_support("mxfp8", (9, 0))
+    with pytest.raises(ConfigError, match=r"tensorwise needs Ada/Hopper .* this GPU is 8.0"):
+        check_fp8_support("tensorwise", (8, 0))  # A100

@@ -69,6 +69,18 @@ def use_transformer_engine(exp: Experiment) -> bool:
     return backend == "te"
 
 
+def check_fp8_support(recipe: str | None, capability: tuple[int, int]) -> None:
+    """FP8 needs Hopper (sm90) or newer; MXFP8 needs Blackwell (sm100). Fail before building anything."""
+    if recipe is None:
+        return
+    need = (10, 0) if recipe == "mxfp8" else (8, 9)
+    if capability < need:
+        gpu = "Blackwell (compute capability 10.0)" if recipe == "mxfp8" else "Ada/Hopper (8.9/9.0)"
+        hint = "; on Hopper use delayed, tensorwise or blockwise" if recipe == "mxfp8" else ""
+        raise ConfigError(f"precision.fp8={recipe} needs {gpu} or newer; this GPU is "
+                          f"{capability[0]}.{capability[1]}{hint}")
+
+
 def build(exp: Experiment) -> Trainer:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -80,6 +92,7 @@ def build(exp: Experiment) -> Trainer:
     env = init_distributed(exp)
     spec = resolve(exp.model.preset, exp.model.hf_config, exp.model.overrides)
     use_te = use_transformer_engine(exp)
+    check_fp8_support(exp.precision.fp8, torch.cuda.get_device_capability())
     config = margs.transformer_config(exp, spec, use_te)
     if config.tp_comm_overlap:
         _init_tp_comm_overlap(exp, spec)
