@@ -20,9 +20,9 @@ from mcorekit.convert.architectures import ArchitectureMap, architecture_map, ch
 from mcorekit.convert.hf_io import HFReader, HFWriter, copy_assets
 from mcorekit.convert.mapping import EXPERT, GLOBAL, LAYER, Ctx, Mapping
 from mcorekit.errors import ConversionError, ModelError
+from mcorekit.models.megatron import DTYPES, padded_vocab_size  # noqa: F401  (DTYPES: the CLI's --dtype choices)
 from mcorekit.models.spec import ModelSpec, from_hf_config, load_hf_config
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"  # Megatron-LM's name for a checkpoint that did not come from a training step
 SIDECAR = "mcorekit.json"
@@ -52,10 +52,6 @@ def peak_rss_gb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
-
-
-def padded_vocab_size(vocab: int, divisible_by: int) -> int:
-    return -(-vocab // divisible_by) * divisible_by
 
 
 def spec_for(config: dict[str, Any]) -> ModelSpec:

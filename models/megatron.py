@@ -16,7 +16,13 @@ from mcorekit.errors import ModelError
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def padded_vocab_size(vocab: int, divisible_by: int) -> int:
+    """Megatron pads the vocabulary to a multiple of make-vocab-size-divisible-by (times TP in training)."""
+    return -(-vocab // divisible_by) * divisible_by
 
 
 def te_available() -> bool:

@@ -21,8 +21,7 @@ def rank_main(rank: int, world: int, hf: str, tp: int, pp: int, ep: int, vpp: in
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    from mcorekit.convert.pipeline import padded_vocab_size
-    from mcorekit.models.megatron import build_gpt, transformer_config
+    from mcorekit.models.megatron import build_gpt, padded_vocab_size, transformer_config
     from mcorekit.models.parallel import Layout
     from mcorekit.models.spec import from_hf_config, load_hf_config
 

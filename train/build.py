@@ -11,7 +11,7 @@ import torch
 from mcorekit.errors import ConfigError, NotBuiltError
 from mcorekit.launch.config import Experiment
 from mcorekit.launch.env import DistEnv, init_process_group
-from mcorekit.models.megatron import build_gpt, te_available
+from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size, te_available
 from mcorekit.models.spec import ModelSpec, resolve
 from mcorekit.train import megatron_args as margs
 
@@ -96,7 +96,7 @@ def build(exp: Experiment) -> Trainer:
     config = margs.transformer_config(exp, spec, use_te)
     if config.tp_comm_overlap:
         _init_tp_comm_overlap(exp, spec)
-    padded_vocab = -(-spec.vocab_size // (128 * exp.parallel.tp)) * 128 * exp.parallel.tp
+    padded_vocab = padded_vocab_size(spec.vocab_size, 128 * exp.parallel.tp)
     ddp_config = margs.ddp_config(exp)
     chunks = []
     for vp in range(exp.parallel.vpp or 1):
@@ -128,4 +128,4 @@ def _init_tp_comm_overlap(exp: Experiment, spec: ModelSpec) -> None:
 
     tokens = exp.data.seq_length * exp.schedule.micro_batch_size // exp.parallel.cp
     initialize_ub(shape=[tokens, spec.hidden_size], tp_size=exp.parallel.tp, use_fp8=exp.precision.fp8 is not None,
-                  dtype=margs.DTYPES[exp.precision.dtype])
+                  dtype=DTYPES[exp.precision.dtype])

@@ -5,19 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from mcorekit.launch.config import Experiment
-from mcorekit.models.parallel import Layout
+from mcorekit.launch.layout import layout_of
+from mcorekit.models.megatron import DTYPES
 from mcorekit.models.spec import ModelSpec
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DDP_BUCKET_DEFAULT = 40_000_000
-
-
-def layout(exp: Experiment) -> Layout:
-    p = exp.parallel
-    return Layout(p.tp, p.pp, p.cp, p.ep, p.etp, p.vpp, p.sequence_parallel)
 
 
 def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: bool = True) -> dict[str, Any]:
@@ -73,7 +64,7 @@ def _apex_wgrad_available() -> bool:
 def transformer_config(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: bool = True) -> Any:
     from mcorekit.models.megatron import transformer_config as base
 
-    return base(spec, layout(exp), params_dtype=DTYPES[exp.precision.dtype],
+    return base(spec, layout_of(exp), params_dtype=DTYPES[exp.precision.dtype],
                 **transformer_kwargs(exp, spec, use_te, fusions))
 
 

@@ -120,9 +120,10 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
             for batch in pool.imap(_tokenize, _batches(paths), chunksize=1):  # imap keeps input order
                 for doc in batch:
                     builder.add_document(doc, [doc.size])
-                    tokens += doc.size
+                batch_tokens = sum(d.size for d in batch)
+                tokens += batch_tokens
                 docs += len(batch)
-                bar.update(sum(d.size for d in batch))
+                bar.update(batch_tokens)
         builder.finalize(str(tmp[".idx"]))
         tmp[".json"].write_text(json.dumps({"tokenizer": str(tokenizer_dir), "eod": int(tok.eos_token_id),
                                             "vocab_size": vocab, "documents": docs, "tokens": tokens, "key": key}))

@@ -47,8 +47,9 @@ def tokenize_chat(tok: Any, messages: list[dict[str, str]]) -> Example:
         if m.get("role") != "assistant":
             continue
         start = len(tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0
-        end = len(tok.apply_chat_template(messages[: i + 1], tokenize=False))
-        if text[:end] != tok.apply_chat_template(messages[: i + 1], tokenize=False):
+        prefix = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        end = len(prefix)
+        if not text.startswith(prefix):
             raise ConfigError("the tokenizer's chat template does not render conversations prefix by prefix; "
                               "loss masks cannot be placed")
         spans.append((start, end))
