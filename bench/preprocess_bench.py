@@ -18,7 +18,6 @@ import random
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 PY = sys.executable

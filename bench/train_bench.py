@@ -2,12 +2,16 @@
 in one run (same GPU, same sequence length, micro-batch and global batch).
 
     python bench/train_bench.py [--shape dense|moe|all] [--steps 16] [--out DIR] [--runs hf-bf16,bf16,fp8-tensorwise]
+                                [--gpus 1,2] [--multi parallel.ep=2 ...]
 
 Shapes: `dense` is the 0.89B Llama shape (16 x 2048, GQA 16/8, SwiGLU 5632, vocab 32768) at seq 2048, micro-batch
 8; `moe` the 8-expert top-2 shape (16 x 2048, expert FFN 1408) at seq 2048, micro-batch 4. Global batch: 8
 micro-batches (gradient accumulation in both). Each run is its own process:
   hf-bf16            transformers (SDPA attention, bf16 weights, fused torch AdamW), a plain loop
   bf16, fp8-*        `python -m mcorekit.train` (the real entry) on mock data; fp8-* names the TE recipe
+With --gpus 1,2 every mcorekit run is made on 1 and on 2 GPUs (torchrun on this node; data parallel, plus the
+--multi overrides, e.g. parallel.ep=2 for MoE), with 8 micro-batches per GPU per step (weak scaling); the table
+gives tokens/s per GPU and the scaling efficiency against the same run on one GPU.
 Tokens/s is the median over the logged intervals after the first (the first holds start-up and warm-up);
 MFU uses Megatron's FLOP formula and the H200's dense bf16 peak (989 TFLOP/s) for every row, FP8 included.
 Prints a Markdown table and writes results.json under --out.
@@ -36,30 +40,31 @@ PEAK = 989.0
 DEFAULT_RUNS = ["hf-bf16", "bf16", "fp8-tensorwise", "fp8-delayed"]
 
 
-def mcore_run(shape: str, run: str, steps: int, out: Path, extra: list[str]) -> dict:
+def mcore_run(shape: str, run: str, steps: int, out: Path, extra: list[str], gpus: int = 1) -> dict:
     s = SHAPES[shape]
-    run_dir = out / f"{shape}-{run}"
+    run_dir = out / f"{shape}-{run}-{gpus}gpu"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     cfg = {"name": f"bench-{shape}-{run}", "model": {"preset": s["preset"]},
            "precision": {"dtype": "bf16", "fp8": run.removeprefix("fp8-") if run.startswith("fp8-") else None},
            "data": {"kind": "mock", "seq_length": SEQ},
            "schedule": {"train_iters": steps, "warmup_iters": 1, "micro_batch_size": s["mbs"],
-                        "global_batch_size": s["mbs"] * MICRO_BATCHES},
+                        "global_batch_size": s["mbs"] * MICRO_BATCHES * gpus},
            "checkpoint": {"save_interval": 10**6, "dir": str(run_dir / "ckpt")}, "logging": {"log_interval": 2}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29571", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    cmd = [sys.executable, "-m", "mcorekit.train", "--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir),
-           *extra]
+    launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   f"--nproc-per-node={gpus}"]
+    cmd = [*launcher, "-m", "mcorekit.train", "--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode:
-        return {"shape": shape, "run": run, "error": (proc.stdout + proc.stderr)[-1500:]}
+        return {"shape": shape, "run": run, "gpus": gpus, "error": (proc.stdout + proc.stderr)[-1500:]}
     m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = m[1:] or m
     tps = statistics.median(x["tokens_per_s"] for x in steady)
-    return {"shape": shape, "run": run, "tokens_per_s": tps, "mfu": statistics.median(x["mfu"] for x in steady),
+    return {"shape": shape, "run": run, "gpus": gpus, "tokens_per_s": tps / gpus, "mfu": statistics.median(x["mfu"] for x in steady),
             "mem_gb": max(x["mem_gb"] for x in m), "loss_first": m[0]["loss"], "loss_last": m[-1]["loss"]}
 
 
@@ -114,16 +119,20 @@ def hf_run(shape: str, steps: int) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| shape | run | tokens/s | MFU | peak mem GB | vs HF bf16 | loss first -> last |", "|---|---|---|---|---|---|---|"]
+    rows = ["| shape | run | GPUs | tokens/s per GPU | MFU | peak mem GB | vs HF bf16 | scaling vs 1 GPU | loss first -> last |",
+            "|---|---|---|---|---|---|---|---|---|"]
     hf = {r["shape"]: r.get("tokens_per_s") for r in results if r["run"] == "hf-bf16"}
+    one = {(r["shape"], r["run"]): r.get("tokens_per_s") for r in results if r.get("gpus", 1) == 1}
     for r in results:
+        gpus = r.get("gpus", 1)
         if "error" in r:
-            rows.append(f"| {r['shape']} | {r['run']} | failed: {r['error'].splitlines()[-1][:80]} | | | | |")
+            rows.append(f"| {r['shape']} | {r['run']} | {gpus} | failed: {r['error'].splitlines()[-1][:80]} | | | | | |")
             continue
-        base = hf.get(r["shape"])
+        base, single = hf.get(r["shape"]), one.get((r["shape"], r["run"]))
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
-        rows.append(f"| {r['shape']} | {r['run']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['mfu'] * 100:.1f}% | "
-                    f"{r['mem_gb']:.1f} | {ratio} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+        scaling = f"{r['tokens_per_s'] / single * 100:.0f}%" if single and gpus > 1 else ""
+        rows.append(f"| {r['shape']} | {r['run']} | {gpus} | {r['tokens_per_s'] / 1e3:.1f}k | {r['mfu'] * 100:.1f}% | "
+                    f"{r['mem_gb']:.1f} | {ratio} | {scaling} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
     return "\n".join(rows)
 
 
@@ -132,6 +141,8 @@ def main() -> int:
     p.add_argument("--shape", choices=["dense", "moe", "all"], default="all")
     p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma-separated: hf-bf16, bf16, fp8-<recipe>")
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--gpus", default="1", help="comma-separated GPU counts for the mcorekit runs, e.g. 1,2")
+    p.add_argument("--multi", nargs="*", default=[], help="overrides for runs on more than one GPU, e.g. parallel.ep=2")
     p.add_argument("--out", default="/tmp/mcorekit-train-bench")
     p.add_argument("extra", nargs="*", help="key=value overrides for the mcorekit runs, e.g. moe.router_fusion=true")
     a = p.parse_args()
@@ -140,11 +151,13 @@ def main() -> int:
     results = []
     for shape in (["dense", "moe"] if a.shape == "all" else [a.shape]):
         for run in a.runs.split(","):
-            t = time.perf_counter()
-            r = hf_run(shape, a.steps) if run == "hf-bf16" else mcore_run(shape, run, a.steps, out, a.extra)
-            r["wall_s"] = round(time.perf_counter() - t, 1)
-            print(json.dumps(r), flush=True)
-            results.append(r)
+            for gpus in ([1] if run == "hf-bf16" else [int(g) for g in a.gpus.split(",")]):
+                t = time.perf_counter()
+                extra = a.extra + (a.multi if gpus > 1 else [])
+                r = hf_run(shape, a.steps) if run == "hf-bf16" else mcore_run(shape, run, a.steps, out, extra, gpus)
+                r["wall_s"] = round(time.perf_counter() - t, 1)
+                print(json.dumps(r), flush=True)
+                results.append(r)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(table(results))
     return 0 if all("error" not in r for r in results) else 1

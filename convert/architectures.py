@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcorekit.convert.mapping import EXPERT, GLOBAL, LAYER, QKV, Direct, GatedFC1, Mapping, TEModule, VocabRows
+from mcorekit.convert.mapping import EXPERT, GLOBAL, QKV, Direct, GatedFC1, Mapping, TEModule, VocabRows
 from mcorekit.errors import ConversionError
 from mcorekit.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from mcorekit.convert import torch_dist
-from mcorekit.convert.mapping import EXPERT, GLOBAL, LAYER, Ctx
+from mcorekit.convert.mapping import GLOBAL, LAYER, Ctx
 from mcorekit.errors import ConversionError
 from mcorekit.models.spec import ModelSpec
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 from mcorekit.convert.hf_io import HFReader, copy_assets
 from mcorekit.convert.pipeline import DTYPES, Summary, mcore_to_hf, spec_for, staged_output

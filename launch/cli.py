@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from mcorekit.errors import NotBuiltError
 from mcorekit.launch import api
 from mcorekit.launch import config as cfg
 from mcorekit.launch.submit import JobSpec, render, submit

@@ -1,4 +1,4 @@
-"""Run one single-GPU training in its own process (Megatron's global state is per process).
+"""Run one training in its own process(es) (Megatron's global state is per process).
 usage: gpu_train_driver.py CONFIG RUN_DIR [STOP_AT_STEP] [key=value ...]
 With STOP_AT_STEP > 0 the process sends itself SIGUSR2 after that step, as Slurm does before a time limit:
 the loop saves a checkpoint at the next step boundary and exits for requeue."""
@@ -10,11 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
-os.environ.setdefault("RANK", "0")
-os.environ.setdefault("WORLD_SIZE", "1")
-os.environ.setdefault("LOCAL_RANK", "0")
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", "29561")
+if "SLURM_PROCID" not in os.environ:  # a single process; under srun (tests/slurm_shim) ranks come from SLURM_*
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
 
 from mcorekit.launch.config import load_experiment  # noqa: E402
 from mcorekit.train.loop import train  # noqa: E402

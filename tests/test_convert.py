@@ -17,7 +17,6 @@ from hf_models import CONFIGS, MOE, make_model
 from mcorekit.convert import pipeline
 from mcorekit.convert.torch_dist import TorchDistReader
 from mcorekit.convert.verify import compare_hf
-from mcorekit.errors import ConversionError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "megatron-written-torch_dist.tgz"
 ARCHS = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]

@@ -112,7 +112,6 @@ def assert_within_e4m3(original: torch.Tensor, q: torch.Tensor, scale: torch.Ten
 
 
 def test_fp8_pytorch_target(models, tmp_path: Path) -> None:
-    from safetensors.torch import load_file
 
     hf = models["llama"]
     export(hf, tmp_path / "out", "pytorch", use_fp8=True, calib=str(calib_file(tmp_path)), quiet=True)

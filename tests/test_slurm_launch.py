@@ -13,7 +13,7 @@ import yaml
 
 from mcorekit.errors import ConfigError
 from mcorekit.launch import api
-from mcorekit.launch.accounting import sacct, wait_final
+from mcorekit.launch.accounting import wait_final
 from mcorekit.launch.config import Experiment, load_profile
 from mcorekit.launch.smoke import allreduce_check
 from mcorekit.launch.submit import JobSpec, submit
@@ -39,7 +39,6 @@ def local_profile(tmp_path: Path, *overrides: str):
 
 def read_lr_of_my_point() -> float:
     """An array task reads the resolved config of its own point."""
-    import os
 
     import yaml
 
@@ -57,7 +56,6 @@ def ok_payload() -> str:
 
 
 def report_env() -> dict:
-    import os
 
     return {"weird": os.environ.get("MCK_WEIRD"), "folder": os.environ.get("SUBMITIT_FOLDER")}
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mcorekit.launch.accounting import sacct, wait_final
+from mcorekit.launch.accounting import wait_final
 from mcorekit.launch.config import load_profile
 from mcorekit.launch.smoke import CountingJob
 from mcorekit.launch.submit import JobSpec, submit

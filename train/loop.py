@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mcorekit.launch.config import Experiment
+from mcorekit.launch.layout import layout_of
 from mcorekit.launch.requeue import RestartGuard, StopSignal, requeue_and_exit
 from mcorekit.train import checkpoint
 from mcorekit.train.build import Trainer, build
@@ -23,6 +24,8 @@ log = logging.getLogger("mcorekit.train")
 
 
 def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    from megatron.core import parallel_state as ps
+
     batch = next(data_iterator)
     packed = None
     if "cu_seqlens" in batch:  # packed SFT: attention stays within each example
@@ -30,13 +33,22 @@ def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
 
         cu, n = batch["cu_seqlens"], batch["max_seqlen"]
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:  # this rank's two of the 2*CP sequence chunks (load-balanced for causal attention)
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
     per_token = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
                       packed_seq_params=packed)
     mask = batch["loss_mask"]
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss = (output.float() * mask).sum() / mask.sum().clamp(min=1)
-        return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place afterwards
+        total = torch.stack([(output.float() * mask).sum(), mask.sum()])
+        if cp > 1:  # the mean over the whole sequence; no gradient flows through the all-reduce
+            torch.distributed.all_reduce(total, group=ps.get_context_parallel_group())
+        loss = total[0] / total[1].clamp(min=1)
+        # DDP averages gradients over DP x CP ranks; each CP rank holds only its chunks' part of the gradient
+        return loss * cp, {"lm loss": loss.detach().clone()}  # the schedule scales its first value in place
 
     return per_token, loss_func
 
@@ -46,6 +58,9 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
 
     t = build(exp)
     rank0 = dist.get_rank() == 0
+    if rank0:  # which environment the ranks came from: a wrong one shows here, not as a hang
+        print(f"mcorekit.train: {dist.get_world_size()} ranks from the {t.env.source} environment, rendezvous "
+              f"{t.env.master_addr}:{t.env.master_port}, layout {layout_of(exp)} x DP{t.dp_size}", flush=True)
     stop = StopSignal()
     saver = checkpoint.Saver(Path(exp.checkpoint.dir or run_dir / "checkpoints"), exp.checkpoint.keep_last,
                              exp.checkpoint.async_save)

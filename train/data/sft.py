@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mcorekit.errors import ConfigError
 from mcorekit.train.data.packing import Example, first_fit_decreasing, pack, pad_one

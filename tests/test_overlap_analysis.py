@@ -1,0 +1,36 @@
+"""The overlap benchmark's trace arithmetic (bench/overlap_bench.py): communication time per step and the part of it
+that ran under compute kernels, from a chrome trace as torch.profiler writes it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+from overlap_bench import covered, overlap_from_trace, union  # noqa: E402
+
+
+def kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": 7}}
+
+
+def test_union_and_covered() -> None:
+    assert union([(5, 8), (0, 2), (1, 3), (8, 9)]) == [(0, 3), (5, 9)]
+    assert covered([(0, 10)], [(2, 4), (6, 7), (9, 12)]) == 2 + 1 + 1
+    assert covered([(0, 1), (20, 30)], [(2, 4)]) == 0
+
+
+def test_hidden_and_exposed_communication_per_step() -> None:
+    trace = {"traceEvents": [
+        kernel("sm90_xmma_gemm_bf16", 0, 1000),  # compute 0-1000 us
+        kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 600, 800),  # comm 600-1400: 400 under compute
+        kernel("elementwise_kernel", 1800, 200),  # compute 1800-2000
+        kernel("ncclDevKernel_AllGather_RING_LL", 1900, 300),  # comm 1900-2200: 100 hidden
+        kernel("Memcpy PtoP (Device -> Device)", 3000, 100, cat="gpu_memcpy"),  # a userbuffers peer copy, exposed
+        kernel("Memcpy HtoD (Pageable -> Device)", 0, 5000, cat="gpu_memcpy"),  # neither compute nor communication
+        {"ph": "i", "name": "marker", "ts": 0},
+    ]}
+    r = overlap_from_trace(trace, steps=2)
+    assert r["comm_ms"] == (800 + 300 + 100) / 1e3 / 2
+    assert r["hidden_ms"] == (400 + 100) / 1e3 / 2
+    assert abs(r["exposed_ms"] - 0.35) < 1e-12 and abs(r["hidden_frac"] - 500 / 1200) < 1e-12
