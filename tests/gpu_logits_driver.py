@@ -52,7 +52,7 @@ def megatron_logits(exp: object, mcore_dir: Path) -> torch.Tensor | None:
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     t = build(exp)
-    checkpoint.load(mcore_dir, t.model, None, None)
+    checkpoint.load(checkpoint.latest(mcore_dir) or mcore_dir, t.model, None, None)
     for chunk in t.model:
         chunk.eval()
     captured: list[torch.Tensor] = []
