@@ -132,7 +132,7 @@ class CheckpointConfig(Strict):
     keep_last: int = Field(3, ge=1)
     async_save: bool = False  # write in the background while training continues
     load: str | None = None  # a checkpoint to start from (e.g. converted from HF)
-    finetune: bool = False  # weights only, fresh optimizer and step 0
+    finetune: bool = False  # load: weights only, fresh optimizer, step 0 (always so for a converted `release`)
 
     @field_validator("dir", "load")
     @classmethod

@@ -1,14 +1,15 @@
-"""Every rank of an srun step (2+ GPUs): load one HF-converted checkpoint at several parallel layouts in turn and
-compare the full logits with transformers' on the same tokens.
-usage: gpu_logits_driver.py HF_DIR MCORE_DIR OUT_DIR NAME:KEY=VALUE,KEY=VALUE ...   (e.g. tp2-sp:tp=2,sequence_parallel=true)
+"""Every rank of an srun step (2+ GPUs): load an HF-converted checkpoint at one parallel layout and compare the
+full logits with transformers' (fp32) on the same tokens.
+usage: gpu_logits_driver.py HF_DIR MCORE_DIR OUT_DIR NAME:KEY=VALUE,KEY=VALUE [DTYPE]
+       (e.g. tp2-sp:tp=2,sequence_parallel=true; DTYPE fp32 by default, bf16 for CP, which TE runs only in 16 bit)
+One layout per process: Megatron's process groups are set up once per process, as in training.
 
-Per layout: train/'s own build() (process groups, TE model, DDP chunks), checkpoint.load() weights-only, one
+Per layout: train/'s own build() (process groups, TE model, DDP chunks), checkpoint.load_weights(), one
 forward-only pass through Megatron's pipeline schedule, then the vocab-parallel logits are gathered over TP, the
 zigzag sequence chunks over CP, and the last pipeline stage's rank (TP/CP/DP rank 0) writes OUT_DIR/NAME.json."""
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 from pathlib import Path
@@ -52,7 +53,7 @@ def megatron_logits(exp: object, mcore_dir: Path) -> torch.Tensor | None:
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     t = build(exp)
-    checkpoint.load(checkpoint.latest(mcore_dir) or mcore_dir, t.model, None, None)
+    checkpoint.load_weights(checkpoint.latest(mcore_dir) or mcore_dir, t.model)
     for chunk in t.model:
         chunk.eval()
     captured: list[torch.Tensor] = []
@@ -69,14 +70,15 @@ def megatron_logits(exp: object, mcore_dir: Path) -> torch.Tensor | None:
 
         return out, loss_func
 
+    micro = exp.parallel.pp  # the interleaved schedule needs at least PP micro-batches; the first is compared
     data = [batches(MockDataset(SEED, t.spec.vocab_size, SEQ), MBS, 0, 0, 1) for _ in t.model]
     with torch.no_grad():
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data if len(data) > 1 else data[0],
-                                    model=t.model, num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS,
+                                    model=t.model, num_microbatches=micro, seq_length=SEQ, micro_batch_size=MBS,
                                     forward_only=True)
     logits = None
     if ps.is_pipeline_last_stage(ignore_virtual=True):
-        (local,) = captured  # [batch, local sequence, vocab / TP]
+        local = captured[0]  # [batch, local sequence, vocab / TP] of the first micro-batch
         logits = torch.cat(gather(local, ps.get_tensor_model_parallel_group(), -1), dim=-1)
         if ps.get_context_parallel_world_size() > 1:
             logits = unzigzag(gather(logits, ps.get_context_parallel_group(), 1))
@@ -84,40 +86,31 @@ def megatron_logits(exp: object, mcore_dir: Path) -> torch.Tensor | None:
         report = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
                   and ps.get_data_parallel_rank() == 0)
         logits = logits if report else None
-    captured.clear()
-    del t
-    ps.destroy_model_parallel()
-    gc.collect()
-    torch.cuda.empty_cache()
     return logits
 
 
 def main() -> int:
-    hf_dir, mcore_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    hf_dir, mcore_dir, out_dir, layout = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "fp32"
     out_dir.mkdir(parents=True, exist_ok=True)
     import transformers
 
-    reference = None
-    for text in sys.argv[4:]:
-        name, parallel = parse_layout(text)
-        cfg = {"name": f"logits-{name}", "model": {"hf_config": str(hf_dir)}, "precision": {"dtype": "fp32"},
-               "parallel": parallel, "data": {"seq_length": SEQ, "seed": SEED},
-               "schedule": {"train_iters": 1, "warmup_iters": 0, "micro_batch_size": MBS, "global_batch_size": MBS * 2}}
-        path = out_dir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        logits = megatron_logits(load_experiment(path), mcore_dir)
-        if logits is None:
-            continue
-        if reference is None:  # transformers on the same tokens, fp32, on this GPU
-            hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda().eval()
-            tokens = next(batches(MockDataset(SEED, hf.config.vocab_size, SEQ), MBS, 0, 0, 1))["tokens"]
-            with torch.no_grad():
-                reference = hf(tokens).logits.float()
-            del hf
+    name, parallel = parse_layout(layout)
+    cfg = {"name": f"logits-{name}", "model": {"hf_config": str(hf_dir)}, "precision": {"dtype": dtype},
+           "parallel": parallel, "data": {"seq_length": SEQ, "seed": SEED},
+           "schedule": {"train_iters": 1, "warmup_iters": 0, "micro_batch_size": MBS, "global_batch_size": MBS * 2}}
+    path = out_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    logits = megatron_logits(load_experiment(path), mcore_dir)
+    if logits is not None:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda().eval()
+        tokens = next(batches(MockDataset(SEED, hf.config.vocab_size, SEQ), MBS, 0, 0, 1))["tokens"]
+        with torch.no_grad():
+            reference = hf(tokens).logits.float()
         diff = (logits - reference).abs()
         top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
-        result = {"layout": name, "parallel": parallel, "max_abs": diff.max().item(), "mean_abs": diff.mean().item(),
-                  "top1": top1, "shape": list(logits.shape)}
+        result = {"layout": name, "parallel": parallel, "dtype": dtype, "max_abs": diff.max().item(),
+                  "mean_abs": diff.mean().item(), "top1": top1, "shape": list(logits.shape)}
         print("LOGITS " + json.dumps(result), flush=True)
         (out_dir / f"{name}.json").write_text(json.dumps(result))
     dist.barrier()

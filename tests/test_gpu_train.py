@@ -120,6 +120,51 @@ def test_hf_converted_checkpoint_starts_at_hf_loss(tmp_path: Path) -> None:
     assert abs(m[0]["loss"] - hf_loss) < 1e-3 * hf_loss
 
 
+def hf_step_losses(hf_model, steps: int, micro: int = 2) -> list[float]:
+    """transformers' loss on the micro-batches each training step of BASE sees (fp32)."""
+    import torch
+
+    from mcorekit.train.data import batches
+    from mcorekit.train.data.mock import MockDataset
+
+    it = batches(MockDataset(7, 512, 256), 4, 0, 0, 1)
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            mbs = [next(it) for _ in range(micro)]
+            out.append(sum(hf_model(b["tokens"]).logits.float().log_softmax(-1).gather(-1, b["labels"].unsqueeze(-1))
+                           .neg().mean().item() for b in mbs) / micro)
+    return out
+
+
+def test_finetune_trains_from_the_loaded_weights(tmp_path: Path) -> None:
+    """bf16 keeps fp32 main weights in the optimizer, built before the checkpoint is loaded: they must be
+    refreshed from the loaded weights, or the first update writes the random init back into the model. With an
+    almost-zero learning rate every step's loss must stay the converted model's (peaked logits, so a random
+    init's ~ln(512) would be far off)."""
+    import torch
+    import transformers
+
+    from mcorekit.convert import pipeline
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                                      initializer_range=0.2)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    hf_model.save_pretrained(tmp_path / "hf")
+    pipeline.hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", quiet=True)
+    cfg = {**BASE, "model": {"hf_config": str(tmp_path / "hf")}, "optimizer": {"lr": 1e-9, "min_lr": 1e-10},
+           "schedule": {**BASE["schedule"], "train_iters": 4, "warmup_iters": 0},
+           "checkpoint": {"load": str(tmp_path / "mcore"), "finetune": True}}
+    m = run(tmp_path, "ft-bf16", cfg)
+    hf = hf_step_losses(hf_model.cuda(), 4)
+    print("bf16 fine-tune losses", [round(x["loss"], 4) for x in m], "transformers", [round(x, 4) for x in hf])
+    assert hf[0] > 7.0  # the converted model is far from uniform
+    for got, want in zip((x["loss"] for x in m), hf):
+        assert abs(got - want) < 0.02 * want
+
+
 def test_fp16_with_dynamic_loss_scaling(tmp_path: Path) -> None:
     m = run(tmp_path, "fp16", {**BASE, "precision": {"dtype": "fp16"}})
     assert m[-1]["loss"] < m[0]["loss"] - 0.5

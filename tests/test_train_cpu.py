@@ -214,3 +214,73 @@ def test_fp8_recipes_need_their_gpu_generation() -> None:
         check_fp8_support("mxfp8", (9, 0))
     with pytest.raises(ConfigError, match=r"tensorwise needs Ada/Hopper .* this GPU is 8.0"):
         check_fp8_support("tensorwise", (8, 0))  # A100
+
+
+def test_train_checks_the_layout_against_the_ranks_started() -> None:
+    """torchrun starts skip the launcher, so build() applies its layout rules itself, before any process group."""
+    from mcorekit.errors import ConfigError
+    from mcorekit.models.spec import resolve
+    from mcorekit.train.build import check_layout
+
+    spec = resolve("llama-tiny", None, {})
+    check_layout(exp("parallel.tp=2", "parallel.sequence_parallel=true"), spec, 4, use_te=True)
+    with pytest.raises(ConfigError, match=r"does not fit 2 ranks:\n  TP\*PP\*CP = 4\*1\*1 = 4 does not divide the world size 2"):
+        check_layout(exp("parallel.tp=4"), spec, 2, use_te=True)
+    for bad in (exp("parallel.cp=2", "precision.dtype=fp32"), exp("parallel.cp=2")):
+        with pytest.raises(ConfigError, match="parallel.cp > 1 runs Transformer Engine's context-parallel attention"):
+            check_layout(bad, spec, 2, use_te=bad.precision.dtype == "fp32")
+    check_layout(exp("parallel.cp=2"), spec, 2, use_te=True)
+
+
+def test_launcher_refuses_context_parallel_in_fp32() -> None:
+    from mcorekit.errors import LayoutError
+    from mcorekit.launch.config import load_profile
+    from mcorekit.launch.layout import check
+
+    h100 = load_profile("example-h100")
+    with pytest.raises(LayoutError, match="needs precision.dtype bf16 or fp16"):
+        check(exp("schedule.global_batch_size=64", "parallel.cp=2", "precision.dtype=fp32"), h100)
+
+
+class Recorder:
+    """Stands in for the GPU-only loaders (Megatron's dist_checkpointing and optimizer need CUDA): records calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def load(self, path: Any, model: Any, optimizer: Any, scheduler: Any) -> int:
+        self.calls.append(("everything", path.name))
+        return 7
+
+    def load_weights(self, path: Any, model: Any, optimizer: Any = None) -> None:
+        self.calls.append(("weights", path.name))
+
+
+@pytest.mark.parametrize("tracker,finetune,expected", [
+    ("release", False, [("weights", "release")]),  # a converted checkpoint has nothing but weights
+    ("release", True, [("weights", "release")]),
+    ("30", True, [("weights", "iter_0000030")]),  # fine-tune from another run: its weights, step 0
+    ("30", False, [("everything", "iter_0000030")]),  # continue another run: optimizer, scheduler, step
+])
+def test_where_training_starts(tmp_path: Any, monkeypatch: Any, tracker: str, finetune: bool, expected: list) -> None:
+    from mcorekit.train import checkpoint, loop
+
+    src = tmp_path / "src"
+    target = src / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
+    target.mkdir(parents=True)
+    (target / "metadata.json").write_text("{}")
+    (src / checkpoint.TRACKER).write_text(tracker)
+    rec = Recorder()
+    monkeypatch.setattr(checkpoint, "load", rec.load)
+    monkeypatch.setattr(checkpoint, "load_weights", rec.load_weights)
+    e = exp(f"checkpoint.load={src}", f"checkpoint.finetune={str(finetune).lower()}")
+    step = loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None})(), tmp_path / "own", e)
+    assert rec.calls == expected and step == (7 if expected[0][0] == "everything" else 0)
+    # this run's own checkpoint wins over checkpoint.load (a requeued fine-tune resumes, it does not restart)
+    own = tmp_path / "own"
+    (own / "iter_0000004").mkdir(parents=True)
+    (own / "iter_0000004" / "metadata.json").write_text("{}")
+    (own / checkpoint.TRACKER).write_text("4")
+    rec.calls.clear()
+    assert loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None})(), own, e) == 7
+    assert rec.calls == [("everything", "iter_0000004")]

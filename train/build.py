@@ -10,7 +10,8 @@ import torch
 
 from mcorekit.errors import ConfigError, NotBuiltError
 from mcorekit.launch.config import Experiment
-from mcorekit.launch.env import DistEnv, init_process_group
+from mcorekit.launch.env import DistEnv, from_environ, init_process_group
+from mcorekit.launch.layout import CP_NEEDS, layout_of, layout_problems
 from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size, te_available
 from mcorekit.models.spec import ModelSpec, resolve
 from mcorekit.train import megatron_args as margs
@@ -69,6 +70,15 @@ def use_transformer_engine(exp: Experiment) -> bool:
     return backend == "te"
 
 
+def check_layout(exp: Experiment, spec: ModelSpec, world: int, use_te: bool) -> None:
+    """The launcher's layout rules against the ranks actually started, before any process group exists."""
+    problems = layout_problems(spec, layout_of(exp), world)
+    if exp.parallel.cp > 1 and (exp.precision.dtype == "fp32" or not use_te):
+        problems.append(CP_NEEDS)
+    if problems:
+        raise ConfigError(f"the parallel layout does not fit {world} ranks:\n  " + "\n  ".join(problems))
+
+
 def check_fp8_support(recipe: str | None, capability: tuple[int, int]) -> None:
     """FP8 needs Hopper (sm90) or newer; MXFP8 needs Blackwell (sm100). Fail before building anything."""
     if recipe is None:
@@ -89,9 +99,10 @@ def build(exp: Experiment) -> Trainer:
     from megatron.core.transformer.module import Float16Module
 
     refuse_unbuilt(exp)
-    env = init_distributed(exp)
     spec = resolve(exp.model.preset, exp.model.hf_config, exp.model.overrides)
     use_te = use_transformer_engine(exp)
+    check_layout(exp, spec, from_environ().world_size, use_te)  # the launcher's rules, also for torchrun starts
+    env = init_distributed(exp)
     check_fp8_support(exp.precision.fp8, torch.cuda.get_device_capability())
     config = margs.transformer_config(exp, spec, use_te)
     if config.tp_comm_overlap:

@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"  # a checkpoint that did not come from a training step (converted): weights only
 # fully_reshardable: the optimizer state is stored per model parameter, so a checkpoint resumes at another
 # TP/PP/DP layout (saving gathers it over DP; dp_reshardable would be faster but fixes the layout).
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False}
@@ -26,7 +27,7 @@ def latest(root: Path) -> Path | None:
     if not tracker.is_file():
         return None
     value = tracker.read_text().strip()
-    path = root / value if value == "release" else iter_dir(root, int(value))
+    path = root / value if value == RELEASE else iter_dir(root, int(value))
     return path if (path / "metadata.json").is_file() else None
 
 
@@ -104,16 +105,24 @@ def _model_state(chunks: list[Any]) -> dict[str, Any]:
     return sds[0] if len(sds) == 1 else {f"model{i}": sd for i, sd in enumerate(sds)}
 
 
-def load(path: Path, chunks: list[Any], optimizer: Any | None, scheduler: Any | None) -> int:
-    """Load into the model (and optimizer/scheduler unless fine-tuning); returns the step to continue from."""
+def load_weights(path: Path, chunks: list[Any], optimizer: Any | None = None) -> None:
+    """Model weights only (e.g. converted from HF): the optimizer starts fresh. Its fp32 main copy of the
+    weights was taken when it was built, so it is refreshed here; without that, the first optimizer step
+    would write the random initial weights (plus one update) back into the model."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    state = dist_checkpointing.load(_model_state(chunks), str(path), strict=StrictHandling.LOG_UNEXPECTED)
+    _load_model(chunks, state)
+    if optimizer is not None:
+        optimizer.reload_model_params()
+
+
+def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) -> int:
+    """Everything: model, optimizer (with its fp32 main weights), scheduler; returns the step to continue from."""
+    from megatron.core import dist_checkpointing
+
     model_sd = _model_state(chunks)
-    if optimizer is None:  # weights only (e.g. converted from HF), fresh optimizer
-        state = dist_checkpointing.load(model_sd, str(path), strict=StrictHandling.LOG_UNEXPECTED)
-        _load_model(chunks, state)
-        return 0
     sharded = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=SHARDING)}
     state = dist_checkpointing.load(sharded, str(path))
     optimizer_state = state.pop("optimizer")

@@ -126,16 +126,23 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
 
 
 def _resume(t: Trainer, root: Path, exp: Experiment) -> int:
+    """The step to start from: this run's own latest checkpoint (everything) wins; else checkpoint.load, as
+    weights only (finetune, or a converted `release` checkpoint, which has nothing else) or as a whole."""
     found = checkpoint.latest(root)
     if found is not None:
         step = checkpoint.load(found, t.model, t.optimizer, t.scheduler)
         log.warning("resumed from %s at step %d", found, step)
         return step
-    if exp.checkpoint.load:  # e.g. converted from HF: weights only, fresh optimizer, step 0
-        start = checkpoint.latest(Path(exp.checkpoint.load)) or Path(exp.checkpoint.load)
-        checkpoint.load(start, t.model, None, None)
-        log.warning("initialised weights from %s", start)
-    return 0
+    if not exp.checkpoint.load:
+        return 0
+    start = checkpoint.latest(Path(exp.checkpoint.load)) or Path(exp.checkpoint.load)
+    if exp.checkpoint.finetune or start.name == checkpoint.RELEASE:
+        checkpoint.load_weights(start, t.model, t.optimizer)
+        log.warning("initialised weights from %s (fresh optimizer, step 0)", start)
+        return 0
+    step = checkpoint.load(start, t.model, t.optimizer, t.scheduler)
+    log.warning("continuing from %s at step %d (checkpoint.finetune=true would take its weights only)", start, step)
+    return step
 
 
 def _mean_loss(out: list[dict[str, torch.Tensor]]) -> float:
