@@ -23,10 +23,10 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
+from results import finish, timed
 
 RUNS = {
     "dp-off": ({"overlap_grad_reduce": False, "overlap_param_gather": False}, {}),
@@ -161,16 +161,8 @@ def main() -> int:
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for name in a.runs.split(","):
-        t = time.perf_counter()
-        r = run(name, a.gpus, a.steps, out)
-        r["wall_s"] = round(time.perf_counter() - t, 1)
-        print(json.dumps(r), flush=True)
-        results.append(r)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    print(table(results))
-    return 0 if all("error" not in r for r in results) else 1
+    results = [timed(lambda: run(name, a.gpus, a.steps, out)) for name in a.runs.split(",")]
+    return finish(results, out, table)
 
 
 if __name__ == "__main__":

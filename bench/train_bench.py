@@ -25,10 +25,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
+from results import finish, timed
 
 SHAPES = {
     "dense": {"preset": "llama-0.9b", "mbs": 8},
@@ -152,15 +152,10 @@ def main() -> int:
     for shape in (["dense", "moe"] if a.shape == "all" else [a.shape]):
         for run in a.runs.split(","):
             for gpus in ([1] if run == "hf-bf16" else [int(g) for g in a.gpus.split(",")]):
-                t = time.perf_counter()
                 extra = a.extra + (a.multi if gpus > 1 else [])
-                r = hf_run(shape, a.steps) if run == "hf-bf16" else mcore_run(shape, run, a.steps, out, extra, gpus)
-                r["wall_s"] = round(time.perf_counter() - t, 1)
-                print(json.dumps(r), flush=True)
-                results.append(r)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    print(table(results))
-    return 0 if all("error" not in r for r in results) else 1
+                results.append(timed(lambda: hf_run(shape, a.steps) if run == "hf-bf16" else
+                                     mcore_run(shape, run, a.steps, out, extra, gpus)))
+    return finish(results, out, table)
 
 
 if __name__ == "__main__":
