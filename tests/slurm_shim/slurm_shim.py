@@ -7,7 +7,7 @@ accounting, signals before the time limit, several nodes. Options it does not kn
 The CPU test suite runs against a real Slurm cluster instead (slurm/cluster.sh).
 
     sbatch SCRIPT                  -> "Submitted batch job N"; runs SCRIPT in the background (rc in $STATE/N.rc)
-    srun [-n N] [--output F] [--error F] [--unbuffered] CMD...   -> N tasks of CMD, exit code the worst
+    srun [-n N] [--output F] [--error F] [--unbuffered] CMD...   -> N tasks of CMD, exit code the highest of any task
     scontrol requeue N | show hostnames LIST
 State (job counter, exit codes, requeue markers) lives in $SLURM_SHIM_STATE (default /tmp/slurm-shim).
 """
@@ -168,9 +168,8 @@ def srun(argv: list[str]) -> int:
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.2)
-    codes = [p.returncode for p in procs]
-    bad = [c for c in codes if c != 0]
-    return (bad[0] if bad[0] > 0 else 128 - bad[0]) if bad else 0
+    # like srun: the highest exit code of any task (a task killed by signal N counts as 128 + N)
+    return max(c if c >= 0 else 128 - c for c in (p.returncode for p in procs))
 
 
 def scontrol(argv: list[str]) -> int:
