@@ -40,8 +40,8 @@ def init_distributed(exp: Experiment) -> DistEnv:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp, virtual_pipeline_model_parallel_size=p.vpp,
         context_parallel_size=p.cp, expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp)
-    # One seed per pipeline stage, as Megatron-LM does: otherwise every stage draws the same initial weights for
-    # its layers (stage 1's layers would start as copies of stage 0's). TP/EP ranks get their offsets inside.
+    # One seed per pipeline stage, as Megatron-LM does: otherwise every stage draws its initial weights from the
+    # same random stream. TP/EP ranks get their own offsets inside model_parallel_cuda_manual_seed.
     seed = exp.data.seed + 100 * ps.get_pipeline_model_parallel_rank()
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
