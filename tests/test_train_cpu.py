@@ -284,3 +284,15 @@ def test_where_training_starts(tmp_path: Any, monkeypatch: Any, tracker: str, fi
     rec.calls.clear()
     assert loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None})(), own, e) == 7
     assert rec.calls == [("everything", "iter_0000004")]
+
+
+def test_entry_reports_a_layout_that_does_not_fit_the_ranks(tmp_path: Any) -> None:
+    """A single process asked for TP2 fails before any GPU work, in a message, not a traceback."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mcorekit.train", "--config", "examples/llama-tiny.yaml", "--run-dir",
+                        str(tmp_path), "parallel.tp=2", "parallel.sequence_parallel=true"], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "mcorekit.train: error: the parallel layout does not fit 1 ranks:\n  TP*PP*CP = 2*1*1 = 2 does not divide" in r.stderr
+    assert "Traceback" not in r.stderr

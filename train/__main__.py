@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     from mcorekit.train.loop import train
 
-    train(exp, run_dir, a.peak_tflops)
+    try:
+        train(exp, run_dir, a.peak_tflops)
+    except MCoreKitError as e:  # found while building (layout vs ranks, backend, FP8 vs GPU): still one line
+        print(f"mcorekit.train: error: {e}", file=sys.stderr)
+        return 2
     import torch.distributed as dist
 
     dist.barrier()
