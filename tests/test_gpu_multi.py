@@ -170,8 +170,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shim_env: dict, converted: di
     return results
 
 
-def losses(run: tuple[int, Path, Path]) -> list[float]:
-    return [json.loads(x)["loss"] for x in (run[2] / "metrics.jsonl").read_text().splitlines()]
+def metric(run: tuple[int, Path, Path], key: str = "loss") -> list[float]:
+    return [json.loads(x)[key] for x in (run[2] / "metrics.jsonl").read_text().splitlines()]
+
+
+losses = metric
 
 
 def compare(got: list[float], ref: list[float]) -> dict[str, float]:
@@ -188,7 +191,9 @@ def test_training_matches_single_gpu(runs: dict, kind: str, name: str) -> None:
     assert len(got) == len(ref) == 20
     d = compare(got, ref)
     print(f"{kind} {name}: losses {got[0]:.4f} -> {got[-1]:.4f} (1 GPU {ref[0]:.4f} -> {ref[-1]:.4f}); "
-          f"|diff| step 1 {d['step1']:.2e}, max {d['max']:.2e}, mean {d['mean']:.2e}")
+          f"|diff| step 1 {d['step1']:.2e}, max {d['max']:.2e}, mean {d['mean']:.2e}; grad norm steps 1-3 "
+          f"{[round(g, 4) for g in metric(runs[f'{kind}-{name}'], 'grad_norm')[:3]]} (1 GPU "
+          f"{[round(g, 4) for g in metric(runs[f'{kind}-1gpu'], 'grad_norm')[:3]]})")
     assert ref[-1] < ref[0] - 0.3  # the reference learns, so agreement is not two flat lines
     assert d["step1"] <= STEP1_TOL and d["max"] <= STEP_TOL[kind] and d["mean"] <= MEAN_TOL[kind], d
 
