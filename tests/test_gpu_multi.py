@@ -174,8 +174,6 @@ def metric(run: tuple[int, Path, Path], key: str = "loss") -> list[float]:
     return [json.loads(x)[key] for x in (run[2] / "metrics.jsonl").read_text().splitlines()]
 
 
-losses = metric
-
 
 def compare(got: list[float], ref: list[float]) -> dict[str, float]:
     diffs = [abs(a - b) for a, b in zip(got, ref)]
@@ -187,7 +185,7 @@ def compare(got: list[float], ref: list[float]) -> dict[str, float]:
 def test_training_matches_single_gpu(runs: dict, kind: str, name: str) -> None:
     for key in (f"{kind}-1gpu", f"{kind}-{name}"):
         assert runs[key][0] == 0, tail(runs[key][1], 1 if key.endswith("1gpu") else 2)
-    got, ref = losses(runs[f"{kind}-{name}"]), losses(runs[f"{kind}-1gpu"])
+    got, ref = metric(runs[f"{kind}-{name}"]), metric(runs[f"{kind}-1gpu"])
     assert len(got) == len(ref) == 20
     d = compare(got, ref)
     print(f"{kind} {name}: losses {got[0]:.4f} -> {got[-1]:.4f} (1 GPU {ref[0]:.4f} -> {ref[-1]:.4f}); "
@@ -203,7 +201,7 @@ def test_checkpoint_saved_at_tp2_resumes_at_dp2(runs: dict) -> None:
     assert runs["moved-first"][0] == 3, tail(runs["moved-first"][1])  # 3: the driver saw the exit for requeue
     assert runs["moved-resumed"][0] == 0, tail(runs["moved-resumed"][1])
     moved = runs["moved-resumed"][2]
-    full, both = losses(runs["dense-tp2-sp"]), losses(runs["moved-resumed"])
+    full, both = metric(runs["dense-tp2-sp"]), metric(runs["moved-resumed"])
     assert [json.loads(x)["step"] for x in (moved / "metrics.jsonl").read_text().splitlines()] == \
         list(range(1, 11)) + list(range(11, 21))
     resumed = both[10:]  # DP2 now: the optimizer state re-sharded from TP2's checkpoint
