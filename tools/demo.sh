@@ -27,6 +27,6 @@ $mk status --runs "${DEMO_DIR:-$PWD/runs/demo}/runs"
 
 step "6. training needs GPUs: the dev cluster is CPU-only, so the launcher refuses before submitting"
 $mk launch --config examples/llama-tiny.yaml --cluster local || true
-echo "  (train/ runs on the GPU machine: see docs/gpu-runs.md; multi-GPU layouts are not verified yet)"
+echo "  (train/ runs on the GPU machines: one- and two-GPU results in docs/gpu-runs.md)"
 echo
 echo "demo: done"
