@@ -17,11 +17,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-PY = sys.executable
+from results import fresh_dir, run_worker
+
 NAIVE = """
 import sys, time, torch, transformers
 from mcorekit.convert.pipeline import peak_rss_gb
@@ -101,11 +101,10 @@ def dd(args: list[str]) -> float:
 
 
 def run(code: str, *args: str) -> tuple[float, float]:
-    proc = subprocess.run([PY, "-c", code, *args], capture_output=True, text=True)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
-    if line is None:
-        raise SystemExit(proc.stderr[-2000:])
-    _, secs, rss = line.split()
+    payload, output = run_worker(code, *args)
+    if payload is None:
+        raise SystemExit(output)
+    secs, rss = payload.split()
     return float(secs), float(rss)
 
 
@@ -114,9 +113,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=20)
     ap.add_argument("--workdir", default="/tmp/mcorekit-bench")
     a = ap.parse_args()
-    work = Path(a.workdir)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = fresh_dir(a.workdir)
     hf = work / "hf"
     total = generate(hf, a.layers)
     gb = total / 1e9

@@ -15,12 +15,11 @@ import argparse
 import json
 import os
 import random
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-PY = sys.executable
+from results import fresh_dir, run_worker
+
 NAIVE = r"""
 import json, sys, time, numpy as np
 from transformers import AutoTokenizer
@@ -70,13 +69,12 @@ def make_tokenizer(corpus: Path, out: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(out)
 
 
-def timed(code: str, *args: str) -> dict:
+def measure(code: str, *args: str) -> dict:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # the naive loop: one process, one thread
-    proc = subprocess.run([PY, "-c", code, *args], capture_output=True, text=True, env=env)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not line:
-        raise SystemExit(proc.stderr[-2000:])
-    return json.loads(line[-1][7:])
+    payload, output = run_worker(code, *args, env=env)
+    if payload is None:
+        raise SystemExit(output)
+    return json.loads(payload)
 
 
 def main() -> int:
@@ -84,20 +82,18 @@ def main() -> int:
     p.add_argument("--mb", type=int, default=40)
     p.add_argument("--workdir", default="/tmp/mcorekit-preprocess-bench")
     a = p.parse_args()
-    work = Path(a.workdir)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = fresh_dir(a.workdir)
     corpus, tok = work / "corpus.jsonl", work / "tok"
     make_corpus(corpus, a.mb)
     make_tokenizer(corpus, tok)
     size = corpus.stat().st_size / 1e6
     rows = []
-    naive = timed(NAIVE, str(corpus), str(tok), str(work / "naive"))
+    naive = measure(NAIVE, str(corpus), str(tok), str(work / "naive"))
     rows.append(("naive loop (HF tokenizer, one document at a time)", naive))
     cores = os.cpu_count() or 1
     for workers in sorted({1, cores}):
         rows.append((f"mcorekit data preprocess, {workers} worker{'s' if workers > 1 else ''}",
-                     timed(OURS, str(corpus), str(tok), str(work / f"ours{workers}"), str(workers))))
+                     measure(OURS, str(corpus), str(tok), str(work / f"ours{workers}"), str(workers))))
     same = (work / f"ours{cores}.bin").read_bytes() == (work / "naive.bin").read_bytes()
     print(f"corpus {size:.0f} MB, {naive['tokens']} tokens, byte-level BPE 32k; {cores} cores; "
           f"outputs identical to the naive loop: {same}")

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from results import finish, timed
+from results import finish, run_worker, timed
 
 SHAPES = {
     "dense": {"preset": "llama-0.9b", "mbs": 8},
@@ -110,12 +110,10 @@ print("RESULT " + json.dumps({"tokens_per_s": tps, "mfu": flops / statistics.med
 
 def hf_run(shape: str, steps: int) -> dict:
     s = SHAPES[shape]
-    proc = subprocess.run([sys.executable, "-c", HF_WORKER, s["preset"], str(s["mbs"]), str(MICRO_BATCHES), str(steps),
-                           str(SEQ), str(PEAK)], capture_output=True, text=True)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        return {"shape": shape, "run": "hf-bf16", "error": (proc.stdout + proc.stderr)[-1500:]}
-    return {"shape": shape, "run": "hf-bf16", **json.loads(lines[-1][7:])}
+    payload, output = run_worker(HF_WORKER, s["preset"], str(s["mbs"]), str(MICRO_BATCHES), str(steps), str(SEQ), str(PEAK))
+    if payload is None:
+        return {"shape": shape, "run": "hf-bf16", "error": output[-1500:]}
+    return {"shape": shape, "run": "hf-bf16", **json.loads(payload)}
 
 
 def table(results: list[dict]) -> str:

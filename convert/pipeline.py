@@ -22,9 +22,8 @@ from mcorekit.convert.mapping import EXPERT, GLOBAL, LAYER, Ctx, Mapping
 from mcorekit.errors import ConversionError, ModelError
 from mcorekit.models.megatron import DTYPES, padded_vocab_size  # noqa: F401  (DTYPES: the CLI's --dtype choices)
 from mcorekit.models.spec import ModelSpec, from_hf_config, load_hf_config
+from mcorekit.train.checkpoint import RELEASE, TRACKER, tracked  # Megatron-LM's checkpoint directory layout
 
-TRACKER = "latest_checkpointed_iteration.txt"
-RELEASE = "release"  # Megatron-LM's name for a checkpoint that did not come from a training step
 SIDECAR = "mcorekit.json"
 # Buffers some HF checkpoints carry that are recomputed, never loaded.
 IGNORED_HF = ("rotary_emb.inv_freq",)
@@ -245,11 +244,10 @@ def find_iteration_dir(path: Path) -> Path:
     """A checkpoint root (with latest_checkpointed_iteration.txt) or an iteration directory itself."""
     if (path / "metadata.json").is_file() or any(path.glob("mp_rank_*")):
         return path
-    tracker = path / TRACKER
-    if not tracker.is_file():
+    found = tracked(path)
+    if found is None:
         raise ConversionError(f"{path}: neither a checkpoint root ({TRACKER}) nor an iteration directory (metadata.json)")
-    it = tracker.read_text().strip()
-    return path / (it if it == RELEASE else f"iter_{int(it):07d}")
+    return found
 
 
 def hf_config_for(ckpt_root: Path, hf_config: str | None) -> tuple[dict[str, Any], Path | None]:

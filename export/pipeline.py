@@ -6,7 +6,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from mcorekit.convert.hf_io import HFReader, copy_assets
 from mcorekit.convert.pipeline import DTYPES, Summary, mcore_to_hf, spec_for, staged_output
 from mcorekit.errors import ExportError

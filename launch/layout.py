@@ -17,10 +17,14 @@ from mcorekit.models.spec import ModelSpec, resolve
 GiB = 1024**3
 
 
-# Seen on an H200 with TE 2.20: fp32 with CP>1 finds "no dot product attention backend" (TE's fused kernels are
-# 16-bit only, its unfused one has no CP); Megatron's local attention has no CP at all.
-CP_NEEDS = ("parallel.cp > 1 runs Transformer Engine's context-parallel attention, which needs precision.dtype bf16 "
-            "or fp16 and model.backend auto or te (on a profile with transformer_engine: true)")
+def context_parallel_problems(exp: Experiment, uses_te: bool) -> list[str]:
+    """CP runs TE's context-parallel attention. Seen on an H200 with TE 2.20: fp32 with CP>1 finds "no dot product
+    attention backend" (TE's fused kernels are 16-bit only, its unfused one has no CP); Megatron's local
+    attention has no CP at all."""
+    if exp.parallel.cp > 1 and (exp.precision.dtype == "fp32" or not uses_te):
+        return ["parallel.cp > 1 runs Transformer Engine's context-parallel attention, which needs precision.dtype "
+                "bf16 or fp16 and model.backend auto or te (on a profile with transformer_engine: true)"]
+    return []
 
 
 def layout_of(exp: Experiment) -> Layout:
@@ -114,8 +118,7 @@ def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSp
                    "transformer_engine: true and model.backend auto or te")
     if exp.precision.fp8 and exp.model.backend == "local":
         out.append("precision.fp8 needs Transformer Engine layers; set model.backend=auto or te")
-    if lay.cp > 1 and (exp.precision.dtype == "fp32" or exp.model.backend == "local" or not profile.transformer_engine):
-        out.append(CP_NEEDS)
+    out += context_parallel_problems(exp, profile.transformer_engine and exp.model.backend != "local")
     if d.packing and lay.cp > 1:
         out.append("data.packing with parallel.cp > 1 is not built (examples would need padding to 2*CP); use cp=1")
     if d.weights is not None and len(d.weights) != len(d.paths):

@@ -73,10 +73,8 @@ def tail(log: Path, ntasks: int = 2) -> str:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     """A random fp32 Llama and Mixtral, saved by transformers and converted by mcorekit (TP1/PP1 torch_dist)."""
-    import torch
     import transformers
-
-    from mcorekit.convert import pipeline
+    from test_gpu_train import convert_random
 
     root = tmp_path_factory.mktemp("converted")
     common = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -84,14 +82,9 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     configs = {"dense": transformers.LlamaConfig(**common, intermediate_size=704),
                "moe": transformers.MixtralConfig(**common, intermediate_size=256, num_local_experts=8,
                                                  num_experts_per_tok=2)}
-    out = {}
     for kind, hf_cfg in configs.items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-        model.save_pretrained(root / f"{kind}-hf")
-        pipeline.hf_to_mcore(root / f"{kind}-hf", root / f"{kind}-mcore", quiet=True)
-        out[kind] = (root / f"{kind}-hf", root / f"{kind}-mcore")
-    return out
+        convert_random(root / kind, hf_cfg)
+    return {kind: (root / kind / "hf", root / kind / "mcore") for kind in configs}
 
 
 DENSE_LAYOUTS = {"dp2": {}, "tp2": {"tp": 2}, "tp2-sp": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2},

@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -89,33 +90,35 @@ def test_signal_save_resume_reproduces_losses(tmp_path: Path, async_save: bool) 
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a, b)
 
 
-def test_hf_converted_checkpoint_starts_at_hf_loss(tmp_path: Path) -> None:
+def convert_random(tmp: Path, hf_cfg: Any) -> Any:
+    """A random fp32 model of HF_CFG saved to TMP/hf and converted by convert/ to TMP/mcore; returns it."""
     import torch
     import transformers
 
     from mcorekit.convert import pipeline
 
     torch.manual_seed(0)
-    hf_cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-    hf_model.save_pretrained(tmp_path / "hf")
-    pipeline.hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", quiet=True)
+    hf_model.save_pretrained(tmp / "hf")
+    pipeline.hf_to_mcore(tmp / "hf", tmp / "mcore", quiet=True)
+    return hf_model
+
+
+def converted_llama(tmp: Path, **extra: float) -> Any:
+    """BASE's Llama shape (4 layers, hidden 256, 8 heads / 4 KV groups, vocab 512), random, converted."""
+    import transformers
+
+    return convert_random(tmp, transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=512, **extra))
+
+
+def test_hf_converted_checkpoint_starts_at_hf_loss(tmp_path: Path) -> None:
+    hf_model = converted_llama(tmp_path)
     cfg = {**BASE, "model": {"hf_config": str(tmp_path / "hf")}, "precision": {"dtype": "fp32"},
            "schedule": {**BASE["schedule"], "train_iters": 1, "warmup_iters": 0}, "checkpoint": {"load": str(tmp_path / "mcore"), "finetune": True}}
     m = run(tmp_path, "ft", cfg)
-    from mcorekit.train.data import batches
-    from mcorekit.train.data.mock import MockDataset
-
-    batch_iter = batches(MockDataset(7, 512, 256), 4, 0, 0, 1)
-    losses = []
-    hf_model = hf_model.cuda()
-    with torch.no_grad():
-        for _ in range(2):  # the step's two micro-batches
-            b = next(batch_iter)
-            losses.append(hf_model(b["tokens"], labels=None).logits.float().log_softmax(-1).gather(
-                -1, b["labels"].unsqueeze(-1)).neg().mean().item())
-    hf_loss = sum(losses) / 2
+    hf_loss = hf_step_losses(hf_model.cuda(), 1)[0]  # the step's two micro-batches
     print(f"megatron first-step loss {m[0]['loss']:.6f}, HF loss on the same batch {hf_loss:.6f}")
     assert abs(m[0]["loss"] - hf_loss) < 1e-3 * hf_loss
 
@@ -142,18 +145,7 @@ def test_finetune_trains_from_the_loaded_weights(tmp_path: Path) -> None:
     refreshed from the loaded weights, or the first update writes the random init back into the model. With an
     almost-zero learning rate every step's loss must stay the converted model's (peaked logits, so a random
     init's ~ln(512) would be far off)."""
-    import torch
-    import transformers
-
-    from mcorekit.convert import pipeline
-
-    torch.manual_seed(0)
-    hf_cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                                      initializer_range=0.2)
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-    hf_model.save_pretrained(tmp_path / "hf")
-    pipeline.hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", quiet=True)
+    hf_model = converted_llama(tmp_path, initializer_range=0.2)
     cfg = {**BASE, "model": {"hf_config": str(tmp_path / "hf")}, "optimizer": {"lr": 1e-9, "min_lr": 1e-10},
            "schedule": {**BASE["schedule"], "train_iters": 4, "warmup_iters": 0},
            "checkpoint": {"load": str(tmp_path / "mcore"), "finetune": True}}

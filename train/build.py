@@ -11,7 +11,7 @@ import torch
 from mcorekit.errors import ConfigError, NotBuiltError
 from mcorekit.launch.config import Experiment
 from mcorekit.launch.env import DistEnv, from_environ, init_process_group
-from mcorekit.launch.layout import CP_NEEDS, layout_of, layout_problems
+from mcorekit.launch.layout import context_parallel_problems, layout_of, layout_problems
 from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size, te_available
 from mcorekit.models.spec import ModelSpec, resolve
 from mcorekit.train import megatron_args as margs
@@ -76,9 +76,7 @@ def use_transformer_engine(exp: Experiment) -> bool:
 
 def check_layout(exp: Experiment, spec: ModelSpec, world: int, use_te: bool) -> None:
     """The launcher's layout rules against the ranks actually started, before any process group exists."""
-    problems = layout_problems(spec, layout_of(exp), world)
-    if exp.parallel.cp > 1 and (exp.precision.dtype == "fp32" or not use_te):
-        problems.append(CP_NEEDS)
+    problems = layout_problems(spec, layout_of(exp), world) + context_parallel_problems(exp, use_te)
     if problems:
         raise ConfigError(f"the parallel layout does not fit {world} ranks:\n  " + "\n  ".join(problems))
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
-RELEASE = "release"  # a checkpoint that did not come from a training step (converted): weights only
+RELEASE = "release"  # Megatron-LM's name for a checkpoint that did not come from a training step (weights only)
 # fully_reshardable: the optimizer state is stored per model parameter, so a checkpoint resumes at another
 # TP/PP/DP layout (saving gathers it over DP; dp_reshardable would be faster but fixes the layout).
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False}
@@ -22,13 +22,19 @@ def iter_dir(root: Path, step: int) -> Path:
     return root / f"iter_{step:07d}"
 
 
-def latest(root: Path) -> Path | None:
+def tracked(root: Path) -> Path | None:
+    """The iteration directory a checkpoint root's tracker names (iter_N or release); None without a tracker."""
     tracker = root / TRACKER
     if not tracker.is_file():
         return None
     value = tracker.read_text().strip()
-    path = root / value if value == RELEASE else iter_dir(root, int(value))
-    return path if (path / "metadata.json").is_file() else None
+    return root / value if value == RELEASE else iter_dir(root, int(value))
+
+
+def latest(root: Path) -> Path | None:
+    """The tracked torch_dist checkpoint, if it is complete on disk."""
+    path = tracked(root)
+    return path if path is not None and (path / "metadata.json").is_file() else None
 
 
 def unwrap(model: Any) -> Any:
