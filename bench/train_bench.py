@@ -40,9 +40,9 @@ PEAK = 989.0
 DEFAULT_RUNS = ["hf-bf16", "bf16", "fp8-tensorwise", "fp8-delayed"]
 
 
-def mcore_run(shape: str, run: str, steps: int, out: Path, extra: list[str], gpus: int = 1) -> dict:
+def write_config(shape: str, run: str, steps: int, run_dir: Path, gpus: int = 1, log_interval: int = 2) -> Path:
+    """The experiment file of one mcorekit run of this benchmark (also used by profile_step.py)."""
     s = SHAPES[shape]
-    run_dir = out / f"{shape}-{run}-{gpus}gpu"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     cfg = {"name": f"bench-{shape}-{run}", "model": {"preset": s["preset"]},
@@ -50,8 +50,15 @@ def mcore_run(shape: str, run: str, steps: int, out: Path, extra: list[str], gpu
            "data": {"kind": "mock", "seq_length": SEQ},
            "schedule": {"train_iters": steps, "warmup_iters": 1, "micro_batch_size": s["mbs"],
                         "global_batch_size": s["mbs"] * MICRO_BATCHES * gpus},
-           "checkpoint": {"save_interval": 10**6, "dir": str(run_dir / "ckpt")}, "logging": {"log_interval": 2}}
+           "checkpoint": {"save_interval": 10**6, "dir": str(run_dir / "ckpt")},
+           "logging": {"log_interval": log_interval}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return run_dir / "config.yaml"
+
+
+def mcore_run(shape: str, run: str, steps: int, out: Path, extra: list[str], gpus: int = 1) -> dict:
+    run_dir = out / f"{shape}-{run}-{gpus}gpu"
+    write_config(shape, run, steps, run_dir, gpus)
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29571", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",

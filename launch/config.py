@@ -64,7 +64,8 @@ class PrecisionConfig(Strict):
 class MoEConfig(Strict):
     aux_loss_coeff: float = 1e-2
     expert_bias: bool = False  # aux-loss-free load balancing
-    capacity_factor: float | None = None
+    capacity_factor: float | None = None  # tokens beyond factor x (even share) per expert are dropped
+    pad_to_capacity: bool = False  # pad every expert to its capacity: fixed shapes, no host sync per layer
     grouped_gemm: bool = True
     dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
     shared_expert_ffn: int | None = None  # FFN size of the shared expert(s) every token also passes through

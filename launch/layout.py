@@ -129,6 +129,8 @@ def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSp
         out.append("precision.loss_scale applies to fp16 only; remove it or set precision.dtype=fp16")
     if exp.moe.a2a_overlap and lay.ep == 1:
         out.append("moe.a2a_overlap overlaps the expert-parallel all-to-all, so it needs parallel.ep > 1")
+    if exp.moe.pad_to_capacity and exp.moe.capacity_factor is None:
+        out.append("moe.pad_to_capacity pads each expert to its capacity, so it needs moe.capacity_factor (e.g. 1.0)")
     if exp.recompute.offload_layers and not profile.transformer_engine:
         out.append("recompute.offload_layers needs Transformer Engine on the nodes")
     if exp.optimizer.tp_comm_overlap and not (lay.tp > 1 and lay.sequence_parallel):

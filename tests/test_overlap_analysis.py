@@ -34,3 +34,24 @@ def test_hidden_and_exposed_communication_per_step() -> None:
     assert r["comm_ms"] == (800 + 300 + 100) / 1e3 / 2
     assert r["hidden_ms"] == (400 + 100) / 1e3 / 2
     assert abs(r["exposed_ms"] - 0.35) < 1e-12 and abs(r["hidden_frac"] - 500 / 1200) < 1e-12
+
+
+def test_profile_summary_per_step() -> None:
+    """bench/profile_step.py: GPU busy time is the union of kernels; host waits are counted; figures are per step."""
+    from profile_step import summarize
+
+    def op(name: str, ts: float, dur: float, cat: str = "cpu_op") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        kernel("gemm", 0, 1000), kernel("gemm", 500, 1000),  # overlapping: 1500 us busy
+        kernel("permute", 3000, 500),  # 500 us more
+        op("cudaStreamSynchronize", 100, 2000, cat="cuda_runtime"), op("cudaStreamSynchronize", 2500, 400, cat="cuda_runtime"),
+        op("aten::item", 0, 50), op("aten::mm", 0, 300), op("cudaLaunchKernel", 0, 5, cat="cuda_runtime"),
+    ]}
+    s = summarize(trace, wall_s=0.008, steps=2)  # 8 ms for two steps
+    assert s["wall_ms"] == 4.0 and s["gpu_busy_ms"] == 1.0 and s["gpu_idle_frac"] == 0.75
+    assert s["host_waits"]["cudaStreamSynchronize"] == {"calls": 1, "ms": 1.2}
+    assert s["host_waits"]["aten::item"]["ms"] == 0.025 and "cudaLaunchKernel" not in s["host_waits"]
+    assert s["top_kernels"][0] == {"name": "gemm", "calls": 1, "ms": 1.0} and s["kernels_per_step"] == 1.5
+    assert [o["name"] for o in s["top_host_ops"]] == ["aten::mm", "aten::item"]

@@ -111,6 +111,8 @@ def test_moe_options() -> None:
     assert c.moe_router_score_function == "sigmoid" and c.moe_aux_loss_coeff == 0.0
     c = tcfg(exp("moe.capacity_factor=1.25"), moe=True)
     assert c.moe_expert_capacity_factor == 1.25 and c.moe_token_drop_policy == "probs"
+    assert not c.moe_pad_expert_input_to_capacity
+    assert tcfg(exp("moe.capacity_factor=1.0", "moe.pad_to_capacity=true"), moe=True).moe_pad_expert_input_to_capacity
     c = tcfg(exp("moe.shared_expert_ffn=96", "moe.shared_expert_overlap=true"), moe=True)
     assert c.moe_shared_expert_intermediate_size == 96 and c.moe_shared_expert_overlap
     c = tcfg(exp("moe.grouped_gemm=false", "moe.dispatcher=allgather", "moe.aux_loss_coeff=0.001"), moe=True)
@@ -186,6 +188,8 @@ def test_launcher_runs_megatron_core_checks() -> None:
         check(exp(gbs, "data.kind=sft", "data.paths=[x.jsonl]", "data.packing=true", "schedule.micro_batch_size=2"), h100)
     with pytest.raises(LayoutError, match="moe.a2a_overlap .* needs parallel.ep > 1"):
         check(exp(gbs, "moe.a2a_overlap=true"), h100)
+    with pytest.raises(LayoutError, match="moe.pad_to_capacity .* needs moe.capacity_factor"):
+        check(exp(gbs, "moe.pad_to_capacity=true"), h100)
     with pytest.raises(LayoutError, match="precision.loss_scale applies to fp16 only"):
         check(exp(gbs, "precision.loss_scale=128"), h100)
     check(exp(gbs, "precision.dtype=fp16", "precision.loss_scale=128", "recompute.granularity=selective"), h100)

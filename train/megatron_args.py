@@ -34,7 +34,7 @@ def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: 
                   moe_router_dtype="fp32", moe_expert_capacity_factor=moe.capacity_factor,
                   overlap_moe_expert_parallel_comm=moe.a2a_overlap)
         if moe.capacity_factor is not None:
-            kw.update(moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=False)
+            kw.update(moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=moe.pad_to_capacity)
         if moe.expert_bias:  # aux-loss-free balancing (DeepSeek-V3): a per-expert bias on sigmoid scores
             kw.update(moe_router_enable_expert_bias=True, moe_router_load_balancing_type="none",
                       moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.0)
