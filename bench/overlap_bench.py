@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -126,6 +127,7 @@ def run(name: str, gpus: int, steps: int, out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", __file__,
            "--worker", str(run_dir / "config.yaml"), str(run_dir)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # the final save is not needed
     (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode:
         return {"run": name, "error": (proc.stdout + proc.stderr)[-2000:]}

@@ -127,6 +127,7 @@ def main() -> int:
            "MASTER_PORT": "29572", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     proc = subprocess.run([sys.executable, __file__, "--worker", str(config), str(run_dir), str(a.at), *a.overrides],
                           env=env, capture_output=True, text=True)
+    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # the final save is not needed (and fills small disks)
     (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode or not (run_dir / "summary.json").exists():
         print(f"{name}: failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")

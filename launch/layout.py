@@ -129,6 +129,10 @@ def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSp
         out.append("precision.loss_scale applies to fp16 only; remove it or set precision.dtype=fp16")
     if exp.moe.a2a_overlap and lay.ep == 1:
         out.append("moe.a2a_overlap overlaps the expert-parallel all-to-all, so it needs parallel.ep > 1")
+    if exp.moe.expert_gemm == "torch" and (exp.precision.fp8 or exp.precision.dtype != "bf16"
+                                           or not exp.moe.grouped_gemm or exp.model.backend == "local"):
+        out.append("moe.expert_gemm=torch computes TE's grouped experts in bf16 (torch._grouped_mm); with "
+                   "precision.fp8, another dtype, moe.grouped_gemm=false or model.backend=local use moe.expert_gemm=te")
     if exp.moe.pad_to_capacity and exp.moe.capacity_factor is None:
         out.append("moe.pad_to_capacity pads each expert to its capacity, so it needs moe.capacity_factor (e.g. 1.0)")
     if exp.recompute.offload_layers and not profile.transformer_engine:

@@ -98,12 +98,17 @@ def transformer_config(spec: ModelSpec, par: Layout = Layout(), params_dtype: to
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False) -> Any:
+def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False, torch_expert_gemm: bool = False) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        te_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=spec.num_experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=spec.qk_layernorm)
+        if spec.is_moe and grouped_gemm and torch_expert_gemm:
+            from mcorekit.models.grouped_mm_experts import use_grouped_mm_experts
+
+            te_spec = use_grouped_mm_experts(te_spec)
+        return te_spec
     from mcorekit.models.sdpa_attention import SDPAttention
 
     local = gpt_layer_specs.get_gpt_layer_local_spec(
@@ -121,13 +126,14 @@ def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False) -> Any
 
 
 def build_gpt(spec: ModelSpec, config: Any, padded_vocab: int, use_te: bool, grouped_gemm: bool = False,
-              pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
+              pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+              torch_expert_gemm: bool = False) -> Any:
     from megatron.core.models.gpt import GPTModel
 
     factor = rope_scaling_factor(spec)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec, use_te, grouped_gemm),
+        transformer_layer_spec=layer_spec(spec, use_te, grouped_gemm, torch_expert_gemm),
         vocab_size=padded_vocab,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,

@@ -188,6 +188,8 @@ def test_launcher_runs_megatron_core_checks() -> None:
         check(exp(gbs, "data.kind=sft", "data.paths=[x.jsonl]", "data.packing=true", "schedule.micro_batch_size=2"), h100)
     with pytest.raises(LayoutError, match="moe.a2a_overlap .* needs parallel.ep > 1"):
         check(exp(gbs, "moe.a2a_overlap=true"), h100)
+    with pytest.raises(LayoutError, match="moe.expert_gemm=torch computes TE's grouped experts in bf16"):
+        check(exp(gbs, "moe.expert_gemm=torch", "precision.fp8=delayed"), h100)
     with pytest.raises(LayoutError, match="moe.pad_to_capacity .* needs moe.capacity_factor"):
         check(exp(gbs, "moe.pad_to_capacity=true"), h100)
     with pytest.raises(LayoutError, match="precision.loss_scale applies to fp16 only"):

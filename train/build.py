@@ -117,7 +117,7 @@ def build(exp: Experiment) -> Trainer:
         chunk = build_gpt(spec, config, padded_vocab, use_te=use_te, grouped_gemm=config.moe_grouped_gemm,
                           pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                           post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                          vp_stage=vp_stage).cuda()
+                          vp_stage=vp_stage, torch_expert_gemm=exp.moe.expert_gemm == "torch").cuda()
         if config.params_dtype != torch.float32:
             chunk = Float16Module(config, chunk)
         # Only the first chunk's buffers are bucketed for overlap (as Megatron-LM does): the others' grads are
