@@ -35,6 +35,16 @@ def grouped_swiglu_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: 
     return torch._grouped_mm(a, fc2.transpose(1, 2), offs=ends)
 
 
+def run_forward_pre_hooks(module: torch.nn.Module, x: torch.Tensor) -> None:
+    """What calling `module` would run before its forward. Megatron's DDP waits there for the module's parameters
+    to be all-gathered (overlap_param_gather); reading the weights without calling the module must wait too."""
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if key in module._forward_pre_hooks_with_kwargs:
+            hook(module, (x,), {})
+        else:
+            hook(module, (x,))
+
+
 def grouped_mm_experts_class() -> type:
     """TEGroupedMLP with the computation above (imported lazily: it needs Transformer Engine)."""
     from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
@@ -56,6 +66,8 @@ def grouped_mm_experts_class() -> type:
             x = permuted_local_hidden_states
             if args or kwargs or not self._supported(x):
                 return super().forward(x, tokens_per_expert, permuted_probs, *args, **kwargs)
+            for linear in (self.linear_fc1, self.linear_fc2):
+                run_forward_pre_hooks(linear, x)
             n = self.num_local_experts
             fc1 = torch.stack([getattr(self.linear_fc1, f"weight{i}") for i in range(n)])
             fc2 = torch.stack([getattr(self.linear_fc2, f"weight{i}") for i in range(n)])

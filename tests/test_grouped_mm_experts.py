@@ -72,3 +72,15 @@ def test_spec_swap_changes_only_the_experts_class() -> None:
     assert swapped.func is MoELayer and new.shared_experts == "shared"
     assert issubclass(new.experts.func, TEGroupedMLP) and new.experts.func is not TEGroupedMLP
     assert new.experts.keywords == {"submodules": "fc1/fc2 specs"}
+
+
+def test_forward_pre_hooks_of_the_bypassed_modules_run() -> None:
+    """Megatron's DDP all-gathers parameters in a module's forward pre-hook (overlap_param_gather); the weights
+    are read without calling the module, so its pre-hooks must still run."""
+    from mcorekit.models.grouped_mm_experts import run_forward_pre_hooks
+
+    linear, seen = torch.nn.Linear(2, 2), []
+    linear.register_forward_pre_hook(lambda m, args: seen.append(("plain", m, len(args))))
+    linear.register_forward_pre_hook(lambda m, args, kwargs: seen.append(("kwargs", m, kwargs)), with_kwargs=True)
+    run_forward_pre_hooks(linear, torch.zeros(1, 2))
+    assert seen == [("plain", linear, 1), ("kwargs", linear, {})]
