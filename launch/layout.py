@@ -17,6 +17,21 @@ from mcorekit.models.spec import ModelSpec, resolve
 GiB = 1024**3
 
 
+def use_torch_expert_gemm(exp: Experiment, uses_te: bool) -> bool:
+    """Whether the MoE experts run as torch._grouped_mm (models/grouped_mm_experts.py): asked for, or by default
+    (auto), where it applies: bf16 without FP8, TE's grouped experts, and not the a2a-overlap schedule (which
+    splits the experts' backward into TE's own steps)."""
+    return (exp.moe.expert_gemm != "te" and uses_te and exp.moe.grouped_gemm and exp.precision.dtype == "bf16"
+            and not exp.precision.fp8 and not exp.moe.a2a_overlap)
+
+
+def expert_gemm_problems(exp: Experiment, uses_te: bool) -> list[str]:
+    if exp.moe.expert_gemm == "torch" and not use_torch_expert_gemm(exp, uses_te):
+        return ["moe.expert_gemm=torch computes TE's grouped experts in bf16 (torch._grouped_mm); with precision.fp8, "
+                "another dtype, moe.grouped_gemm=false, moe.a2a_overlap or without TE use moe.expert_gemm=te or auto"]
+    return []
+
+
 def context_parallel_problems(exp: Experiment, uses_te: bool) -> list[str]:
     """CP runs TE's context-parallel attention. Seen on an H200 with TE 2.20: fp32 with CP>1 finds "no dot product
     attention backend" (TE's fused kernels are 16-bit only, its unfused one has no CP); Megatron's local
@@ -129,10 +144,7 @@ def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSp
         out.append("precision.loss_scale applies to fp16 only; remove it or set precision.dtype=fp16")
     if exp.moe.a2a_overlap and lay.ep == 1:
         out.append("moe.a2a_overlap overlaps the expert-parallel all-to-all, so it needs parallel.ep > 1")
-    if exp.moe.expert_gemm == "torch" and (exp.precision.fp8 or exp.precision.dtype != "bf16"
-                                           or not exp.moe.grouped_gemm or exp.model.backend == "local"):
-        out.append("moe.expert_gemm=torch computes TE's grouped experts in bf16 (torch._grouped_mm); with "
-                   "precision.fp8, another dtype, moe.grouped_gemm=false or model.backend=local use moe.expert_gemm=te")
+    out += expert_gemm_problems(exp, profile.transformer_engine and exp.model.backend != "local")
     if exp.moe.pad_to_capacity and exp.moe.capacity_factor is None:
         out.append("moe.pad_to_capacity pads each expert to its capacity, so it needs moe.capacity_factor (e.g. 1.0)")
     if exp.recompute.offload_layers and not profile.transformer_engine:

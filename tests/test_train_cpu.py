@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from mcorekit.models.spec import ModelSpec
 from mcorekit.train.flops import train_flops_per_token
@@ -122,6 +123,37 @@ def test_moe_options() -> None:
     assert c.overlap_moe_expert_parallel_comm and c.expert_model_parallel_size == 2
 
 
+def test_expert_gemm_resolution() -> None:
+    """auto takes torch._grouped_mm where it applies (bf16, no FP8, TE grouped experts, no a2a overlap), else TE."""
+    from mcorekit.launch.layout import expert_gemm_problems, use_torch_expert_gemm
+
+    assert use_torch_expert_gemm(exp(), uses_te=True)
+    assert not use_torch_expert_gemm(exp(), uses_te=False)
+    for other in ("moe.expert_gemm=te", "precision.fp8=delayed", "precision.dtype=fp16", "moe.grouped_gemm=false",
+                  "parallel.ep=2 moe.a2a_overlap=true"):
+        assert not use_torch_expert_gemm(exp(*other.split()), uses_te=True), other
+        assert expert_gemm_problems(exp(*other.split()), uses_te=True) == []  # auto or te: never an error
+    assert expert_gemm_problems(exp("moe.expert_gemm=torch"), uses_te=True) == []
+    assert "use moe.expert_gemm=te or auto" in expert_gemm_problems(exp("moe.expert_gemm=torch", "precision.dtype=fp16"),
+                                                                    uses_te=True)[0]
+
+
+def test_start_line_names_the_experts_class() -> None:
+    from mcorekit.train.loop import experts_note
+
+    class GroupedMMExperts(torch.nn.Module):
+        pass
+
+    class MoELayer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = GroupedMMExperts()
+
+    chunk = torch.nn.Sequential(MoELayer(), MoELayer())
+    assert experts_note([chunk]) == ", MoE experts: GroupedMMExperts"
+    assert experts_note([torch.nn.Sequential(torch.nn.Linear(2, 2))]) == ""
+
+
 def test_recompute_and_offloading() -> None:
     c = tcfg(exp("recompute.granularity=selective"))
     assert c.recompute_granularity == "selective" and c.recompute_modules == ["core_attn"]
@@ -190,6 +222,7 @@ def test_launcher_runs_megatron_core_checks() -> None:
         check(exp(gbs, "moe.a2a_overlap=true"), h100)
     with pytest.raises(LayoutError, match="moe.expert_gemm=torch computes TE's grouped experts in bf16"):
         check(exp(gbs, "moe.expert_gemm=torch", "precision.fp8=delayed"), h100)
+    check(exp(gbs, "precision.fp8=delayed"), h100)  # auto: TE's experts under FP8, no complaint
     with pytest.raises(LayoutError, match="moe.pad_to_capacity .* needs moe.capacity_factor"):
         check(exp(gbs, "moe.pad_to_capacity=true"), h100)
     with pytest.raises(LayoutError, match="precision.loss_scale applies to fp16 only"):

@@ -11,7 +11,8 @@ import torch
 from mcorekit.errors import ConfigError, NotBuiltError
 from mcorekit.launch.config import Experiment
 from mcorekit.launch.env import DistEnv, from_environ, init_process_group
-from mcorekit.launch.layout import context_parallel_problems, layout_of, layout_problems
+from mcorekit.launch.layout import (context_parallel_problems, expert_gemm_problems, layout_of, layout_problems,
+                                    use_torch_expert_gemm)
 from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size, te_available
 from mcorekit.models.spec import ModelSpec, resolve
 from mcorekit.train import megatron_args as margs
@@ -76,7 +77,8 @@ def use_transformer_engine(exp: Experiment) -> bool:
 
 def check_layout(exp: Experiment, spec: ModelSpec, world: int, use_te: bool) -> None:
     """The launcher's layout rules against the ranks actually started, before any process group exists."""
-    problems = layout_problems(spec, layout_of(exp), world) + context_parallel_problems(exp, use_te)
+    problems = (layout_problems(spec, layout_of(exp), world) + context_parallel_problems(exp, use_te)
+                + expert_gemm_problems(exp, use_te))
     if problems:
         raise ConfigError(f"the parallel layout does not fit {world} ranks:\n  " + "\n  ".join(problems))
 
@@ -117,7 +119,7 @@ def build(exp: Experiment) -> Trainer:
         chunk = build_gpt(spec, config, padded_vocab, use_te=use_te, grouped_gemm=config.moe_grouped_gemm,
                           pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                           post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                          vp_stage=vp_stage, torch_expert_gemm=exp.moe.expert_gemm == "torch").cuda()
+                          vp_stage=vp_stage, torch_expert_gemm=use_torch_expert_gemm(exp, use_te)).cuda()
         if config.params_dtype != torch.float32:
             chunk = Float16Module(config, chunk)
         # Only the first chunk's buffers are bucketed for overlap (as Megatron-LM does): the others' grads are

@@ -53,6 +53,13 @@ def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     return per_token, loss_func
 
 
+def experts_note(model_chunks: list[Any]) -> str:
+    """Which class computes the MoE experts in the built model (TE's GroupedLinear or torch._grouped_mm)."""
+    names = sorted({type(m.experts).__name__ for c in model_chunks for m in c.modules() if hasattr(m, "experts")
+                    and isinstance(m.experts, torch.nn.Module)})
+    return f", MoE experts: {', '.join(names)}" if names else ""
+
+
 def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: Any = None) -> list[float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -60,7 +67,8 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     rank0 = dist.get_rank() == 0
     if rank0:  # which environment the ranks came from: a wrong one shows here, not as a hang
         print(f"mcorekit.train: {dist.get_world_size()} ranks from the {t.env.source} environment, rendezvous "
-              f"{t.env.master_addr}:{t.env.master_port}, layout {layout_of(exp)} x DP{t.dp_size}", flush=True)
+              f"{t.env.master_addr}:{t.env.master_port}, layout {layout_of(exp)} x DP{t.dp_size}"
+              f"{experts_note(t.model)}", flush=True)
     stop = StopSignal()
     saver = checkpoint.Saver(Path(exp.checkpoint.dir or run_dir / "checkpoints"), exp.checkpoint.keep_last,
                              exp.checkpoint.async_save)
