@@ -8,7 +8,7 @@ CONFIG ?= examples/llama-tiny.yaml
 ARGS ?=
 NODES ?=
 
-.PHONY: help setup demo test test-cpu cluster-up cluster-down cluster-status train sweep dry-run status logs cancel convert export data bench-train bench-overlap
+.PHONY: help setup demo test test-cpu cluster-up cluster-down cluster-status train sweep dry-run status logs cancel convert export data bench-train bench-overlap bench-profile
 
 help:
 	@echo "make demo            bring up the dev Slurm cluster and run the toolchain end to end"
@@ -22,6 +22,7 @@ help:
 	@echo "make data ARGS=\"preprocess corpus.jsonl --tokenizer DIR --output-prefix data/corpus\""
 	@echo "make bench-train     (GPU) training tokens/s and MFU vs HF transformers, docs/train.md"
 	@echo "make bench-overlap   (2+ GPUs) hidden vs exposed communication, DP and TP overlaps, docs/train.md"
+	@echo "make bench-profile   (GPU) where a training step's time goes: GPU busy vs host, top kernels and ops"
 	@echo "make convert ARGS=\"hf-to-mcore HF_DIR OUT --tp 2\" | make export ARGS=\"trtllm SRC OUT --target engine --tp 2\""
 
 setup:
@@ -72,6 +73,10 @@ bench-train: setup
 # On a node with 2+ GPUs: DP and TP communication overlaps, measured from profiler traces (docs/train.md).
 bench-overlap: setup
 	cd /tmp && $(CURDIR)/$(PY) $(CURDIR)/bench/overlap_bench.py $(ARGS)
+
+# On a GPU machine: where one training step's time goes (GPU busy vs host, top kernels), e.g. ARGS="--shape moe".
+bench-profile: setup
+	cd /tmp && $(CURDIR)/$(PY) $(CURDIR)/bench/profile_step.py $(ARGS)
 
 # make sweep CONFIG=exp.yaml GRID="optimizer.lr=1e-4,3e-4 parallel.tp=1,2" [MAX_PARALLEL=2]
 sweep: setup cluster-up
