@@ -19,16 +19,18 @@ GiB = 1024**3
 
 def use_torch_expert_gemm(exp: Experiment, uses_te: bool) -> bool:
     """Whether the MoE experts run as torch._grouped_mm (models/grouped_mm_experts.py): asked for, or by default
-    (auto), where it applies: bf16 without FP8, TE's grouped experts, and not the a2a-overlap schedule (which
-    splits the experts' backward into TE's own steps)."""
+    (auto), where it applies: bf16 without FP8, TE's grouped experts, and neither the a2a-overlap schedule (which
+    splits the experts' backward into TE's own steps) nor recompute of the expert activation (TEGroupedMLP's own)."""
+    moe_act_recompute = exp.recompute.granularity == "selective" and "moe_act" in exp.recompute.modules
     return (exp.moe.expert_gemm != "te" and uses_te and exp.moe.grouped_gemm and exp.precision.dtype == "bf16"
-            and not exp.precision.fp8 and not exp.moe.a2a_overlap)
+            and not exp.precision.fp8 and not exp.moe.a2a_overlap and not moe_act_recompute)
 
 
 def expert_gemm_problems(exp: Experiment, uses_te: bool) -> list[str]:
     if exp.moe.expert_gemm == "torch" and not use_torch_expert_gemm(exp, uses_te):
         return ["moe.expert_gemm=torch computes TE's grouped experts in bf16 (torch._grouped_mm); with precision.fp8, "
-                "another dtype, moe.grouped_gemm=false, moe.a2a_overlap or without TE use moe.expert_gemm=te or auto"]
+                "another dtype, moe.grouped_gemm=false, moe.a2a_overlap, recompute of moe_act or without TE use "
+                "moe.expert_gemm=te or auto"]
     return []
 
 

@@ -59,7 +59,10 @@ def grouped_mm_experts_class() -> type:
                     and not c.moe_apply_probs_on_input and c.moe_mlp_glu_interleave_size is None
                     and getattr(c, "activation_func_clamp_value", None) is None
                     and not getattr(c, "glu_linear_offset", 0.0) and not getattr(self, "_with_fused_impl", False)
-                    and not getattr(self, "offload_expert_fc1", False) and not getattr(self, "offload_moe_act", False))
+                    and not getattr(self, "offload_expert_fc1", False) and not getattr(self, "offload_moe_act", False)
+                    # recompute of the expert activation (recompute.modules: moe_act) and delayed weight
+                    # gradients are TEGroupedMLP's own machinery: leave those runs to it
+                    and not getattr(self, "activation_recompute", False) and not getattr(c, "delay_wgrad_compute", False))
 
         def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                     permuted_probs: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
