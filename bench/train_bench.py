@@ -9,7 +9,8 @@ Shapes: `dense` is the 0.89B Llama shape (16 x 2048, GQA 16/8, SwiGLU 5632, voca
 micro-batches (gradient accumulation in both). Each run is its own process:
   hf-bf16            transformers (SDPA attention, bf16 weights, fused torch AdamW), a plain loop
   bf16, fp8-*        `python -m mcorekit.train` (the real entry) on mock data; fp8-* names the TE recipe
-  bf16-grouped-mm    bf16 with moe.expert_gemm=torch (MoE shape: experts through torch._grouped_mm)
+  bf16-te-experts    bf16 with moe.expert_gemm=te (MoE shape: experts through TE's GroupedLinear, not the
+                     default torch._grouped_mm)
 With --gpus 1,2 every mcorekit run is made on 1 and on 2 GPUs (torchrun on this node; data parallel, plus the
 --multi overrides, e.g. parallel.ep=2 for MoE), with 8 micro-batches per GPU per step (weak scaling); the table
 gives tokens/s per GPU and the scaling efficiency against the same run on one GPU.
@@ -61,8 +62,8 @@ def write_config(shape: str, run: str, steps: int, run_dir: Path, gpus: int = 1,
 def mcore_run(shape: str, run: str, steps: int, out: Path, extra: list[str], gpus: int = 1) -> dict:
     run_dir = out / f"{shape}-{run}-{gpus}gpu"
     precision = run
-    if run == "bf16-grouped-mm":  # the MoE experts through torch._grouped_mm instead of TE's GroupedLinear
-        precision, extra = "bf16", [*extra, "moe.expert_gemm=torch"]
+    if run == "bf16-te-experts":  # MoE experts through TE's GroupedLinear instead of the default torch._grouped_mm
+        precision, extra = "bf16", [*extra, "moe.expert_gemm=te"]
     write_config(shape, precision, steps, run_dir, gpus)
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29571", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
