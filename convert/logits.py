@@ -8,7 +8,6 @@ cosine >= 0.9999 and 100% top-1 agreement.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -29,10 +28,8 @@ def init_single_gpu() -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29577")
-        dist.init_process_group("nccl", rank=0, world_size=1)
+    if not dist.is_initialized():  # one process: an in-memory store, no port to collide with another run
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234)

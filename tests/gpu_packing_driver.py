@@ -10,7 +10,9 @@ import json
 import os
 import sys
 
-for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29563"}.items():
+from single_rank import single_rank_env  # noqa: E402  (this folder is on sys.path: the driver runs as a script)
+
+for key, value in single_rank_env().items():
     os.environ.setdefault(key, value)
 
 import torch  # noqa: E402

@@ -10,8 +10,10 @@ import signal
 import sys
 from pathlib import Path
 
+from single_rank import single_rank_env  # noqa: E402  (this folder is on sys.path: the driver runs as a script)
+
 if "SLURM_PROCID" not in os.environ:  # a single process; under srun (tests/slurm_shim) ranks come from SLURM_*
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+    os.environ.update(single_rank_env())
 
 from mcorekit.launch.config import load_experiment  # noqa: E402
 from mcorekit.train.loop import train  # noqa: E402
