@@ -83,6 +83,9 @@ class DataConfig(Strict):
     # indexed: path prefixes of .bin/.idx pairs (from `mcorekit data preprocess`); sft: .jsonl files
     paths: list[str] = Field(default_factory=list)
     weights: list[float] | None = None  # blend weights, one per path (indexed)
+    # held-out data of the same kind, for the validation loss every schedule.eval_interval steps (mock data
+    # validates on its own stream without it)
+    valid_paths: list[str] = Field(default_factory=list)
     tokenizer: str | None = None  # an HF tokenizer directory (sft; indexed takes its eod from the .idx side-car)
     seq_length: int = Field(2048, ge=1)
     packing: bool = False  # sft: several conversations per sequence, attention kept within each
@@ -90,7 +93,7 @@ class DataConfig(Strict):
     cache_dir: str | None = None  # dataset index caches; default <run dir>/data_cache
     seed: int = 1234
 
-    @field_validator("paths", "tokenizer", "cache_dir")
+    @field_validator("paths", "valid_paths", "tokenizer", "cache_dir")
     @classmethod
     def _paths(cls, v: Any) -> Any:
         for item in [v] if isinstance(v, str) else (v or []):
@@ -119,6 +122,8 @@ class ScheduleConfig(Strict):
     decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     micro_batch_size: int = Field(1, ge=1)
     global_batch_size: int = Field(8, ge=1)
+    eval_interval: int = Field(0, ge=0)  # validation loss every N steps and at the end; 0 = none
+    eval_iters: int = Field(10, ge=1)  # global batches per validation (the same ones every time)
 
 
 class RecomputeConfig(Strict):

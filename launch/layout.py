@@ -17,6 +17,19 @@ from mcorekit.models.spec import ModelSpec, resolve
 GiB = 1024**3
 
 
+def validation_problems(exp: Experiment) -> list[str]:
+    d, s = exp.data, exp.schedule
+    if d.valid_paths and d.kind == "mock":
+        return ["data.valid_paths is for indexed or sft data; mock data validates on its own stream (drop valid_paths)"]
+    if d.valid_paths and not s.eval_interval:
+        return ["data.valid_paths is set but schedule.eval_interval=0, so it would never be used: set "
+                "schedule.eval_interval (e.g. 1000) or drop data.valid_paths"]
+    if s.eval_interval and d.kind != "mock" and not d.valid_paths:
+        return [f"schedule.eval_interval={s.eval_interval} needs held-out data: data.valid_paths ("
+                f"{'.bin/.idx prefixes' if d.kind == 'indexed' else '.jsonl files'}, like data.paths)"]
+    return []
+
+
 def use_torch_expert_gemm(exp: Experiment, uses_te: bool) -> bool:
     """Whether the MoE experts run as torch._grouped_mm (models/grouped_mm_experts.py): asked for, or by default
     (auto), where it applies: bf16 without FP8, TE's grouped experts, and neither the a2a-overlap schedule (which
@@ -142,6 +155,7 @@ def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSp
         out.append(f"data.weights has {len(d.weights)} entries for {len(d.paths)} data.paths; give one weight per path")
     if d.kind != "mock" and not d.paths:
         out.append(f"data.kind={d.kind} needs data.paths")
+    out += validation_problems(exp)
     if exp.precision.loss_scale is not None and exp.precision.dtype != "fp16":
         out.append("precision.loss_scale applies to fp16 only; remove it or set precision.dtype=fp16")
     if exp.moe.a2a_overlap and lay.ep == 1:

@@ -46,6 +46,19 @@ def test_loss_falls_bf16(tmp_path: Path) -> None:
     assert all(x["tokens_per_s"] > 0 and 0 < x["mfu"] < 1 for x in m)
 
 
+def test_validation_loss_is_logged_and_leaves_training_alone(tmp_path: Path) -> None:
+    """schedule.eval_interval on mock data: val_loss at steps 5, 10 and the last, falling as the model learns;
+    the training losses equal those of the same run without validation."""
+    sched = {**BASE["schedule"], "train_iters": 12}
+    m = run(tmp_path, "eval", {**BASE, "schedule": {**sched, "eval_interval": 5, "eval_iters": 2}})
+    plain = run(tmp_path, "plain", {**BASE, "schedule": sched})
+    val = [x for x in m if "val_loss" in x]
+    print("validation:", [(x["step"], round(x["val_loss"], 4)) for x in val])
+    assert [x["step"] for x in val] == [5, 10, 12]
+    assert [x["loss"] for x in m if "loss" in x] == [x["loss"] for x in plain]
+    assert val[-1]["val_loss"] < val[0]["val_loss"] and all(math.isfinite(x["val_ppl"]) for x in val)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_fp8_trains(tmp_path: Path, recipe: str) -> None:
     m = run(tmp_path, recipe, {**BASE, "precision": {"dtype": "bf16", "fp8": recipe}})

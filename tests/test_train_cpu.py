@@ -225,6 +225,13 @@ def test_launcher_runs_megatron_core_checks() -> None:
     check(exp(gbs, "precision.fp8=delayed"), h100)  # auto: TE's experts under FP8, no complaint
     with pytest.raises(LayoutError, match="moe.pad_to_capacity .* needs moe.capacity_factor"):
         check(exp(gbs, "moe.pad_to_capacity=true"), h100)
+    with pytest.raises(LayoutError, match="schedule.eval_interval=100 needs held-out data: data.valid_paths"):
+        check(exp(gbs, "data.kind=indexed", "data.paths=[/data/web]", "schedule.eval_interval=100"), h100)
+    with pytest.raises(LayoutError, match="data.valid_paths is set but schedule.eval_interval=0"):
+        check(exp(gbs, "data.kind=indexed", "data.paths=[/data/web]", "data.valid_paths=[/data/held]"), h100)
+    with pytest.raises(LayoutError, match="mock data validates on its own stream"):
+        check(exp(gbs, "data.valid_paths=[/data/held]", "schedule.eval_interval=100"), h100)
+    check(exp(gbs, "schedule.eval_interval=100"), h100)  # mock data: validation on another mock stream
     with pytest.raises(LayoutError, match="precision.loss_scale applies to fp16 only"):
         check(exp(gbs, "precision.loss_scale=128"), h100)
     check(exp(gbs, "precision.dtype=fp16", "precision.loss_scale=128", "recompute.granularity=selective"), h100)
@@ -335,3 +342,23 @@ def test_entry_reports_a_layout_that_does_not_fit_the_ranks(tmp_path: Any) -> No
     assert r.returncode == 2, r.stderr[-2000:]
     assert "mcorekit.train: error: the parallel layout does not fit 1 ranks:\n  TP*PP*CP = 2*1*1 = 2 does not divide" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_weights_are_gathered_before_a_checkpoint_reads_them() -> None:
+    """With overlap_param_gather a rank's weights are partly one update behind until the next forward's
+    all-gather; the saver forces that gather first. DDP is GPU-only, so the chunks here are recorders."""
+    from types import SimpleNamespace
+
+    from mcorekit.train.checkpoint import sync_params
+
+    calls: list[tuple[str, bool]] = []
+
+    class Chunk:
+        def __init__(self, name: str, overlap: bool) -> None:
+            self.name, self.ddp_config = name, SimpleNamespace(overlap_param_gather=overlap)
+
+        def start_param_sync(self, force_sync: bool = False) -> None:
+            calls.append((self.name, force_sync))
+
+    sync_params([Chunk("overlapped", True), Chunk("synchronous", False)])
+    assert calls == [("overlapped", True)]

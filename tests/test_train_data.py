@@ -155,6 +155,37 @@ def test_loader_resumes_the_exact_order(two_corpora: list[str], tmp_path: Path) 
     assert sorted(tuple(x.tolist()) for x in seen) == sorted(tuple(ds[i]["tokens"].tolist()) for i in range(8))
 
 
+def test_validation_data_is_the_held_out_corpus(two_corpora: list[str], tmp_path: Path) -> None:
+    """schedule.eval_interval with data.valid_paths: the validation dataset reads only the held-out corpus, holds
+    eval_iters global batches, and is the same at every validation; mock data validates on another stream."""
+    from types import SimpleNamespace
+
+    from mcorekit.launch.config import load_experiment
+    from mcorekit.train.data import build_dataset
+
+    web, code = two_corpora
+    exp = load_experiment("examples/llama-tiny.yaml", [
+        "data.kind=indexed", f"data.paths=[{web}]", f"data.valid_paths=[{code}]", "data.seq_length=32",
+        "schedule.eval_interval=5", "schedule.eval_iters=3", "schedule.global_batch_size=8",
+        f"data.cache_dir={tmp_path / 'cache'}"])
+    spec = SimpleNamespace(vocab_size=256)
+    valid = build_dataset(exp, spec, tmp_path, validation=True)
+    train = build_dataset(exp, spec, tmp_path)
+    web_docs, code_docs = read_documents(web), read_documents(code)
+    assert len(valid) >= 3 * 8
+    for i in range(24):
+        longest = max(pieces(valid[i]["tokens"].tolist()), key=len)
+        assert contains(code_docs, longest) and not contains(web_docs, longest)
+        longest = max(pieces(train[i]["tokens"].tolist()), key=len)
+        assert contains(web_docs, longest) and not contains(code_docs, longest)
+    again = build_dataset(exp, spec, tmp_path, validation=True)
+    assert all(torch.equal(valid[i]["tokens"], again[i]["tokens"]) for i in range(24))
+
+    mock = load_experiment("examples/llama-tiny.yaml", ["schedule.eval_interval=5"])
+    a, b = build_dataset(mock, spec, tmp_path), build_dataset(mock, spec, tmp_path, validation=True)
+    assert not torch.equal(a[0]["tokens"], b[0]["tokens"])
+
+
 def test_indexed_errors(two_corpora: list[str], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"indexed data not found: .*nope.bin"):
         build_gpt_dataset([str(tmp_path / "nope")], None, 32, 10, 1, tmp_path, None, 256)

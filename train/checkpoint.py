@@ -63,6 +63,7 @@ class Saver:
             shutil.rmtree(path, ignore_errors=True)  # a half-written one from an interrupted save
             path.mkdir(parents=True)
         dist.barrier()
+        sync_params(chunks)
         model_sd = _model_state(chunks)
         state = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=SHARDING),
                  "scheduler": scheduler.state_dict(), "iteration": step}
@@ -102,6 +103,16 @@ class Saver:
             for old in done[: max(0, len(done) - (self.keep_last - 1))]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
+
+
+def sync_params(chunks: list[Any]) -> None:
+    """With overlap_param_gather the distributed optimizer's step updates only this rank's shard of the weights;
+    the other shards arrive by an all-gather that the next forward pass starts. Weights read between the two
+    (a checkpoint, an evaluation) would be one update behind in the shards other ranks own: gather them now
+    (what Megatron-LM's force_param_sync does before it saves)."""
+    for chunk in chunks:
+        if getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False):
+            chunk.start_param_sync(force_sync=True)
 
 
 def _model_state(chunks: list[Any]) -> dict[str, Any]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     s = exp.schedule
     micro_batches = s.global_batch_size // (s.micro_batch_size * t.dp_size)
     dataset = build_dataset(exp, t.spec, run_dir)
+    valid = build_dataset(exp, t.spec, run_dir, validation=True) if s.eval_interval else None
     # one iterator per virtual pipeline stage: each model chunk reads the same micro-batches
     data = [batches(dataset, s.micro_batch_size, step * s.global_batch_size, t.dp_rank, t.dp_size) for _ in t.model]
     tokens_per_step = s.global_batch_size * exp.data.seq_length
@@ -87,7 +89,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     fwd_bwd = get_forward_backward_func()
     losses: list[float] = []
     skipped = 0
-    timer = time.perf_counter()
+    timer, eval_seconds = time.perf_counter(), 0.0
     while step < s.train_iters:
         if stop.requested():  # USR2 before the time limit, or preemption: save together, then requeue
             saver.save(step, t.model, t.optimizer, t.scheduler, wait=True)
@@ -113,7 +115,8 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
                                      f"optimizer.lr, lengthen warmup, check the data")
         if step % exp.logging.log_interval == 0 or step == s.train_iters:
             torch.cuda.synchronize()
-            elapsed, timer = time.perf_counter() - timer, time.perf_counter()
+            elapsed, timer = time.perf_counter() - timer - eval_seconds, time.perf_counter()
+            eval_seconds = 0.0  # validation time is not training throughput
             n = (step - 1) % exp.logging.log_interval + 1  # steps since the last log line
             tflops = flops_per_step * n / elapsed / dist.get_world_size() / 1e12
             metrics = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": float(t.optimizer.param_groups[0]["lr"]),
@@ -126,11 +129,50 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
             writer.write(step, s.train_iters, metrics)
             if on_step:
                 on_step(metrics)
+        if valid is not None and (step % s.eval_interval == 0 or step == s.train_iters):
+            started = time.perf_counter()
+            val_loss = evaluate(t, fwd_bwd, valid, exp, micro_batches)
+            writer.write(step, s.train_iters, {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 30.0))})
+            eval_seconds += time.perf_counter() - started
         if step % exp.checkpoint.save_interval == 0 or step == s.train_iters:
             saver.save(step, t.model, t.optimizer, t.scheduler, wait=step == s.train_iters)
     saver.close()
     writer.close()
     return losses
+
+
+def evaluate(t: Trainer, fwd_bwd: Any, dataset: Any, exp: Experiment, micro_batches: int) -> float:
+    """Mean loss over the first schedule.eval_iters global batches of the held-out data (the same batches at
+    every validation, so the values compare), forward only, dropout off."""
+    s = exp.schedule
+    data = [batches(dataset, s.micro_batch_size, 0, t.dp_rank, t.dp_size) for _ in t.model]
+    losses = []
+    for chunk in t.model:
+        chunk.eval()
+    with torch.no_grad(), forward_pre_hooks_off(t.model):
+        for _ in range(s.eval_iters):
+            out = fwd_bwd(forward_step_func=forward_step, data_iterator=data if len(data) > 1 else data[0],
+                          model=t.model, num_microbatches=micro_batches, seq_length=exp.data.seq_length,
+                          micro_batch_size=s.micro_batch_size, forward_only=True)
+            losses.append(_mean_loss(out))
+    for chunk in t.model:
+        chunk.train()
+    return sum(losses) / len(losses)
+
+
+@contextmanager
+def forward_pre_hooks_off(chunks: list[Any]) -> Iterator[None]:
+    """With overlap_param_gather, DDP gathers the weights in forward pre-hooks that also start the next
+    bucket's gather for the training forward that follows. Outside training (validation) they are switched
+    off, which first gathers every weight synchronously, and back on afterwards (as Megatron-LM does)."""
+    hooked = [c for c in chunks if getattr(c, "use_forward_hook", False)]
+    for chunk in hooked:
+        chunk.disable_forward_pre_hook()
+    try:
+        yield
+    finally:
+        for chunk in hooked:
+            chunk.enable_forward_pre_hook()
 
 
 def _resume(t: Trainer, root: Path, exp: Experiment) -> int:

@@ -57,8 +57,8 @@ class ExpertLoad:
                     module.register_forward_hook(self._hook)
 
     def _hook(self, module: Any, inputs: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
-        if not torch.is_grad_enabled() and module.training:
-            return  # the no-grad first pass of a recomputed region; its replay in backward is the one counted
+        if not (module.training and torch.is_grad_enabled()):
+            return  # validation, or the no-grad first pass of a recomputed region (its replay in backward counts)
         per_expert = output[1].sum(dim=0)
         layer = int(module.layer_number)
         self.counts[layer] = self.counts[layer] + per_expert if layer in self.counts else per_expert

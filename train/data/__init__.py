@@ -16,25 +16,28 @@ if TYPE_CHECKING:  # kept out of import time: preprocessing workers import this 
     from mcorekit.models.spec import ModelSpec
 
 
-def build_dataset(exp: Experiment, spec: ModelSpec, run_dir: Path) -> Any:
-    d = exp.data
+def build_dataset(exp: Experiment, spec: ModelSpec, run_dir: Path, validation: bool = False) -> Any:
+    """The training data, or with `validation` the held-out data (data.valid_paths; mock: another stream)."""
+    d, s = exp.data, exp.schedule
     if d.kind == "mock":
         from mcorekit.train.data.mock import MockDataset
 
-        return MockDataset(d.seed, spec.vocab_size, d.seq_length)
-    if not d.paths:
-        raise ConfigError(f"data.kind={d.kind} needs data.paths (indexed: .bin/.idx prefixes; sft: .jsonl files)")
+        return MockDataset(d.seed + 1 if validation else d.seed, spec.vocab_size, d.seq_length)
+    paths, weights = (d.valid_paths, None) if validation else (d.paths, d.weights)
+    if not paths:
+        key = "data.valid_paths" if validation else "data.paths"
+        raise ConfigError(f"data.kind={d.kind} needs {key} (indexed: .bin/.idx prefixes; sft: .jsonl files)")
     cache = Path(d.cache_dir or run_dir / "data_cache")
     if d.kind == "indexed":
         from mcorekit.train.data.indexed import build_gpt_dataset
 
-        samples = exp.schedule.train_iters * exp.schedule.global_batch_size
-        return build_gpt_dataset(d.paths, d.weights, d.seq_length, samples, d.seed, cache, d.tokenizer, spec.vocab_size)
+        samples = (s.eval_iters if validation else s.train_iters) * s.global_batch_size
+        return build_gpt_dataset(paths, weights, d.seq_length, samples, d.seed, cache, d.tokenizer, spec.vocab_size)
     from mcorekit.train.data.sft import SFTDataset
 
     if not d.tokenizer:
         raise ConfigError("data.kind=sft needs data.tokenizer (an HF tokenizer directory with a chat template)")
-    return SFTDataset(d.paths, d.tokenizer, d.seq_length, d.seed, packing=d.packing, vocab_size=spec.vocab_size)
+    return SFTDataset(paths, d.tokenizer, d.seq_length, d.seed, packing=d.packing, vocab_size=spec.vocab_size)
 
 
 def batches(dataset: Any, micro_batch: int, first_sample: int, dp_rank: int, dp_size: int,
