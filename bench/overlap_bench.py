@@ -20,14 +20,12 @@ import argparse
 import json
 import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
-from results import finish, timed
+from results import finish, run_training, timed
 
 RUNS = {
     "dp-off": ({"overlap_grad_reduce": False, "overlap_param_gather": False}, {}),
@@ -126,9 +124,7 @@ def run(name: str, gpus: int, steps: int, out: Path) -> dict:
     env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "UB_SKIPMC": "1"}  # no NVLink multicast (see KINDS.md)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", __file__,
            "--worker", str(run_dir / "config.yaml"), str(run_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # the final save is not needed
-    (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
+    proc = run_training(cmd, env, run_dir)
     if proc.returncode:
         return {"run": name, "error": (proc.stdout + proc.stderr)[-2000:]}
     m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -16,16 +16,15 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 from overlap_bench import union
+from results import run_training, single_gpu_env
 from train_bench import write_config
 
 PROFILED = 2
@@ -123,12 +122,8 @@ def main() -> int:
     name = a.name or f"{a.shape}-{a.run}"
     run_dir = Path(a.out) / name
     config = write_config(a.shape, a.run, a.steps, run_dir, log_interval=1)
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "29572", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(config), str(run_dir), str(a.at), *a.overrides],
-                          env=env, capture_output=True, text=True)
-    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # the final save is not needed (and fills small disks)
-    (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
+    proc = run_training([sys.executable, __file__, "--worker", str(config), str(run_dir), str(a.at), *a.overrides],
+                        single_gpu_env(29572), run_dir)
     if proc.returncode or not (run_dir / "summary.json").exists():
         print(f"{name}: failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
         return 1

@@ -5,6 +5,7 @@ Markdown table at the end, with an exit code that says whether any run failed.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,21 @@ def fresh_dir(path: str | Path) -> Path:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     return work
+
+
+def single_gpu_env(port: int) -> dict[str, str]:
+    """This environment plus the rendezvous of a one-process training run (no torchrun) on `port`."""
+    return {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def run_training(cmd: list[str], env: dict[str, str], run_dir: Path) -> subprocess.CompletedProcess:
+    """One training process of a benchmark: its output goes to run_dir/log.txt, and its final checkpoint is
+    deleted (not needed; ~20 GB for the MoE shape, which filled the GPU machine's 64 GB disk)."""
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
+    (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
+    return proc
 
 
 def run_worker(code: str, *args: str, env: dict[str, str] | None = None) -> tuple[str | None, str]:

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
-from results import finish, run_worker, timed
+from results import finish, run_training, run_worker, single_gpu_env, timed
 
 SHAPES = {
     "dense": {"preset": "llama-0.9b", "mbs": 8},
@@ -65,14 +62,10 @@ def mcore_run(shape: str, run: str, steps: int, out: Path, extra: list[str], gpu
     if run == "bf16-te-experts":  # MoE experts through TE's GroupedLinear instead of the default torch._grouped_mm
         precision, extra = "bf16", [*extra, "moe.expert_gemm=te"]
     write_config(shape, precision, steps, run_dir, gpus)
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "29571", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                    f"--nproc-per-node={gpus}"]
     cmd = [*launcher, "-m", "mcorekit.train", "--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # the final save: ~20 GB for the MoE shape, not needed
-    (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
+    proc = run_training(cmd, single_gpu_env(29571), run_dir)
     if proc.returncode:
         return {"shape": shape, "run": run, "gpus": gpus, "error": (proc.stdout + proc.stderr)[-1500:]}
     m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -17,6 +17,11 @@ from mcorekit.models.spec import ModelSpec, resolve
 GiB = 1024**3
 
 
+def nodes_use_te(exp: Experiment, profile: ClusterProfile) -> bool:
+    """Whether the model will run on Transformer Engine layers on this profile's nodes."""
+    return profile.transformer_engine and exp.model.backend != "local"
+
+
 def validation_problems(exp: Experiment) -> list[str]:
     d, s = exp.data, exp.schedule
     if d.valid_paths and d.kind == "mock":
@@ -148,7 +153,7 @@ def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSp
                    "transformer_engine: true and model.backend auto or te")
     if exp.precision.fp8 and exp.model.backend == "local":
         out.append("precision.fp8 needs Transformer Engine layers; set model.backend=auto or te")
-    out += context_parallel_problems(exp, profile.transformer_engine and exp.model.backend != "local")
+    out += context_parallel_problems(exp, nodes_use_te(exp, profile))
     if d.packing and lay.cp > 1:
         out.append("data.packing with parallel.cp > 1 is not built (examples would need padding to 2*CP); use cp=1")
     if d.weights is not None and len(d.weights) != len(d.paths):
@@ -160,7 +165,7 @@ def experiment_problems(exp: Experiment, profile: ClusterProfile, model: ModelSp
         out.append("precision.loss_scale applies to fp16 only; remove it or set precision.dtype=fp16")
     if exp.moe.a2a_overlap and lay.ep == 1:
         out.append("moe.a2a_overlap overlaps the expert-parallel all-to-all, so it needs parallel.ep > 1")
-    out += expert_gemm_problems(exp, profile.transformer_engine and exp.model.backend != "local")
+    out += expert_gemm_problems(exp, nodes_use_te(exp, profile))
     if exp.moe.pad_to_capacity and exp.moe.capacity_factor is None:
         out.append("moe.pad_to_capacity pads each expert to its capacity, so it needs moe.capacity_factor (e.g. 1.0)")
     if exp.recompute.offload_layers and not profile.transformer_engine:
@@ -261,7 +266,7 @@ def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str
     if not problems and profile.gpus_per_node > 0:  # then Megatron-Core's own checks, as the nodes will run them
         from mcorekit.train.megatron_args import megatron_problems
 
-        problems = megatron_problems(exp, model, use_te=profile.transformer_engine and exp.model.backend != "local")
+        problems = megatron_problems(exp, model, use_te=nodes_use_te(exp, profile))
     if problems:
         raise LayoutError(f"invalid layout ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - " + "\n  - ".join(problems))
     warnings: list[str] = []

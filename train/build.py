@@ -113,13 +113,14 @@ def build(exp: Experiment) -> Trainer:
         _init_tp_comm_overlap(exp, spec)
     padded_vocab = padded_vocab_size(spec.vocab_size, 128 * exp.parallel.tp)
     ddp_config = margs.ddp_config(exp)
+    torch_expert_gemm = use_torch_expert_gemm(exp, use_te)
     chunks = []
     for vp in range(exp.parallel.vpp or 1):
         vp_stage = vp if exp.parallel.vpp else None
         chunk = build_gpt(spec, config, padded_vocab, use_te=use_te, grouped_gemm=config.moe_grouped_gemm,
                           pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                           post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                          vp_stage=vp_stage, torch_expert_gemm=use_torch_expert_gemm(exp, use_te)).cuda()
+                          vp_stage=vp_stage, torch_expert_gemm=torch_expert_gemm).cuda()
         if config.params_dtype != torch.float32:
             chunk = Float16Module(config, chunk)
         # Only the first chunk's buffers are bucketed for overlap (as Megatron-LM does): the others' grads are

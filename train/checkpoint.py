@@ -107,9 +107,9 @@ class Saver:
 
 def sync_params(chunks: list[Any]) -> None:
     """With overlap_param_gather the distributed optimizer's step updates only this rank's shard of the weights;
-    the other shards arrive by an all-gather that the next forward pass starts. Weights read between the two
-    (a checkpoint, an evaluation) would be one update behind in the shards other ranks own: gather them now
-    (what Megatron-LM's force_param_sync does before it saves)."""
+    the other shards arrive by an all-gather that the next forward pass starts. A checkpoint written between the
+    two would hold the shards other ranks own one update behind: gather them now (what Megatron-LM's
+    force_param_sync does before it saves; validation gets the same by switching DDP's pre-hooks off)."""
     for chunk in chunks:
         if getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False):
             chunk.start_param_sync(force_sync=True)
