@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into head & co.
         sys.stderr.close()
         return 0
+    except OSError as e:  # a read-only or full filesystem, a vanished file: what and where, not a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"mcorekit: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("mcorekit: interrupted", file=sys.stderr)
         return 130

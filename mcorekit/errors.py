@@ -31,3 +31,7 @@ class ConversionError(MCoreKitError):
 
 class ExportError(MCoreKitError):
     """An export to TensorRT-LLM cannot be done as asked."""
+
+
+class OutputError(MCoreKitError):
+    """An output path is unsafe (it overlaps an input, or is not ours to replace) or cannot be written."""

@@ -1,0 +1,97 @@
+"""Where commands write: a staged folder renamed into place only when complete, never over an input, and
+`--force` replacing only what an earlier mcorekit command wrote (recognised by a marker file in it).
+
+Every command that writes a directory (convert, export) goes through `staged_output`; the rules are here once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from mcorekit.errors import OutputError
+
+MARKER = ".mcorekit-output"  # written last into every output folder; its content names the command
+
+
+def overlaps(a: Path, b: Path) -> bool:
+    """True when a and b are the same path or one lies inside the other (symlinks resolved)."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
+
+
+def check_output(out: Path, inputs: Iterable[Path], force: bool) -> Path:
+    """The resolved output path, once it is safe to (re)place it: it neither is, contains nor lies inside any
+    input, and an existing one is replaced only with --force and only if an mcorekit command wrote it."""
+    out = Path(out).resolve()
+    for src in inputs:
+        if src is not None and overlaps(out, Path(src)):
+            raise OutputError(f"output {out} overlaps the input {Path(src).resolve()} (the same folder, inside it, or "
+                              f"containing it); write somewhere else (--force never replaces an input)")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise OutputError(f"output {out} exists; pass --force to replace it")
+        if not (out.is_dir() and (out / MARKER).is_file()):
+            raise OutputError(f"output {out} exists and was not written by mcorekit (no {MARKER} in it); --force "
+                              f"replaces only an earlier mcorekit output: remove it yourself or choose another path")
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale(out: Path) -> None:
+    """Remove `.OUT.partial-PID` / `.OUT.old-PID` siblings left by killed runs (their process no longer exists)."""
+    for leftover in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = leftover.name[len(out.name) + 2:].rpartition("-")
+        if kind in ("partial", "old") and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+@contextmanager
+def staged_output(out: Path, force: bool, inputs: Iterable[Path] = (), command: str = "mcorekit") -> Iterator[Path]:
+    """Yield a temporary sibling of `out`; it becomes `out` (with the marker) only if the body finishes.
+    On any error the temporary folder is removed and `out` is left as it was."""
+    out = check_output(out, inputs, force)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create {out.parent}: {e.strerror}") from None
+    remove_stale(out)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise OutputError(f"cannot write in {out.parent}: {e.strerror}") from None
+    try:
+        yield tmp
+        (tmp / MARKER).write_text(command + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def require_inside(path: Path, root: Path, what: str) -> Path:
+    """`path` resolved, if it lies inside `root` (no `..`, no absolute path or symlink leading out)."""
+    resolved = (root / path).resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise OutputError(f"{what} names {path}, which is outside {root}; only files inside the folder are read")
+    return resolved
