@@ -1,7 +1,12 @@
 """Run one training in its own process(es) (Megatron's global state is per process).
 usage: gpu_train_driver.py CONFIG RUN_DIR [STOP_AT_STEP] [key=value ...]
 With STOP_AT_STEP > 0 the process sends itself SIGUSR2 after that step, as Slurm does before a time limit:
-the loop saves a checkpoint at the next step boundary and exits for requeue."""
+the loop saves a checkpoint at the next step boundary and exits for requeue.
+
+Each rank also writes RUN_DIR/grads.rank<R>.json: the squared norm of every parameter's gradient at the first step
+(DDP's main_grad after the schedule finalised it, before the optimizer clips it), under its GLOBAL name (layer
+numbers across pipeline stages and virtual chunks), so a test can say which parameters' gradients differ between
+layouts. With data (or context) parallelism the distributed optimizer reduces only this rank's shard: those write none."""
 
 from __future__ import annotations
 
@@ -15,8 +20,55 @@ from single_rank import single_rank_env  # noqa: E402  (this folder is on sys.pa
 if "SLURM_PROCID" not in os.environ:  # a single process; under srun (tests/slurm_shim) ranks come from SLURM_*
     os.environ.update(single_rank_env())
 
+import json  # noqa: E402
+
 from mcorekit.launch.config import load_experiment  # noqa: E402
-from mcorekit.train.loop import train  # noqa: E402
+from mcorekit.train import loop  # noqa: E402
+from mcorekit.train.checkpoint import unwrap  # noqa: E402
+
+
+def global_grad_norms(chunks: list) -> dict[str, list]:
+    """{global parameter name: [squared gradient norm, split over TP ranks]} for this rank's model chunks."""
+    out = {}
+    for chunk in chunks:
+        model = unwrap(chunk)
+        numbers = {f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
+                   for i, layer in enumerate(model.decoder.layers)}
+        for name, param in model.named_parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                continue
+            for local, glob in numbers.items():
+                if name.startswith(local):
+                    name = glob + name[len(local):]
+                    break
+            out[name] = [float(grad.float().pow(2).sum()), bool(getattr(param, "tensor_model_parallel", False))]
+    return out
+
+
+def probe_first_step(run_dir: Path) -> None:
+    """Wrap the trainer's optimizer step: before the first one, write this rank's gradient norms."""
+    build = loop.build
+
+    def build_and_probe(exp):  # noqa: ANN001, ANN202
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        t = build(exp)
+        whole = ps.get_data_parallel_world_size(with_context_parallel=True) == 1  # else only a reduced shard
+        step = t.optimizer.step
+
+        def probed_step():  # noqa: ANN202
+            if not getattr(probed_step, "done", False) and whole:
+                norms = global_grad_norms(t.model)
+                (run_dir / f"grads.rank{dist.get_rank()}.json").write_text(json.dumps(norms))
+            probed_step.done = True
+            return step()
+
+        t.optimizer.step = probed_step
+        return t
+
+    loop.build = build_and_probe
 
 
 def main() -> int:
@@ -28,8 +80,9 @@ def main() -> int:
         if stop_at and metrics["step"] == stop_at:
             os.kill(os.getpid(), signal.SIGUSR2)
 
+    probe_first_step(run_dir)
     try:
-        train(exp, run_dir, on_step=on_step)
+        loop.train(exp, run_dir, on_step=on_step)
     except SystemExit as e:
         print(f"EXITED_FOR_REQUEUE {e.code}", flush=True)
         return 3

@@ -15,6 +15,7 @@ launcher against a real Slurm cluster.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import re
@@ -120,12 +121,17 @@ BASE = {"data": {"seq_length": 256, "seed": 7},
         "logging": {"log_interval": 1}}
 
 
+# The MoE reference needs a higher learning rate to fall clearly in 20 steps (at 1e-3 it fell 0.28), so that
+# agreement is not two flat lines.
+LR = {"dense": {"lr": 1e-3, "min_lr": 1e-4}, "moe": {"lr": 3e-3, "min_lr": 3e-4}}
+
+
 def start_training(env: dict, tmp: Path, name: str, kind: str, converted: dict, parallel: dict, ntasks: int,
                    stop_at: int = 0) -> tuple[subprocess.Popen, Path]:
     hf_dir, mcore_dir = converted[kind]
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = {**BASE, "name": name, "model": {"hf_config": str(hf_dir)}, "parallel": parallel,
+    cfg = {**BASE, "name": name, "model": {"hf_config": str(hf_dir)}, "parallel": parallel, "optimizer": LR[kind],
            "checkpoint": {**BASE["checkpoint"], "load": str(mcore_dir)}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
     log = run_dir / f"log{stop_at}"
@@ -154,18 +160,41 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shim_env: dict, converted: di
             ntasks = 1 if name == "1gpu" else 2
             proc, log = start_training(shim_env, tmp, f"{kind}-{name}", kind, converted, parallel, ntasks)
             started[f"{kind}-{name}"] = (proc, log, tmp / f"{kind}-{name}")
-    proc, log = start_training(shim_env, tmp, "moved", "dense", converted, TP2_SP, 2, stop_at=10)
-    started["moved-first"] = (proc, log, tmp / "moved")
+    # Stopped after step 10 (checkpoint, exit for requeue), then resumed: at another layout (TP2+SP -> DP2), and at
+    # the same DP2 layout, whose overlapped parameter all-gather must be complete before the save.
+    for name, first in (("moved", TP2_SP), ("dp2-resumed", {})):
+        proc, log = start_training(shim_env, tmp, name, "dense", converted, first, 2, stop_at=10)
+        started[f"{name}-first"] = (proc, log, tmp / name)
     results = {name: (proc.wait(timeout=900), log, out) for name, (proc, log, out) in started.items()}
-    if results["moved-first"][0] == 3:  # saved at step 10 and exited for requeue: resume at DP2
-        proc, log = start_training(shim_env, tmp, "moved", "dense", converted, {}, 2)
-        results["moved-resumed"] = (proc.wait(timeout=900), log, tmp / "moved")
+    for name in ("moved", "dp2-resumed"):
+        if results[f"{name}-first"][0] == 3:  # saved at step 10 and exited for requeue: resume at DP2
+            proc, log = start_training(shim_env, tmp, name, "dense", converted, {}, 2)
+            results[f"{name}-resumed"] = (proc.wait(timeout=900), log, tmp / name)
     return results
 
 
 def metric(run: tuple[int, Path, Path], key: str = "loss") -> list[float]:
     return [json.loads(x)[key] for x in (run[2] / "metrics.jsonl").read_text().splitlines()]
 
+
+
+def grad_norms(run: tuple[int, Path, Path]) -> dict[str, float]:
+    """Step-1 gradient norm per parameter (global names), merged over the ranks' grads.rank<R>.json (written by
+    gpu_train_driver.py when DP is 1): TP-split parameters add their squares, replicated ones count once."""
+    squares: dict[str, float] = {}
+    for f in sorted(run[2].glob("grads.rank*.json")):
+        for name, (sq, split) in json.loads(f.read_text()).items():
+            squares[name] = squares.get(name, 0.0) + sq if split else squares.get(name, sq)
+    return {name: math.sqrt(sq) for name, sq in squares.items()}
+
+
+def gradient_mismatches(got: dict[str, float], ref: dict[str, float], rel: float = 0.05) -> list[str]:
+    """The parameters whose step-1 gradient norm differs from the reference's by more than `rel` (or is missing)."""
+    bad = [f"{n}: missing" for n in ref if n not in got] + [f"{n}: not in the 1-GPU model" for n in got if n not in ref]
+    for name in sorted(set(got) & set(ref)):
+        if abs(got[name] - ref[name]) > rel * max(ref[name], 1e-6):
+            bad.append(f"{name}: {got[name]:.4g} vs {ref[name]:.4g} on 1 GPU (x{got[name] / max(ref[name], 1e-12):.3g})")
+    return bad
 
 
 def compare(got: list[float], ref: list[float]) -> dict[str, float]:
@@ -186,6 +215,14 @@ def test_training_matches_single_gpu(runs: dict, kind: str, name: str) -> None:
           f"{[round(g, 4) for g in metric(runs[f'{kind}-{name}'], 'grad_norm')[:3]]} (1 GPU "
           f"{[round(g, 4) for g in metric(runs[f'{kind}-1gpu'], 'grad_norm')[:3]]})")
     assert ref[-1] < ref[0] - 0.3  # the reference learns, so agreement is not two flat lines
+    # Same weights, same batches: the first step's gradients are the same at every layout. First by name (where the
+    # ranks could write them: DP 1), then the total norm, which would also catch a scale on every parameter.
+    per_param = grad_norms(runs[f"{kind}-{name}"])
+    if per_param and kind == "dense":  # MoE ranks hold local expert numbers; their total norm is compared below
+        bad = gradient_mismatches(per_param, grad_norms(runs[f"{kind}-1gpu"]))
+        assert not bad, f"{len(bad)} parameters' step-1 gradients differ from 1 GPU's:\n  " + "\n  ".join(bad[:12])
+    g_got, g_ref = metric(runs[f"{kind}-{name}"], "grad_norm")[0], metric(runs[f"{kind}-1gpu"], "grad_norm")[0]
+    assert abs(g_got - g_ref) <= 0.02 * g_ref, f"step-1 gradient norm {g_got:.4f}, 1 GPU {g_ref:.4f}"
     assert d["step1"] <= STEP1_TOL and d["max"] <= STEP_TOL[kind] and d["mean"] <= MEAN_TOL[kind], d
 
 
@@ -202,6 +239,20 @@ def test_checkpoint_saved_at_tp2_resumes_at_dp2(runs: dict) -> None:
     print(f"TP2 -> DP2 resume, steps 11-20: {[round(x, 4) for x in resumed]}\n  uninterrupted TP2: "
           f"{[round(x, 4) for x in full[10:]]}\n  |diff| max {d['max']:.2e}, mean {d['mean']:.2e}")
     assert d["max"] <= STEP_TOL["dense"] and d["mean"] <= MEAN_TOL["dense"], d
+
+
+@needs_two
+def test_dp2_save_resume_with_overlapped_param_gather(runs: dict) -> None:
+    """DP2 with the distributed optimizer's overlapped parameter all-gather (the default): the save after step 10
+    gathers every weight first, so the resumed steps 11-20 equal the uninterrupted DP2 run's."""
+    assert runs["dp2-resumed-first"][0] == 3, tail(runs["dp2-resumed-first"][1])
+    assert runs["dp2-resumed-resumed"][0] == 0, tail(runs["dp2-resumed-resumed"][1])
+    full, both = metric(runs["dense-dp2"]), metric(runs["dp2-resumed-resumed"])
+    assert len(both) == 20
+    d = compare(both[10:], full[10:])
+    print(f"DP2 resume, steps 11-20: {[round(x, 5) for x in both[10:]]}\n  uninterrupted DP2: "
+          f"{[round(x, 5) for x in full[10:]]}\n  |diff| max {d['max']:.2e}, mean {d['mean']:.2e}")
+    assert d["max"] <= 1e-3, d
 
 
 @needs_two

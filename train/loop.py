@@ -48,8 +48,9 @@ def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         if cp > 1:  # the mean over the whole sequence; no gradient flows through the all-reduce
             torch.distributed.all_reduce(total, group=ps.get_context_parallel_group())
         loss = total[0] / total[1].clamp(min=1)
-        # DDP averages gradients over DP x CP ranks; each CP rank holds only its chunks' part of the gradient
-        return loss * cp, {"lm loss": loss.detach().clone()}  # the schedule scales its first value in place
+        # The schedule scales the first value in place: by 1 / micro-batches, and by CP (DDP averages gradients over
+        # DP x CP ranks while each CP rank holds only its chunks' part of the gradient), so it is returned unscaled.
+        return loss, {"lm loss": loss.detach().clone()}
 
     return per_token, loss_func
 

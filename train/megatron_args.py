@@ -25,6 +25,13 @@ def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: 
         gradient_accumulation_fusion=fuse and _apex_wgrad_available(),
         tp_comm_overlap=exp.optimizer.tp_comm_overlap,
     )
+    if exp.parallel.vpp:
+        # The interleaved schedule sends activations and gradients in both directions at once. Batched, the four
+        # ops go out as [send_prev, recv_prev, send_next, recv_next]; with PP=2 prev and next are the same rank,
+        # so NCCL pairs the gradient sent back with the activation expected forward: every stage then trains on
+        # swapped tensors (step-1 gradients of the first chunks were ~500x too large). Separate, overlapped
+        # sends are ordered by rank parity and pair correctly (Megatron-LM's default for this schedule).
+        kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     if prec.fp8:
         # delayed scaling uses the hybrid format (e4m3 forward, e5m2 gradients); the current-scaling recipes e4m3.
         kw.update(fp8="hybrid" if prec.fp8 == "delayed" else "e4m3", fp8_recipe=prec.fp8, fp8_param=prec.fp8_params)
