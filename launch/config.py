@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -28,8 +28,15 @@ def _no_control(value: str, what: str) -> str:
     return value
 
 
+def shown(path: str | Path) -> str:
+    """A path for a one-line message: as typed, or quoted with escapes when it holds a newline or control character."""
+    text = str(path)
+    return repr(text) if CONTROL_RE.search(text) else text
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN or infinity is never a meaningful setting (YAML reads `.nan` and `.inf` as floats)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------- experiment
@@ -58,20 +65,20 @@ class PrecisionConfig(Strict):
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     fp8: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] | None = None
     fp8_params: bool = False
-    loss_scale: float | None = None  # fp16 only: None = dynamic loss scaling, a number = static scale
+    loss_scale: float | None = Field(None, gt=0)  # fp16 only: None = dynamic loss scaling, a number = static scale
 
 
 class MoEConfig(Strict):
-    aux_loss_coeff: float = 1e-2
+    aux_loss_coeff: float = Field(1e-2, ge=0)
     expert_bias: bool = False  # aux-loss-free load balancing
-    capacity_factor: float | None = None  # tokens beyond factor x (even share) per expert are dropped
+    capacity_factor: float | None = Field(None, gt=0)  # tokens beyond factor x (even share) per expert are dropped
     pad_to_capacity: bool = False  # pad every expert to its capacity: fixed shapes, no host sync per layer
     grouped_gemm: bool = True
     # how the grouped experts compute: TE's GroupedLinear (needed for FP8) or torch._grouped_mm (one kernel per
     # grouped GEMM, far less host work per layer; bf16). auto: torch where it applies (1.7x on one H200), else te
     expert_gemm: Literal["auto", "te", "torch"] = "auto"
     dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
-    shared_expert_ffn: int | None = None  # FFN size of the shared expert(s) every token also passes through
+    shared_expert_ffn: int | None = Field(None, ge=1)  # FFN size of the shared expert(s) every token also passes through
     shared_expert_overlap: bool = False  # overlap the shared expert with the token dispatch (alltoall/allgather)
     permute_fusion: bool = True
     router_fusion: bool = False  # TE's fused top-k + softmax + aux loss
@@ -82,7 +89,7 @@ class DataConfig(Strict):
     kind: Literal["mock", "indexed", "sft"] = "mock"
     # indexed: path prefixes of .bin/.idx pairs (from `mcorekit data preprocess`); sft: .jsonl files
     paths: list[str] = Field(default_factory=list)
-    weights: list[float] | None = None  # blend weights, one per path (indexed)
+    weights: list[Annotated[float, Field(ge=0)]] | None = None  # blend weights, one per path (indexed)
     # held-out data of the same kind, for the validation loss every schedule.eval_interval steps (mock data
     # validates on its own stream without it)
     valid_paths: list[str] = Field(default_factory=list)
@@ -91,7 +98,7 @@ class DataConfig(Strict):
     packing: bool = False  # sft: several conversations per sequence, attention kept within each
     dynamic_batching: bool = False
     cache_dir: str | None = None  # dataset index caches; default <run dir>/data_cache
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, le=2**32 - 1)  # numpy seeds are unsigned 32-bit
 
     @field_validator("paths", "valid_paths", "tokenizer", "cache_dir")
     @classmethod
@@ -102,13 +109,13 @@ class DataConfig(Strict):
 
 
 class OptimizerConfig(Strict):
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr: float = Field(3e-4, ge=0)
+    min_lr: float = Field(3e-5, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, ge=0)  # 0: no clipping
     distributed: bool = True
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
@@ -159,6 +166,13 @@ class ResourcesConfig(Strict):
     time: str | None = None  # HH:MM:SS or D-HH:MM:SS; default: the profile's time limit
     exclusive: bool | None = None  # default: the profile's choice
     max_restarts: int = Field(5, ge=0)
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_time_minutes(v)
+        return v
 
 
 class Experiment(Strict):
@@ -216,12 +230,12 @@ class ClusterProfile(Strict):
     gpus_per_node: int = Field(8, ge=0)  # 0: a CPU-only cluster (tests, the dev cluster)
     tasks_per_node: int | None = Field(None, ge=1)  # only for CPU-only clusters; GPU clusters run one task per GPU
     cpus_per_task: int = Field(8, ge=1)
-    mem_per_gpu_gb: int | None = None
+    mem_per_gpu_gb: int | None = Field(None, ge=1)
     time_limit: str = "04:00:00"
     exclusive: bool = False
     signal_seconds: int = Field(120, ge=10)  # USR2 this long before the time limit: enough to save a checkpoint
-    gpu_memory_gb: float = 80.0
-    gpu_peak_tflops_bf16: float = 989.0
+    gpu_memory_gb: float = Field(80.0, gt=0)
+    gpu_peak_tflops_bf16: float = Field(989.0, gt=0)
     transformer_engine: bool = True  # FP8 needs it on the nodes
     container: ContainerConfig = Field(default_factory=ContainerConfig)
     env: dict[str, str] = Field(default_factory=dict)
@@ -296,6 +310,11 @@ def _schema_at(schema: type[BaseModel], path: list[str]) -> type[BaseModel] | No
     return schema
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _format_errors(err: ValidationError, schema: type[BaseModel], source: str) -> ConfigError:
     lines = []
     for e in err.errors():
@@ -307,21 +326,128 @@ def _format_errors(err: ValidationError, schema: type[BaseModel], source: str) -
             lines.append(f"unknown key {where!r}{_suggest(loc[-1], options)}")
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{where}: {msg} (got {e.get('input')!r})" if where else msg)
-    return ConfigError(f"{source}: " + "; ".join(lines))
+            lines.append(f"{where}: {msg} (got {_short(e.get('input'))})" if where else msg)
+    return ConfigError(f"{shown(source)}: " + "; ".join(lines))
+
+
+# Limits for every YAML we read (files and command-line values): a few anchors can otherwise expand into
+# billions of values ("billion laughs") and exhaust memory long before validation would refuse them.
+MAX_YAML_BYTES = 1_000_000
+MAX_YAML_ALIASES = 100
+MAX_YAML_VALUES = 100_000  # scalars, lists and mappings, counted with every alias expanded
+MAX_YAML_DEPTH = 64
+
+
+class YamlLimitError(ConfigError):
+    """A YAML text is over one of the limits above (never retried as a plain string)."""
+
+
+def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_yaml_graph(root: yaml.Node, source: str) -> None:
+    """Refuse a composed document (aliases still shared, nothing built yet) whose aliases are too many, recursive,
+    or expand to too many values; a walk over the shared graph costs no more than the text itself."""
+    values: dict[int, int] = {}  # id(node) -> values once expanded, for nodes already walked
+    on_path = {id(root)}
+    stack = [(root, iter(_yaml_children(root)))]
+    aliases = 0
+    while stack:
+        node, children = stack[-1]
+        child = next(children, None)
+        if child is None:
+            stack.pop()
+            on_path.discard(id(node))
+            values[id(node)] = 1 + sum(values[id(c)] for c in _yaml_children(node))
+            if values[id(node)] > MAX_YAML_VALUES:
+                raise YamlLimitError(f"{source}: holds more than {MAX_YAML_VALUES:,} values once its aliases (*name) are "
+                                     f"expanded; write the values out instead of nesting aliases")
+            continue
+        if id(child) in on_path:
+            raise YamlLimitError(f"{source}: an alias refers to a value that contains it (recursive); remove the alias")
+        if id(child) in values:  # reached a second time: an alias
+            aliases += 1
+            if aliases > MAX_YAML_ALIASES:
+                raise YamlLimitError(f"{source}: uses more than {MAX_YAML_ALIASES} aliases (*name); write the values out")
+            continue
+        if len(stack) >= MAX_YAML_DEPTH:
+            raise YamlLimitError(f"{source}: nested more than {MAX_YAML_DEPTH} levels deep")
+        on_path.add(id(child))
+        stack.append((child, iter(_yaml_children(child))))
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return " ".join(str(e).split())
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """yaml.safe_load with the limits above; `source` names the text in messages. Invalid YAML -> ConfigError."""
+    if len(text) > MAX_YAML_BYTES:
+        raise YamlLimitError(f"{source}: {len(text):,} characters; YAML above {MAX_YAML_BYTES:,} is refused")
+    loader = yaml.CSafeLoader(text) if yaml.__with_libyaml__ else yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_yaml_graph(node, source)
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {_yaml_problem(e)}") from None
+    except RecursionError:
+        raise YamlLimitError(f"{source}: nested too deeply") from None
+    finally:
+        loader.dispose()
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping; anything else is a ConfigError naming the file."""
     p = Path(path)
+    name = shown(p)
+    if not p.exists():
+        raise ConfigError(f"config file not found: {name}")
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+        raise ConfigError(f"{name}: not a file; give a YAML file")
     try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}".replace("\n", " ")) from None
+        with open(p, "rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)  # bounded even where stat lies (/proc) or the file grows
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read: {e.strerror}") from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise YamlLimitError(f"{name}: larger than {MAX_YAML_BYTES:,} bytes; YAML files above that are refused")
+    if b"\0" in raw:
+        raise ConfigError(f"{name}: contains NUL bytes, so it is not a text file; give a YAML file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{name}: not UTF-8 text (byte {e.start}); give a YAML file") from None
+    data = parse_yaml(text, name)
+    if data is None:
+        raise ConfigError(f"{name}: is empty; expected `key: value` lines")
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping at the top level")
+        raise ConfigError(f"{name}: expected a mapping (`key: value` lines) at the top level, got a {type(data).__name__}")
     return data
+
+
+def parse_value(raw: str, source: str) -> Any:
+    """A command-line value parsed as YAML (2 -> int, true -> bool, [1,2] -> list); text that is not valid YAML
+    stays a string, but the size and alias limits still apply."""
+    if not raw.strip():
+        return raw
+    try:
+        return parse_yaml(raw, source)
+    except YamlLimitError:
+        raise
+    except ConfigError:
+        return raw
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[BaseModel]) -> dict[str, Any]:
@@ -329,6 +455,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[Bas
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        if CONTROL_RE.search(item):  # YAML would fold a raw newline into a space and hide it
+            raise ConfigError(f"override {item!r} contains a newline or control character; remove it")
         key, raw = item.split("=", 1)
         path = key.strip().split(".")
         node_schema: type[BaseModel] | None = schema
@@ -340,10 +468,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[Bas
                     raise ConfigError(f"override {item!r}: unknown key {where!r}{_suggest(part, sorted(node_schema.model_fields))}")
                 node_schema = _schema_at(node_schema, [part])
             if i == len(path) - 1:
-                try:
-                    node[part] = yaml.safe_load(raw) if raw.strip() else raw
-                except yaml.YAMLError:
-                    node[part] = raw
+                node[part] = parse_value(raw, f"override {key.strip()!r}")
             else:
                 node = node.setdefault(part, {})
                 if not isinstance(node, dict):
