@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from mcorekit.errors import ConfigError, ModelError
 from mcorekit.launch import api
 from mcorekit.launch import config as cfg
+from mcorekit.launch.options import count, positive_float
 from mcorekit.launch.submit import JobSpec, render, submit
 
 
@@ -26,7 +29,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _experiment_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="experiment YAML")
-    parser.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the experiment's resources.nodes)")
+    parser.add_argument("--nodes", type=count, default=None, help="number of nodes (default: the experiment's resources.nodes)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="experiment overrides, e.g. parallel.tp=2")
 
 
@@ -63,9 +66,10 @@ def main_sweep(argv: list[str]) -> int:
     _experiment_args(parser)
     _common(parser)
     parser.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,...", help="one axis of the grid (repeatable)")
-    parser.add_argument("--max-parallel", type=int, default=None, help="at most this many array tasks run at once")
+    parser.add_argument("--max-parallel", type=count, default=None, help="at most this many array tasks run at once (>= 1)")
     args = parser.parse_args(argv)
-    points, sweep_dir = api.prepare_sweep(args.config, args.cluster, api.parse_axes(args.grid), args.overrides, args.profile_overrides)
+    points, sweep_dir = api.prepare_sweep(args.config, args.cluster, api.parse_axes(args.grid), args.overrides,
+                                          args.profile_overrides, nodes=args.nodes)
     if args.dry_run:
         for i, p in enumerate(points):
             print(f"# point {i}: {p.spec.run_dir}")
@@ -76,6 +80,26 @@ def main_sweep(argv: list[str]) -> int:
     jobs = api.submit_sweep(points, sweep_dir, max_parallel=args.max_parallel)
     print(f"submitted array {jobs[0].job_id.split('_')[0]} with {len(jobs)} points: {sweep_dir}")
     return 0
+
+
+def _check_chain_outputs(args: argparse.Namespace, ckpt: Path) -> None:
+    """The later stages would refuse these only after training ran for hours: refuse them at submission."""
+    if args.engine_out and not (args.export_out and args.export_target == "engine"):
+        raise ConfigError("--engine-out needs --export-out and --export-target engine (engines are built from the export)")
+    outputs = [("--hf-out", args.hf_out), ("--export-out", args.export_out), ("--engine-out", args.engine_out)]
+    named = [(flag, Path(v)) for flag, v in outputs if v is not None]
+    for flag, path in named:
+        if cfg.CONTROL_RE.search(str(path)):
+            raise ConfigError(f"{flag} {cfg.shown(path)} contains a newline or control character; choose another path")
+        if path.exists() or path.is_symlink():
+            raise ConfigError(f"{flag} {path} exists; the chain's stages do not replace outputs: choose a new path or remove it")
+    from mcorekit.outputs import overlaps
+
+    inputs = [("the training checkpoints", ckpt)] + named
+    for i, (flag, path) in enumerate(named):
+        for what, other in inputs[: i + 1]:  # each output against the checkpoints and the outputs before it
+            if overlaps(path, other):
+                raise ConfigError(f"{flag} {path} overlaps {what} {other}; a stage must not write into its own input")
 
 
 def main_chain(argv: list[str]) -> int:
@@ -92,6 +116,7 @@ def main_chain(argv: list[str]) -> int:
     p = api.load(args.config, args.cluster, args.overrides, args.profile_overrides, args.nodes)
     _warn(p)
     ckpt = p.experiment.checkpoint.dir or str(p.spec.run_dir / "checkpoints")
+    _check_chain_outputs(args, Path(ckpt))
     steps = [("train", None, None), ("convert", ["convert", "mcore-to-hf", ckpt, args.hf_out], 0)]
     if args.export_out:
         steps.append(("export", ["export", "trtllm", args.hf_out, args.export_out, "--target", args.export_target], 0))
@@ -106,6 +131,7 @@ def main_chain(argv: list[str]) -> int:
             print(f"# stage {name}: {'train' if argv_stage is None else 'mcorekit ' + ' '.join(argv_stage)}")
             print(render(p.profile, spec))
         return 0
+    api.require_gpus(p.profile)
     stages = [api.Stage(f"{p.experiment.name}-train", api.training_payload(p.spec.run_dir), time=p.spec.time)]
     for name, argv_stage, gpus in steps[1:]:
         stages.append(api.Stage(f"{p.experiment.name}-{name}", api.cli_payload(argv_stage), gpus_per_node=gpus,
@@ -120,16 +146,18 @@ def main_plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mcorekit launch plan",
                                      description="Propose TP/PP/EP layouts that are valid and fit in GPU memory.")
     parser.add_argument("--model", required=True, help="a preset name or an HF model directory / config.json")
-    parser.add_argument("--gpus", type=int, required=True, help="total GPUs")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=4096, help="sequence length")
-    parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
-    parser.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    parser.add_argument("--gpus", type=count, required=True, help="total GPUs")
+    parser.add_argument("--gpus-per-node", type=count, default=8)
+    parser.add_argument("--seq", type=count, default=4096, help="sequence length")
+    parser.add_argument("--mbs", type=count, default=1, help="micro-batch size")
+    parser.add_argument("--gpu-memory-gb", type=positive_float, default=80.0)
     args = parser.parse_args(argv)
-    from mcorekit.launch.layout import plan
+    from mcorekit.launch.layout import model_problems, plan
     from mcorekit.models.spec import PRESETS, resolve
 
     model = resolve(preset=args.model) if args.model in PRESETS else resolve(hf_config=args.model)
+    if bad := model_problems(model):
+        raise ModelError(f"{cfg.shown(args.model)}: " + "; ".join(bad))
     layouts = plan(model, args.gpus, args.gpus_per_node, args.seq, args.mbs, args.gpu_memory_gb)
     print(f"{model.architecture}, {model.num_parameters() / 1e9:.2f}B parameters, {args.gpus} GPUs, seq {args.seq}, mbs {args.mbs}")
     if not layouts:
@@ -147,7 +175,7 @@ def main_smoke(argv: list[str]) -> int:
         "proves a cluster profile end to end before spending GPU hours.",
     )
     _common(parser)
-    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--nodes", type=count, default=1)
     args = parser.parse_args(argv)
     profile = cfg.load_profile(args.cluster, args.profile_overrides)
     spec = JobSpec(name="mcorekit-smoke", run_dir=api.new_run_dir(profile, "smoke"), nodes=args.nodes, time="00:05:00")

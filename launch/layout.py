@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from mcorekit.errors import LayoutError
+from mcorekit.errors import LayoutError, ModelError
 from mcorekit.launch.config import ClusterProfile, Experiment
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec, resolve
@@ -60,6 +60,42 @@ def context_parallel_problems(exp: Experiment, uses_te: bool) -> list[str]:
         return ["parallel.cp > 1 runs Transformer Engine's context-parallel attention, which needs precision.dtype "
                 "bf16 or fp16 and model.backend auto or te (on a profile with transformer_engine: true)"]
     return []
+
+
+# ModelSpec is a plain dataclass filled from presets, HF configs and model.overrides: check its types here, so
+# that a wrong value is a message instead of a TypeError or ZeroDivisionError inside the layout arithmetic.
+_MODEL_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                "ffn_hidden_size", "vocab_size", "max_position_embeddings", "moe_router_topk")
+_MODEL_OPTIONAL_SIZES = ("num_experts", "moe_ffn_hidden_size")
+_MODEL_POSITIVE_FLOATS = ("rope_theta", "norm_epsilon")
+_MODEL_FLAGS = ("tie_word_embeddings", "qkv_bias", "qk_layernorm", "moe_norm_topk_prob")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def model_problems(model: ModelSpec) -> list[str]:
+    """Each model field of the wrong type or out of range, named with its value (empty when all are sound)."""
+    out = []
+    for name in _MODEL_SIZES + _MODEL_OPTIONAL_SIZES:
+        v = getattr(model, name)
+        if v is None and name in _MODEL_OPTIONAL_SIZES:
+            continue
+        if not _is_int(v) or v < 1:
+            out.append(f"model {name}={v!r} must be a whole number >= 1")
+    for name in _MODEL_POSITIVE_FLOATS:
+        v = getattr(model, name)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
+            out.append(f"model {name}={v!r} must be a positive number")
+    for name in _MODEL_FLAGS:
+        if not isinstance(getattr(model, name), bool):
+            out.append(f"model {name}={getattr(model, name)!r} must be true or false")
+    if model.rope_scaling is not None and not isinstance(model.rope_scaling, dict):
+        out.append(f"model rope_scaling={model.rope_scaling!r} must be a mapping or null")
+    if not isinstance(model.extra, dict):
+        out.append(f"model extra={model.extra!r} must be a mapping")
+    return out
 
 
 def layout_of(exp: Experiment) -> Layout:
@@ -259,16 +295,22 @@ def estimate_memory(model: ModelSpec, lay: Layout, world: int, seq: int, mbs: in
 # ---------------------------------------------------------------- the whole check, and plans
 
 
+def _listed(what: str, problems: list[str]) -> str:
+    return f"{what} ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - " + "\n  - ".join(problems)
+
+
 def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str]]:
     """Raise LayoutError listing every violation; return the model and warnings (e.g. memory) otherwise."""
     model = resolve(exp.model.preset, exp.model.hf_config, exp.model.overrides)
+    if bad := model_problems(model):
+        raise ModelError(_listed("invalid model", bad))
     problems = experiment_problems(exp, profile, model)
     if not problems and profile.gpus_per_node > 0:  # then Megatron-Core's own checks, as the nodes will run them
         from mcorekit.train.megatron_args import megatron_problems
 
         problems = megatron_problems(exp, model, use_te=nodes_use_te(exp, profile))
     if problems:
-        raise LayoutError(f"invalid layout ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - " + "\n  - ".join(problems))
+        raise LayoutError(_listed("invalid layout", problems))
     warnings: list[str] = []
     if profile.gpus_per_node > 0:
         mem = estimate_memory(model, layout_of(exp), world_size(profile, exp.resources.nodes), exp.data.seq_length,

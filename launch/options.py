@@ -1,0 +1,39 @@
+"""argparse `type=` checks for the launcher's numeric options: a value out of range is a usage error (exit 2)
+at parse time, before anything is loaded, rendered or submitted."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """A whole number >= low, e.g. `type=int_at_least(1)` for counts and limits."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"  # argparse names the type in some messages
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (sizes in GB, seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+count = int_at_least(1)  # nodes, GPUs, parallel tasks, lines: at least one
+index = int_at_least(0)  # ranks and task numbers start at 0
