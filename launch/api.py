@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mcorekit.errors import ConfigError, LaunchError, NotBuiltError
+from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError, NotBuiltError
 from mcorekit.launch import config as cfg
 from mcorekit.launch import layout
-from mcorekit.launch.submit import JobSpec, make_executor, record, render
+from mcorekit.launch.submit import JobSpec, check_writable, make_executor, record, render, sbatch_errors, scancel
 from mcorekit.models.spec import ModelSpec
 
 log = logging.getLogger("mcorekit.launch")
@@ -60,12 +60,31 @@ def prepare(experiment: cfg.Experiment, profile: cfg.ClusterProfile, run_dir: Pa
     return Prepared(experiment, profile, model, spec, warnings)
 
 
+def _with_nodes(overrides: list[str] | None, nodes: int | None) -> list[str]:
+    """--nodes N is the override resources.nodes=N, so it is validated like the file's value."""
+    return (overrides or []) + ([f"resources.nodes={nodes}"] if nodes is not None else [])
+
+
+def _naming(config: str | Path, e: ConfigError | ModelError) -> ConfigError | ModelError:
+    """The same error, prefixed with the experiment file it came from."""
+    return type(e)(f"{cfg.shown(config)}: {e}")
+
+
 def load(config: str | Path, cluster: str | Path = "local", overrides: list[str] | None = None,
          profile_overrides: list[str] | None = None, nodes: int | None = None) -> Prepared:
-    experiment = cfg.load_experiment(config, overrides)
-    if nodes:
-        experiment.resources.nodes = nodes
-    return prepare(experiment, cfg.load_profile(cluster, profile_overrides))
+    experiment = cfg.load_experiment(config, _with_nodes(overrides, nodes))
+    profile = cfg.load_profile(cluster, profile_overrides)
+    try:
+        return prepare(experiment, profile)
+    except (LayoutError, ModelError) as e:
+        raise _naming(config, e) from None
+
+
+def require_gpus(profile: cfg.ClusterProfile) -> None:
+    """Training is refused on a CPU-only profile, whatever the launch kind (single job, sweep, chain)."""
+    if profile.gpus_per_node == 0:
+        raise LaunchError(f"training runs on GPUs (Megatron-Core has no CPU forward pass) and profile {profile.name!r} "
+                          f"is CPU-only; use a GPU profile, or --dry-run to see the job")
 
 
 def training_payload(run_dir: Path) -> Callable[[], Any]:
@@ -104,13 +123,14 @@ def cli_payload(argv: list[str]) -> CliPayload:
 
 
 def submit_prepared(p: Prepared, payload: Callable[[], Any] | None = None, kind: str = "train") -> Any:
-    if payload is None and p.profile.gpus_per_node == 0:
-        raise LaunchError(f"training runs on GPUs (Megatron-Core has no CPU forward pass) and profile {p.profile.name!r} "
-                          f"is CPU-only; use a GPU profile, or --dry-run to see the job")
+    if payload is None:
+        require_gpus(p.profile)
     payload = payload or training_payload(p.spec.run_dir)
+    check_writable(p.spec.run_dir.parent)
     p.save()
     executor = make_executor(p.profile, p.spec, max_restarts=p.experiment.resources.max_restarts)
-    job = executor.submit(payload)
+    with sbatch_errors(p.spec.name):
+        job = executor.submit(payload)
     record(p.spec.run_dir.parent, job_id=job.job_id, name=p.spec.name, kind=kind, run_dir=str(p.spec.run_dir))
     log.info("submitted %s job %s (%s)", kind, job.job_id, p.spec.run_dir)
     return job
@@ -137,12 +157,20 @@ def submit_chain(profile: cfg.ClusterProfile, stages: list[Stage], run_dir: Path
                      tasks_per_node=s.tasks_per_node) for s in stages]
     for s in specs:
         render(profile, s)  # validates every stage's parameters before the first submission
+    check_writable(run_dir.parent)
     jobs: list[Any] = []
     for stage, spec in zip(stages, specs):
         if jobs:
             spec.dependency = f"afterok:{jobs[-1].job_id}"
-        executor = make_executor(profile, spec)
-        job = executor.submit(stage.payload)
+        try:
+            executor = make_executor(profile, spec)
+            with sbatch_errors(spec.name):
+                job = executor.submit(stage.payload)
+        except LaunchError as e:  # a half-submitted chain would run its first stages for nothing
+            if not jobs:
+                raise
+            cancelled = scancel([j.job_id for j in jobs])
+            raise LaunchError(f"{e}; cancelled the chain's earlier jobs {', '.join(cancelled)}") from None
         record(run_dir.parent, job_id=job.job_id, name=spec.name, kind=kind, run_dir=str(spec.run_dir),
                dependency=spec.dependency)
         jobs.append(job)
@@ -158,32 +186,47 @@ def grid(axes: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys))]
 
 
+# One array task per point; Slurm's default MaxArraySize (1001) allows indices 0-1000.
+MAX_SWEEP_POINTS = 1000
+
+
 def parse_axes(items: list[str]) -> dict[str, list[Any]]:
     """['optimizer.lr=1e-4,3e-4'] -> {'optimizer.lr': [0.0001, 0.0003]} (values parsed as YAML)."""
-    import yaml
-
     axes: dict[str, list[Any]] = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"sweep axis {item!r} is not of the form key.path=v1,v2,...")
+        if cfg.CONTROL_RE.search(item):
+            raise ConfigError(f"sweep axis {item!r} contains a newline or control character; remove it")
         key, raw = item.split("=", 1)
-        axes[key] = [yaml.safe_load(v) for v in raw.split(",")]
+        key = key.strip()
+        if key in axes:
+            raise ConfigError(f"sweep axis {key!r} is given twice; list all its values in one --grid {key}=v1,v2,...")
+        axes[key] = [cfg.parse_value(v, f"sweep axis {key!r}") for v in raw.split(",")]
+    points = 1
+    for values in axes.values():
+        points *= len(values)
+    if points > MAX_SWEEP_POINTS:
+        raise ConfigError(f"the grid has {points:,} points; one sweep is one Slurm job array of at most "
+                          f"{MAX_SWEEP_POINTS} tasks: use fewer values")
     return axes
 
 
 def prepare_sweep(config: str | Path, cluster: str | Path, axes: dict[str, list[Any]], overrides: list[str] | None = None,
-                  profile_overrides: list[str] | None = None) -> tuple[list[Prepared], Path]:
-    """Resolve and validate every point first; the points share one array job, so they must share resources."""
+                  profile_overrides: list[str] | None = None, nodes: int | None = None) -> tuple[list[Prepared], Path]:
+    """Resolve and validate every point as a full experiment first (nothing is written or submitted before all
+    pass); the points share one array job, so they must share resources."""
     profile = cfg.load_profile(cluster, profile_overrides)
+    overrides = _with_nodes(overrides, nodes)
     base = cfg.load_experiment(config, overrides)
     sweep_dir = new_run_dir(profile, f"{base.name}-sweep")
     points = []
     for i, point in enumerate(grid(axes)):
-        exp = cfg.load_experiment(config, (overrides or []) + [f"{k}={_yaml_value(v)}" for k, v in point.items()])
         try:
+            exp = cfg.load_experiment(config, overrides + [f"{k}={_yaml_value(v)}" for k, v in point.items()])
             points.append(prepare(exp, profile, run_dir=sweep_dir / f"point-{i}"))
-        except ConfigError as e:
-            raise ConfigError(f"sweep point {i} {point}: {e}") from None
+        except (ConfigError, ModelError) as e:
+            raise type(e)(f"{cfg.shown(config)}: sweep point {i} {point}: {str(e).removeprefix(cfg.shown(config) + ': ')}") from None
     resources = {(p.spec.nodes, p.spec.time, p.spec.exclusive) for p in points}
     if len(resources) > 1:
         raise ConfigError("sweep points differ in resources (nodes/time/exclusive); one array job needs the same for all")
@@ -199,14 +242,22 @@ def _yaml_value(v: Any) -> str:
 def submit_sweep(points: list[Prepared], sweep_dir: Path, payloads: list[Callable[[], Any]] | None = None,
                  max_parallel: int | None = None) -> list[Any]:
     """One Slurm job array, one task per point, at most max_parallel running at once."""
-    payloads = payloads or [training_payload(p.spec.run_dir) for p in points]
+    if not points:
+        raise ConfigError("a sweep needs at least one point")
+    if payloads is None:
+        for p in points:  # every point, though they share a profile: the rule belongs to each experiment
+            require_gpus(p.profile)
+        payloads = [training_payload(p.spec.run_dir) for p in points]
+    if len(payloads) != len(points):
+        raise ConfigError(f"{len(payloads)} payloads for {len(points)} sweep points")
     first = points[0]
     spec = JobSpec(name=first.experiment.name + "-sweep", run_dir=sweep_dir, nodes=first.spec.nodes,
                    time=first.spec.time, exclusive=first.spec.exclusive, array_parallelism=max_parallel)
+    check_writable(sweep_dir.parent)
     for p in points:
         p.save()
     executor = make_executor(first.profile, spec, max_restarts=first.experiment.resources.max_restarts)
-    with executor.batch():
+    with sbatch_errors(spec.name), executor.batch():
         jobs = [executor.submit(fn) for fn in payloads]
     for p, job in zip(points, jobs):
         record(sweep_dir.parent, job_id=job.job_id, name=p.spec.name, kind="sweep", run_dir=str(sweep_dir),

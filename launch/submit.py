@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from mcorekit.errors import ConfigError, LaunchError
-from mcorekit.launch.config import ENV_KEY_RE, NAME_RE, ClusterProfile, _no_control, parse_time_minutes
+from mcorekit.errors import ConfigError, LaunchError, MCoreKitError
+from mcorekit.launch.config import ENV_KEY_RE, NAME_RE, ClusterProfile, _no_control, parse_time_minutes, shown
 
 # Environment every Megatron job gets; a profile's env can override any of them.
 GPU_ENV = {
@@ -54,6 +57,11 @@ class JobSpec:
         if not NAME_RE.match(self.name):
             raise ConfigError(f"job name {self.name!r} must be letters, digits, '.', '_' or '-' (max 64)")
         _checked(str(self.run_dir), "run directory")
+        for what, value, low in (("nodes", self.nodes, 1), ("array size", self.array_size, 1),
+                                 ("array parallelism (--max-parallel)", self.array_parallelism, 1),
+                                 ("GPUs per node", self.gpus_per_node, 0), ("tasks per node", self.tasks_per_node, 1)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ConfigError(f"{what} must be a whole number >= {low}, got {value!r}")
         if self.dependency is not None and not all(
             part.split(":")[0] in ("afterok", "afterany", "afternotok", "after", "singleton") and
             all(p.replace("_", "").isdigit() for p in part.split(":")[1:])
@@ -155,21 +163,63 @@ def make_executor(profile: ClusterProfile, spec: JobSpec, max_restarts: int = 3)
     return executor
 
 
+def check_writable(run_root: Path) -> None:
+    """Before anything is submitted: the run root (run folders, job registry) can be written, so that a job is
+    never submitted and then left out of the registry that status, logs and cancel read."""
+    registry = run_root / REGISTRY
+    try:
+        run_root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_root, prefix=".mcorekit-probe-"):
+            pass
+        if registry.exists() or registry.is_symlink():
+            with open(registry, "a"):
+                pass
+    except OSError as e:
+        where = shown(e.filename or run_root)
+        raise LaunchError(f"{where}: cannot write the run root there ({e.strerror}); set run_root in the cluster "
+                          f"profile or pass --set run_root=DIR") from None
+
+
+@contextmanager
+def sbatch_errors(name: str) -> Iterator[None]:
+    """submitit raises plain errors carrying sbatch's message: keep its last line, drop the traceback."""
+    try:
+        yield
+    except MCoreKitError:
+        raise
+    except Exception as e:
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        raise LaunchError(f"sbatch refused job {name!r}: {lines[-1]}") from None
+
+
+def scancel(job_ids: list[str]) -> list[str]:
+    """Cancel jobs this launcher just submitted (best effort); the ids it cancelled."""
+    if not job_ids:
+        return []
+    proc = subprocess.run(["scancel", *job_ids], capture_output=True, text=True)
+    return job_ids if proc.returncode == 0 else []
+
+
 def record(run_root: Path, **entry: Any) -> None:
     """Append a submitted job to the run root's registry, which `mcorekit status` reads."""
     run_root.mkdir(parents=True, exist_ok=True)
     entry.setdefault("submitted_at", time.strftime("%Y-%m-%dT%H:%M:%S"))
-    with open(run_root / REGISTRY, "a") as f:
-        f.write(json.dumps(entry) + "\n")
+    with open(run_root / REGISTRY, "ab+") as f:
+        f.seek(0, 2)
+        if f.tell() > 0:
+            f.seek(-1, 2)
+            torn = f.read(1) != b"\n"  # a line cut short (a killed write): ours must not be glued onto it
+        else:
+            torn = False
+        f.write((b"\n" if torn else b"") + json.dumps(entry).encode() + b"\n")
 
 
 def submit(profile: ClusterProfile, spec: JobSpec, fn: Callable[..., Any], *args: Any, kind: str = "job",
            max_restarts: int = 3) -> Any:
     """Submit fn(*args) as one job (every task runs it); returns the submitit Job."""
+    check_writable(spec.run_dir.parent)
     executor = make_executor(profile, spec, max_restarts)
-    try:
+    with sbatch_errors(spec.name):
         job = executor.submit(fn, *args)
-    except Exception as e:  # submitit raises plain errors with sbatch's message
-        raise LaunchError(f"sbatch refused job {spec.name!r}: {str(e).strip().splitlines()[-1]}") from None
     record(spec.run_dir.parent, job_id=job.job_id, name=spec.name, kind=kind, run_dir=str(spec.run_dir))
     return job
