@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -70,6 +71,52 @@ def _sacct(job_ids: list[str]) -> dict[str, JobRecord]:
         restarts = records[jid].restarts + 1 if jid in records else 0
         records[jid] = JobRecord(jid, name, state.split()[0] if state else "UNKNOWN", exit_code, elapsed, restarts)
     return records
+
+
+def _in_array_range(task_id: str, listed: str) -> bool:
+    """Whether task BASE_N is one of the tasks of a pending-array line such as BASE_[0-3,7] or BASE_[2-9%2]."""
+    base, _, index = task_id.partition("_")
+    m = re.fullmatch(rf"{re.escape(base)}_\[([0-9,\-]+)(?:%\d+)?\]", listed)
+    if not index.isdigit() or m is None:
+        return False
+    n = int(index)
+    for part in m.group(1).split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit() and (high or low).isdigit() and int(low) <= n <= int(high or low):
+            return True
+    return False
+
+
+def _squeue_one(job_id: str) -> JobRecord | None:
+    """The controller's view (pending, running, and recently ended jobs); None if it does not know the id."""
+    if shutil.which("squeue") is None:
+        raise LaunchError("`squeue` not found: run on a Slurm login node, or `make cluster-up` for the dev cluster")
+    proc = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%j|%T|%M"], capture_output=True, text=True)
+    if proc.returncode != 0:  # "Invalid job id specified"
+        return None
+    for line in proc.stdout.splitlines():
+        jid, name, state, elapsed = (line.split("|") + [""] * 4)[:4]
+        if jid == job_id or _in_array_range(job_id, jid):
+            return JobRecord(job_id, name, state or "UNKNOWN", "", elapsed, 0)
+    return None
+
+
+def job_record(job_id: str) -> JobRecord | None:
+    """One job or array task (ID or ID_N) as Slurm knows it now, or None when Slurm knows no such job or task.
+    squeue answers for live jobs (sacct lags by a second or two, and lists a pending array only as ID_[a-b]);
+    sacct for ended ones, with their exit code."""
+    live = _squeue_one(job_id)
+    if live is not None and not live.final:
+        return live
+    try:
+        ended = sacct([job_id]).get(job_id)
+        if ended is None and "_" in job_id:  # an array cancelled while pending: only ID_[a-b] is recorded
+            ranged = sacct([job_id.split("_")[0]])
+            ended = next((JobRecord(job_id, r.name, r.state, r.exit_code, r.elapsed, r.restarts)
+                          for k, r in ranged.items() if _in_array_range(job_id, k)), None)
+    except LaunchError:
+        ended = None
+    return ended or live
 
 
 def wait_final(job_id: str, timeout_s: float = 300, poll_s: float = 1.0) -> JobRecord:

@@ -1,47 +1,138 @@
-"""`mcorekit status`, `mcorekit logs JOB`, `mcorekit cancel JOB`: the jobs this project submitted."""
+"""`mcorekit status`, `mcorekit logs JOB`, `mcorekit cancel JOB`: the jobs this project submitted.
+
+The job registry (`<run_root>/jobs.jsonl`, one JSON object per submitted job or array task) says which jobs are
+this project's: logs and cancel act only on ids it holds. A malformed registry line (a write cut short, an edit)
+is skipped with one warning naming the file and line, so one bad line never hides the other jobs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mcorekit.errors import LaunchError
 from mcorekit.launch import accounting, diagnose
-from mcorekit.launch.config import load_profile
+from mcorekit.launch.config import CONTROL_RE, load_profile, shown
+from mcorekit.launch.options import count, index, positive_float
 from mcorekit.launch.submit import REGISTRY
+
+JOB_ID_RE = re.compile(r"(\d+)(?:_(\d+))?")  # a job or one array task, as the registry and logs name them
+# what `mcorekit cancel` takes per comma-separated item: JOB, JOB_N or JOB_[a-b,c,...]
+CANCEL_ID_RE = re.compile(r"(\d+)(?:_(\d+)|_\[(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)\])?")
+MAX_CANCEL_TASKS = 100_000  # an array range larger than any array we submit (sweeps stop at 1000 points)
+POLL_S = 1.0
+UNKNOWN_GRACE_S = 2.0  # how long a job Slurm does not know may be an accounting lag, not a wrong id
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def _registry_problem(entry: Any) -> str | None:
+    if not isinstance(entry, dict):
+        return f"a JSON {type(entry).__name__}, not an object"
+    for key in ("job_id", "name", "run_dir"):
+        value = entry.get(key)
+        if not isinstance(value, str) or CONTROL_RE.search(value):
+            return f"{key} missing or not a one-line string"
+    if not JOB_ID_RE.fullmatch(entry["job_id"]):
+        return f"job_id {entry['job_id']!r} is not a Slurm job id"
+    return None
 
 
 def _registry(run_root: Path) -> list[dict[str, Any]]:
+    """The registry's entries, skipping (with one warning line) lines that are not a complete entry."""
     path = run_root / REGISTRY
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    entries, bad = [], []
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            entry = json.loads(raw.decode("utf-8"))
+            problem = _registry_problem(entry)
+        except (UnicodeDecodeError, ValueError) as e:
+            entry, problem = None, f"not JSON ({type(e).__name__})"
+        if problem:
+            bad.append((number, problem))
+        else:
+            entries.append(entry)
+    if bad:
+        lines = ", ".join(str(n) for n, _ in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        print(f"mcorekit: warning: {shown(path)}: skipped malformed line{'s' if len(bad) > 1 else ''} {lines} "
+              f"({bad[0][1]}) and read the rest", file=sys.stderr)
+    return entries
 
 
-def _find(run_root: Path, job_id: str) -> dict[str, Any]:
-    base = job_id.split("_")[0]
-    for entry in reversed(_registry(run_root)):
-        if entry["job_id"] in (job_id, base) or entry["job_id"].split("_")[0] == base:
-            return entry
-    raise LaunchError(f"job {job_id} is not in {run_root / REGISTRY}; was it submitted from this project (see `mcorekit status`)?")
+@dataclass(frozen=True)
+class Owned:
+    """Which job ids the registry holds: whole jobs, and array tasks as (job, task)."""
+
+    jobs: dict[int, dict[str, Any]]
+    tasks: dict[tuple[int, int], dict[str, Any]]
+
+    @classmethod
+    def of(cls, entries: list[dict[str, Any]]) -> Owned:
+        jobs, tasks = {}, {}
+        for e in entries:
+            base, task = JOB_ID_RE.fullmatch(e["job_id"]).groups()
+            if task is None:
+                jobs[int(base)] = e
+            else:
+                tasks[(int(base), int(task))] = e
+        return cls(jobs, tasks)
+
+    def task_ids(self, base: int) -> list[int]:
+        return sorted(t for b, t in self.tasks if b == base)
+
+    def entry(self, base: int, task: int | None) -> dict[str, Any] | None:
+        """The registry entry covering JOB (a whole job or array) or JOB_N (a task, or a task of a whole job)."""
+        if base in self.jobs:
+            return self.jobs[base]
+        if task is None:
+            return self.tasks[(base, self.task_ids(base)[0])] if self.task_ids(base) else None
+        return self.tasks.get((base, task))
+
+
+def _not_ours(job: str, owned: Owned, path: Path) -> str:
+    base = int(job.split("_")[0])
+    if owned.task_ids(base):
+        tasks = owned.task_ids(base)
+        return (f"job {job} is not in {shown(path)}: array {base} has tasks {base}_{tasks[0]} to {base}_{tasks[-1]}")
+    return f"job {job} is not in {shown(path)} (this project's jobs; see `mcorekit status`)"
 
 
 def _run_root(args: argparse.Namespace) -> Path:
     return Path(args.runs) if args.runs else Path(load_profile(args.cluster).run_root)
 
 
+def _job_id(text: str) -> str:
+    """argparse type for one job or array task: ID or ID_N."""
+    m = JOB_ID_RE.fullmatch(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a job id (ID, or ID_N for an array task)")
+    base, task = m.groups()
+    return str(int(base)) + ("" if task is None else f"_{int(task)}")  # as Slurm writes it (no leading zeros)
+
+
+# ---------------------------------------------------------------- status
+
+
 def status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    entries = _registry(_run_root(args))[-args.last:]
+    root = _run_root(args)
+    entries = _registry(root)[-args.last:]
     if not entries:
-        print(f"no jobs recorded under {_run_root(args)}")
+        print(f"no jobs recorded under {shown(root)}")
         return 0
     records = accounting.sacct([e["job_id"] for e in entries])
     table = Table(title="mcorekit jobs")
@@ -54,58 +145,153 @@ def status(args: argparse.Namespace) -> int:
             texts = [p.read_text(errors="replace") for p in diagnose.log_files(Path(e["run_dir"]), jid)]
             step = diagnose.last_step(texts)
             why = diagnose.diagnose(texts) if rec and rec.state not in ("COMPLETED", "RUNNING", "PENDING") else None
-            table.add_row(jid, e["name"], e.get("kind", ""), rec.state if rec else "UNKNOWN", rec.exit_code if rec else "",
+            table.add_row(jid, e["name"], str(e.get("kind", "")), rec.state if rec else "UNKNOWN", rec.exit_code if rec else "",
                           rec.elapsed if rec else "", str(rec.restarts) if rec else "", "" if step is None else str(step), why or "")
     Console(width=200).print(table)
     return 0
 
 
-def logs(args: argparse.Namespace) -> int:
-    entry = _find(_run_root(args), args.job)
-    path = Path(entry["run_dir"]) / "logs" / f"{args.job}_{args.rank}_log.{'err' if args.stderr else 'out'}"
-    if not path.exists() and not args.follow:
-        raise LaunchError(f"no log yet at {path} (the job may still be pending; try --follow)")
-    pos = 0
+# ---------------------------------------------------------------- logs
+
+
+def _print_new(path: Path, pos: int) -> int:
+    """Print what was appended to path since byte pos; the new position."""
+    if not path.exists():
+        return pos
+    with open(path, "rb") as f:
+        f.seek(pos)
+        chunk = f.read()
+    sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+    sys.stdout.flush()
+    return pos + len(chunk)
+
+
+def _follow(job: str, path: Path, wait_s: float) -> int:
+    """Print the log as it grows until the job ends: exit 0 if it COMPLETED, 1 if it ended otherwise (after the
+    log's last lines and one line saying how it ended). Stops with an error when Slurm knows no such job or task,
+    or when the log has not appeared after wait_s seconds while the job is pending or running."""
+    pos, start, unknown_since, said_pending = 0, time.monotonic(), None, False
     while True:
-        if path.exists():
-            with open(path, errors="replace") as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos = f.tell()
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
-        if not args.follow:
-            return 0
-        rec = accounting.sacct([args.job]).get(args.job)
-        if rec is not None and rec.final:
-            return 0
-        time.sleep(1.0)
+        pos = _print_new(path, pos)
+        rec = accounting.job_record(job)
+        now = time.monotonic()
+        if rec is None:
+            unknown_since = unknown_since or now
+            if now - unknown_since >= UNKNOWN_GRACE_S:
+                raise LaunchError(f"job {job}: Slurm has no such job or array task (never submitted, or purged from "
+                                  f"accounting); check the id with `mcorekit status`")
+        elif rec.final:
+            _print_new(path, pos)  # the last lines, written just before the end
+            if rec.state == "COMPLETED":
+                return 0
+            print(f"mcorekit: job {job} ended {rec.state} (exit code {rec.exit_code or 'unknown'}); "
+                  f"`mcorekit status` shows a diagnosis", file=sys.stderr)
+            return 1
+        else:
+            unknown_since = None
+            if not path.exists() and now - start >= wait_s:
+                raise LaunchError(f"{shown(path)}: no log after {wait_s:g} s while job {job} is {rec.state}; check --rank "
+                                  f"(tasks count from 0), or follow again later / with a longer --wait")
+            if rec.state == "PENDING" and not said_pending:
+                print(f"mcorekit: job {job} is pending; waiting up to {wait_s:g} s for its log", file=sys.stderr)
+                said_pending = True
+        time.sleep(POLL_S)
+
+
+def logs(args: argparse.Namespace) -> int:
+    root = _run_root(args)
+    owned = Owned.of(_registry(root))
+    base, task = JOB_ID_RE.fullmatch(args.job).groups()
+    entry = owned.entry(int(base), None if task is None else int(task))
+    if entry is None:
+        raise LaunchError(_not_ours(args.job, owned, root / REGISTRY))
+    if task is None and int(base) not in owned.jobs:
+        tasks = owned.task_ids(int(base))
+        raise LaunchError(f"job {base} is an array: name one task, {base}_{tasks[0]} to {base}_{tasks[-1]} "
+                          f"(mcorekit logs {base}_{tasks[0]})")
+    path = Path(entry["run_dir"]) / "logs" / f"{args.job}_{args.rank}_log.{'err' if args.stderr else 'out'}"
+    if args.follow:
+        return _follow(args.job, path, args.wait)
+    if not path.exists():
+        rec = accounting.job_record(args.job)
+        if rec is None:
+            raise LaunchError(f"job {args.job}: Slurm has no such job or array task; check the id with `mcorekit status`")
+        raise LaunchError(f"{shown(path)}: no log yet (job {args.job} is {rec.state}; check --rank, or try --follow)")
+    _print_new(path, 0)
+    return 0
+
+
+# ---------------------------------------------------------------- cancel
+
+
+def parse_cancel_ids(text: str) -> list[tuple[str, int, list[int] | None]]:
+    """'12_0,13,14_[1-3,5]' -> [(item, job, tasks or None for the whole job)]; commas inside [] belong to the range."""
+    items = []
+    for item in re.split(r",(?![^\[]*\])", text):
+        m = CANCEL_ID_RE.fullmatch(item.strip())
+        if m is None:
+            raise LaunchError(f"{item!r} is not a job id (JOB, JOB_N or JOB_[a-b,c]); nothing was cancelled")
+        base, one, ranges = m.groups()
+        tasks = [int(one)] if one is not None else None
+        if ranges is not None:
+            tasks = []
+            for part in ranges.split(","):
+                low, _, high = part.partition("-")
+                if int(high or low) < int(low):
+                    raise LaunchError(f"{item!r}: range {part} runs backwards; nothing was cancelled")
+                if len(tasks) + int(high or low) - int(low) + 1 > MAX_CANCEL_TASKS:
+                    raise LaunchError(f"{item!r} names more than {MAX_CANCEL_TASKS:,} array tasks; nothing was cancelled")
+                tasks += range(int(low), int(high or low) + 1)
+        items.append((item.strip(), int(base), tasks))
+    return items
 
 
 def cancel(args: argparse.Namespace) -> int:
-    _find(_run_root(args), args.job)  # only this project's jobs
-    proc = subprocess.run(["scancel", args.job], capture_output=True, text=True)
+    root = _run_root(args)
+    owned = Owned.of(_registry(root))
+    items = [it for text in args.job for it in parse_cancel_ids(text)]
+    foreign = []
+    for item, base, tasks in items:  # every id is checked before scancel sees any
+        if base in owned.jobs:
+            continue
+        if tasks is None and owned.task_ids(base):
+            continue  # a whole array of ours
+        missing = [t for t in (tasks or [None]) if (base, t) not in owned.tasks]
+        if missing:
+            foreign.append(item if tasks is None or len(missing) == len(tasks) else f"{base}_{missing[0]} (of {item})")
+    if foreign:
+        raise LaunchError(f"not this project's job{'s' if len(foreign) > 1 else ''}: {', '.join(foreign)} (not in "
+                          f"{shown(root / REGISTRY)}); nothing was cancelled")
+    ids = [item for item, _, _ in items]
+    proc = subprocess.run(["scancel", *ids], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise LaunchError(f"scancel {args.job} failed: {proc.stderr.strip()}")
-    print(f"cancelled {args.job}")
+        raise LaunchError(f"scancel {' '.join(ids)} failed: {' '.join(proc.stderr.split())}")
+    print(f"cancelled {', '.join(ids)}")
     return 0
 
 
 def main(command: str, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"mcorekit {command}", description={
         "status": "Table of this project's jobs: state, elapsed, restarts, last logged step, and a diagnosis for failures.",
-        "logs": "Print a job's log for one rank (task); --follow streams it until the job ends.",
-        "cancel": "Cancel one of this project's jobs (scancel).",
+        "logs": "Print a job's log for one rank (task). --follow streams it until the job ends, then exits 0 if the "
+                "job COMPLETED and 1 otherwise; it stops with an error if Slurm knows no such job or task, or if no "
+                "log appears within --wait seconds while the job is pending or running.",
+        "cancel": "Cancel jobs of this project (scancel); every id must be in the project's job registry, or "
+                  "nothing is cancelled.",
     }[command])
     parser.add_argument("--cluster", default="local", help="profile whose run_root holds the job registry")
     parser.add_argument("--runs", default=None, help="run root to read instead of the profile's")
     if command == "status":
-        parser.add_argument("--last", type=int, default=20, help="how many recent jobs to show")
-    else:
-        parser.add_argument("job", help="Slurm job id (array tasks as ID_N)")
-    if command == "logs":
-        parser.add_argument("--rank", type=int, default=0, help="task (rank) whose log to show")
+        parser.add_argument("--last", type=count, default=20, help="how many recent jobs to show (>= 1)")
+    elif command == "logs":
+        parser.add_argument("job", type=_job_id, help="Slurm job id (an array task as ID_N)")
+        parser.add_argument("--rank", type=index, default=0, help="task (rank) whose log to show, from 0")
         parser.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+        parser.add_argument("--wait", type=positive_float, default=300.0, metavar="SECONDS",
+                            help="with --follow: how long to wait for the log to appear while the job is pending or "
+                                 "running (default 300)")
         parser.add_argument("--stderr", action="store_true", help="show stderr instead of stdout")
+    else:
+        parser.add_argument("job", nargs="+", help="job ids, comma-separated or several: ID, ID_N, ID_[a-b]")
     args = parser.parse_args(argv)
     return {"status": status, "logs": logs, "cancel": cancel}[command](args)
