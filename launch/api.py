@@ -15,7 +15,8 @@ from typing import Any, Callable
 from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError, NotBuiltError
 from mcorekit.launch import config as cfg
 from mcorekit.launch import layout
-from mcorekit.launch.submit import JobSpec, check_writable, make_executor, record, render, sbatch_errors, scancel
+from mcorekit.launch.submit import (JobSpec, check_writable, make_executor, record, removed_on_error, render, sbatch_errors,
+                                    scancel)
 from mcorekit.models.spec import ModelSpec
 
 log = logging.getLogger("mcorekit.launch")
@@ -127,10 +128,11 @@ def submit_prepared(p: Prepared, payload: Callable[[], Any] | None = None, kind:
         require_gpus(p.profile)
     payload = payload or training_payload(p.spec.run_dir)
     check_writable(p.spec.run_dir.parent)
-    p.save()
-    executor = make_executor(p.profile, p.spec, max_restarts=p.experiment.resources.max_restarts)
-    with sbatch_errors(p.spec.name):
-        job = executor.submit(payload)
+    with removed_on_error(p.spec.run_dir):
+        p.save()
+        executor = make_executor(p.profile, p.spec, max_restarts=p.experiment.resources.max_restarts)
+        with sbatch_errors(p.spec.name):
+            job = executor.submit(payload)
     record(p.spec.run_dir.parent, job_id=job.job_id, name=p.spec.name, kind=kind, run_dir=str(p.spec.run_dir))
     log.info("submitted %s job %s (%s)", kind, job.job_id, p.spec.run_dir)
     return job
@@ -254,11 +256,12 @@ def submit_sweep(points: list[Prepared], sweep_dir: Path, payloads: list[Callabl
     spec = JobSpec(name=first.experiment.name + "-sweep", run_dir=sweep_dir, nodes=first.spec.nodes,
                    time=first.spec.time, exclusive=first.spec.exclusive, array_parallelism=max_parallel)
     check_writable(sweep_dir.parent)
-    for p in points:
-        p.save()
-    executor = make_executor(first.profile, spec, max_restarts=first.experiment.resources.max_restarts)
-    with sbatch_errors(spec.name), executor.batch():
-        jobs = [executor.submit(fn) for fn in payloads]
+    with removed_on_error(sweep_dir):
+        for p in points:
+            p.save()
+        executor = make_executor(first.profile, spec, max_restarts=first.experiment.resources.max_restarts)
+        with sbatch_errors(spec.name), executor.batch():
+            jobs = [executor.submit(fn) for fn in payloads]
     for p, job in zip(points, jobs):
         record(sweep_dir.parent, job_id=job.job_id, name=p.spec.name, kind="sweep", run_dir=str(sweep_dir),
                point_dir=str(p.spec.run_dir))

@@ -136,8 +136,9 @@ def main_chain(argv: list[str]) -> int:
     for name, argv_stage, gpus in steps[1:]:
         stages.append(api.Stage(f"{p.experiment.name}-{name}", api.cli_payload(argv_stage), gpus_per_node=gpus,
                                 tasks_per_node=1 if name == "engine" else None))
-    p.save()
-    jobs = api.submit_chain(p.profile, stages, p.spec.run_dir)
+    with api.removed_on_error(p.spec.run_dir):
+        p.save()
+        jobs = api.submit_chain(p.profile, stages, p.spec.run_dir)
     print("submitted chain: " + " -> ".join(f"{s.name} {j.job_id}" for s, j in zip(stages, jobs)))
     return 0
 
@@ -152,10 +153,10 @@ def main_plan(argv: list[str]) -> int:
     parser.add_argument("--mbs", type=count, default=1, help="micro-batch size")
     parser.add_argument("--gpu-memory-gb", type=positive_float, default=80.0)
     args = parser.parse_args(argv)
-    from mcorekit.launch.layout import model_problems, plan
-    from mcorekit.models.spec import PRESETS, resolve
+    from mcorekit.launch.layout import model_problems, plan, resolve_model
+    from mcorekit.models.spec import PRESETS
 
-    model = resolve(preset=args.model) if args.model in PRESETS else resolve(hf_config=args.model)
+    model = resolve_model(args.model, None, None) if args.model in PRESETS else resolve_model(None, args.model, None)
     if bad := model_problems(model):
         raise ModelError(f"{cfg.shown(args.model)}: " + "; ".join(bad))
     layouts = plan(model, args.gpus, args.gpus_per_node, args.seq, args.mbs, args.gpu_memory_gb)

@@ -487,7 +487,7 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Exp
 def load_profile(name_or_path: str | Path, overrides: list[str] | None = None) -> ClusterProfile:
     """A profile by path, or by name from slurm/clusters/<name>.yaml."""
     p = Path(name_or_path)
-    if not p.suffix:
+    if not p.suffix and NAME_RE.match(str(name_or_path)):  # a bare name; anything else is a path
         p = Path(__file__).resolve().parent.parent / "slurm" / "clusters" / f"{name_or_path}.yaml"
         if not p.is_file():
             known = sorted(q.stem for q in p.parent.glob("*.yaml"))

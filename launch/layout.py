@@ -7,10 +7,13 @@ the same `check()` on the nodes, so a layout the launcher accepts is one the tra
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from mcorekit.errors import LayoutError, ModelError
-from mcorekit.launch.config import ClusterProfile, Experiment
+from mcorekit.launch.config import ClusterProfile, Experiment, shown
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec, resolve
 
@@ -73,6 +76,30 @@ _MODEL_FLAGS = ("tie_word_embeddings", "qkv_bias", "qk_layernorm", "moe_norm_top
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+MAX_HF_CONFIG_BYTES = 10_000_000  # an HF config.json is a few KB
+
+
+def resolve_model(preset: str | None, hf_config: str | None, overrides: dict[str, Any] | None) -> ModelSpec:
+    """models.spec.resolve, with a broken HF config (not JSON, not an object, keys missing, values of the wrong
+    type) reported as one ModelError naming the file instead of the parser's exception."""
+    if hf_config is None:
+        return resolve(preset, hf_config, overrides)
+    path = Path(hf_config) / "config.json" if Path(hf_config).is_dir() else Path(hf_config)
+    where = f"model.hf_config {shown(path)}"
+    if path.is_file() and path.stat().st_size > MAX_HF_CONFIG_BYTES:
+        raise ModelError(f"{where}: larger than {MAX_HF_CONFIG_BYTES:,} bytes, so not an HF config.json")
+    try:
+        return resolve(preset, hf_config, overrides)
+    except UnicodeDecodeError:
+        raise ModelError(f"{where}: not UTF-8 text; name an HF model directory or its config.json") from None
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{where}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except KeyError as e:
+        raise ModelError(f"{where}: has no {e.args[0]!r}, which the model needs") from None
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise ModelError(f"{where}: not an HF model config of the expected shape ({type(e).__name__}: {e})") from None
 
 
 def model_problems(model: ModelSpec) -> list[str]:
@@ -301,7 +328,7 @@ def _listed(what: str, problems: list[str]) -> str:
 
 def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str]]:
     """Raise LayoutError listing every violation; return the model and warnings (e.g. memory) otherwise."""
-    model = resolve(exp.model.preset, exp.model.hf_config, exp.model.overrides)
+    model = resolve_model(exp.model.preset, exp.model.hf_config, exp.model.overrides)
     if bad := model_problems(model):
         raise ModelError(_listed("invalid model", bad))
     problems = experiment_problems(exp, profile, model)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -181,6 +182,18 @@ def check_writable(run_root: Path) -> None:
 
 
 @contextmanager
+def removed_on_error(run_dir: Path) -> Iterator[None]:
+    """A run folder that a submission creates is removed again if the submission fails: no half-made runs."""
+    existed = run_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+@contextmanager
 def sbatch_errors(name: str) -> Iterator[None]:
     """submitit raises plain errors carrying sbatch's message: keep its last line, drop the traceback."""
     try:
@@ -218,8 +231,9 @@ def submit(profile: ClusterProfile, spec: JobSpec, fn: Callable[..., Any], *args
            max_restarts: int = 3) -> Any:
     """Submit fn(*args) as one job (every task runs it); returns the submitit Job."""
     check_writable(spec.run_dir.parent)
-    executor = make_executor(profile, spec, max_restarts)
-    with sbatch_errors(spec.name):
-        job = executor.submit(fn, *args)
+    with removed_on_error(spec.run_dir):
+        executor = make_executor(profile, spec, max_restarts)
+        with sbatch_errors(spec.name):
+            job = executor.submit(fn, *args)
     record(spec.run_dir.parent, job_id=job.job_id, name=spec.name, kind=kind, run_dir=str(spec.run_dir))
     return job
