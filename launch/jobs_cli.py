@@ -182,6 +182,9 @@ def _follow(job: str, path: Path, wait_s: float) -> int:
                                   f"accounting); check the id with `mcorekit status`")
         elif rec.final:
             _print_new(path, pos)  # the last lines, written just before the end
+            if not path.exists():
+                raise LaunchError(f"{shown(path)}: no log, and job {job} has ended {rec.state}; check --rank "
+                                  f"(tasks count from 0)")
             if rec.state == "COMPLETED":
                 return 0
             print(f"mcorekit: job {job} ended {rec.state} (exit code {rec.exit_code or 'unknown'}); "

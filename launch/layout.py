@@ -323,7 +323,10 @@ def estimate_memory(model: ModelSpec, lay: Layout, world: int, seq: int, mbs: in
 
 
 def _listed(what: str, problems: list[str]) -> str:
-    return f"{what} ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - " + "\n  - ".join(problems)
+    """One problem on one line; several as a list, one per line."""
+    if len(problems) == 1:
+        return f"{what}: {problems[0]}"
+    return f"{what} ({len(problems)} problems):\n  - " + "\n  - ".join(problems)
 
 
 def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str]]:
