@@ -11,6 +11,17 @@ import sys
 from pathlib import Path
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse prints the usage and this message, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= 1")
+    return value
+
+
 def _trtllm(argv: list[str]) -> int:
     from mcorekit.export.pipeline import export
 
@@ -21,9 +32,10 @@ def _trtllm(argv: list[str]) -> int:
     p.add_argument("src")
     p.add_argument("out")
     p.add_argument("--target", choices=["pytorch", "engine"], required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1, help="expert parallel (engine: inside the TP group, must divide --tp)")
+    p.add_argument("--tp", type=positive_int, default=1)
+    p.add_argument("--pp", type=positive_int, default=1)
+    p.add_argument("--ep", type=positive_int, default=1,
+                   help="expert parallel, MoE only (inside the TP group: divides --tp and the expert count)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--fp8", action="store_true", help="per-tensor FP8 weights and activation scales (needs --calib)")
     p.add_argument("--calib", default=None, help="calibration data: JSON lines with input_ids or text")
@@ -44,10 +56,10 @@ def _engine(argv: list[str]) -> int:
         "Build TensorRT engines from a rank-file checkpoint with trtllm-build (TensorRT-LLM <= 1.2 must be installed)."))
     p.add_argument("checkpoint")
     p.add_argument("engine_dir")
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-input-len", type=int, default=2048)
-    p.add_argument("--max-seq-len", type=int, default=4096)
-    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--max-batch-size", type=positive_int, default=8)
+    p.add_argument("--max-input-len", type=positive_int, default=2048)
+    p.add_argument("--max-seq-len", type=positive_int, default=4096)
+    p.add_argument("--max-num-tokens", type=positive_int, default=8192)
     p.add_argument("--gemm-plugin", default="auto")
     p.add_argument("--force", action="store_true")
     a = p.parse_args(argv)

@@ -36,6 +36,10 @@ RENORMALIZE, NO_NORMALIZATION = 1, 0  # TensorRT-LLM MoeConfig.ExpertScaleNormal
 
 
 def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int) -> None:
+    """TP/PP/EP must be >= 1 and split the model evenly (both targets: TensorRT-LLM splits it this way)."""
+    bad = [f"--{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if not isinstance(v, int) or v < 1]
+    if bad:
+        raise ExportError(f"{', '.join(bad)}: parallel sizes must be integers >= 1")
     problems = []
     if spec.num_attention_heads % tp:
         problems.append(f"TP={tp} does not divide num_attention_heads={spec.num_attention_heads}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,37 +35,99 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
-def read_calibration(path: str | Path, hf_dir: str | Path, max_samples: int = 64) -> list[torch.Tensor]:
-    """JSON lines, each {"input_ids": [...]} or {"text": "..."} (text needs the model's tokenizer files)."""
+MAX_LINE_BYTES = 16 * 1024**2  # a calibration sample is at most a few thousand tokens; longer lines are a wrong file
+MAX_TOKENS = 2048
+
+
+def read_calibration(path: str | Path, tokenizer_dir: str | Path | None, vocab_size: int,
+                     max_samples: int = 64) -> list[torch.Tensor]:
+    """JSON lines, each {"input_ids": [...]} or {"text": "..."} (text needs the model's tokenizer files); every id
+    must lie in the model's vocabulary. Bad lines fail as `FILE:LINE: what is wrong`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ExportError(f"{path}: calibration file not found (JSON lines with input_ids or text)")
     samples: list[torch.Tensor] = []
     tokenizer = None
-    for line in Path(path).read_text().splitlines()[:max_samples]:
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if "input_ids" in row:
-            samples.append(torch.tensor(row["input_ids"], dtype=torch.long))
-        elif "text" in row:
-            if tokenizer is None:
-                import transformers
-
-                try:
-                    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-                except Exception as e:  # noqa: BLE001
-                    raise ExportError(f"calibration text needs a tokenizer in {hf_dir}: {e}") from None
-            samples.append(torch.tensor(tokenizer(row["text"])["input_ids"][:2048], dtype=torch.long))
-        else:
-            raise ExportError(f"{path}: each line needs 'input_ids' or 'text'")
+    with open(path, "rb") as f:
+        for n, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(samples) == max_samples:
+                break
+            row = _json_line(raw, f"{path}:{n}")
+            if row is None:
+                continue
+            if "input_ids" in row:
+                ids = row["input_ids"]
+            elif "text" in row:
+                if not isinstance(row["text"], str):
+                    raise ExportError(f"{path}:{n}: 'text' must be a string")
+                tokenizer = tokenizer or _tokenizer(tokenizer_dir)
+                ids = tokenizer(row["text"])["input_ids"]
+            else:
+                raise ExportError(f"{path}:{n}: each line needs 'input_ids' or 'text' (got keys {sorted(row)[:5]})")
+            samples.append(torch.tensor(_checked_ids(ids, vocab_size, f"{path}:{n}")[:MAX_TOKENS], dtype=torch.long))
     if not samples:
         raise ExportError(f"{path}: no calibration samples")
     return samples
+
+
+def _json_line(raw: bytes, where: str) -> dict | None:
+    """One JSON-object line, or None for a blank one."""
+    if len(raw) > MAX_LINE_BYTES:
+        raise ExportError(f"{where}: line longer than {MAX_LINE_BYTES // 1024**2} MB; calibration lines hold one "
+                          f"sample of at most {MAX_TOKENS} tokens")
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ExportError(f"{where}: not UTF-8 text (byte {e.start}); calibration data is JSON lines") from None
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+    except RecursionError:
+        raise ExportError(f"{where}: JSON nested too deeply") from None
+    if not isinstance(row, dict):
+        raise ExportError(f"{where}: expected a JSON object with 'input_ids' or 'text', got {type(row).__name__}")
+    return row
+
+
+def _checked_ids(ids: object, vocab_size: int, where: str) -> list[int]:
+    if not isinstance(ids, list) or not ids:
+        raise ExportError(f"{where}: input_ids must be a non-empty list of token ids")
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size:
+            raise ExportError(f"{where}: token id {i!r} is outside the model's vocabulary [0, {vocab_size}); "
+                              f"calibrate with ids of this model's tokenizer")
+    return ids
+
+
+def _first_line(e: Exception) -> str:
+    """Library messages can span lines; the CLI prints one."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _tokenizer(tokenizer_dir: str | Path | None) -> Any:
+    import transformers
+
+    if tokenizer_dir is None:
+        raise ExportError("calibration text needs the model's tokenizer, and none is stored with this checkpoint; "
+                          "pass input_ids instead, or --hf-config with an HF directory that has the tokenizer")
+    try:
+        return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    except Exception as e:  # noqa: BLE001  (transformers raises many types for a missing or broken tokenizer)
+        raise ExportError(f"calibration text needs a tokenizer in {tokenizer_dir}: {_first_line(e)}") from None
 
 
 def calibrate(hf_dir: str | Path, samples: list[torch.Tensor]) -> dict[str, float]:
     """Input amax of every nn.Linear (by HF module name), over the calibration samples, in fp32 on CPU."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    except Exception as e:  # noqa: BLE001  (transformers raises many types for a model it cannot load)
+        raise ExportError(f"{hf_dir}: transformers cannot load the model for the calibration pass: {_first_line(e)}") from None
     amax: dict[str, float] = {}
     hooks = []
     for name, module in model.named_modules():

@@ -1,21 +1,42 @@
-"""Megatron or HF checkpoint -> TensorRT-LLM (target pytorch or engine), staged and renamed when complete."""
+"""Megatron or HF checkpoint -> TensorRT-LLM (target pytorch or engine), staged and renamed when complete.
+
+Everything that can be checked before writing is checked first (parallel sizes against the model, the output
+path against the inputs, calibration data); the output is built in a staged folder that becomes OUT only when
+complete, so a failure or a kill never leaves a complete-looking export.
+"""
 
 from __future__ import annotations
 
-import tempfile
+import shutil
 import time
 from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError
 
 from mcorekit.convert.hf_io import HFReader, copy_assets
-from mcorekit.convert.pipeline import DTYPES, Summary, mcore_to_hf, spec_for, staged_output
-from mcorekit.errors import ExportError
+from mcorekit.convert.pipeline import (DTYPES, Summary, find_iteration_dir, hf_config_for, mcore_to_hf,
+                                       spec_for)
+from mcorekit.errors import ExportError, OutputError
 from mcorekit.export import engine, fp8, hf_target
+from mcorekit.outputs import check_output, staged_output
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+TARGETS = ("pytorch", "engine")
+# A Megatron source is converted to HF inside the staged output: same filesystem as OUT (never a small /tmp),
+# removed with the stage on failure, and a killed run's stage is removed by the next run.
+SOURCE_HF = ".source-hf"
 
 
 def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def megatron_config(src: Path, hf_config: str | None) -> tuple[dict[str, Any], Path | None]:
+    """The HF config (and the folder with its tokenizer) that a Megatron checkpoint is converted with."""
+    iter_dir = find_iteration_dir(src)
+    config, *_, tokenizer_dir = hf_config_for(src if iter_dir != src else src.parent, hf_config)
+    return config, tokenizer_dir
 
 
 def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str = "bf16",
@@ -23,39 +44,56 @@ def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int =
            quiet: bool = False) -> Summary:
     start = time.monotonic()
     src, out = Path(src), Path(out)
-    if target not in ("pytorch", "engine"):
+    if target not in TARGETS:
         raise ExportError(f"unknown target {target!r}; use pytorch (today's TensorRT-LLM) or engine (<= 1.2)")
-    out.resolve().parent.mkdir(parents=True, exist_ok=True)
-    # A Megatron source is converted to HF next to the output (same filesystem, never a small /tmp).
-    with tempfile.TemporaryDirectory(prefix=".mcorekit-export-", dir=out.resolve().parent) as tmp:
-        if is_hf_dir(src):
-            hf_dir = src
-        else:  # a Megatron checkpoint: through convert/ first (streaming, verified mappings)
-            hf_dir = Path(tmp) / "hf"
-            mcore_to_hf(src, hf_dir, hf_config=hf_config, quiet=quiet)
-        reader = HFReader(hf_dir)
-        spec = spec_for(reader.config)
-        if target == "engine":
-            engine.check_layout(spec, tp, pp, ep)
-        scales = None
-        if use_fp8:
-            if spec.is_moe:
-                raise ExportError("FP8 export of MoE models is not supported yet (expert activations need per-expert "
-                                  "calibration); export MoE models in bf16/fp16")
-            if not calib:
-                raise ExportError("FP8 needs activation scales and this checkpoint carries none: pass --calib FILE "
-                                  "(JSON lines with input_ids or text) for a calibration pass")
-            amax = fp8.calibrate(hf_dir, fp8.read_calibration(calib, hf_dir))
-            modules = hf_target.linear_modules(reader)
-            scales = fp8.linear_scales(amax, {m: reader.get(f"{m}.weight") for m in modules})
-        summary = Summary()
-        with staged_output(out, force) as stage:
-            if target == "pytorch":
-                summary.bytes = hf_target.write(reader, stage, tp, pp, ep, DTYPES[dtype], scales)
-            else:
-                summary.bytes = engine.write(reader, spec, stage, tp, pp, ep, DTYPES[dtype], DTYPE_NAMES[dtype], scales)
-                (stage / "hf").mkdir()
-                copy_assets(hf_dir, stage / "hf")  # tokenizer for serving the engine
-        reader.close()
+    if dtype not in DTYPE_NAMES:
+        raise ExportError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+    inputs = [Path(p) for p in (src, hf_config, calib) if p]
+    check_output(out, inputs, force)  # before a long conversion, not after it
+    megatron = not is_hf_dir(src)
+    reader = None if megatron else HFReader(src)
+    config, tokenizer_dir = megatron_config(src, hf_config) if megatron else (reader.config, src)
+    spec = spec_for(config)
+    engine.check_layout(spec, tp, pp, ep)  # both targets: TensorRT-LLM splits the same way
+    samples = None
+    if use_fp8:
+        if spec.is_moe:
+            raise ExportError("FP8 export of MoE models is not supported yet (expert activations need per-expert "
+                              "calibration); export MoE models in bf16/fp16")
+        if not calib:
+            raise ExportError("FP8 needs activation scales and this checkpoint carries none: pass --calib FILE "
+                              "(JSON lines with input_ids or text) for a calibration pass")
+        samples = fp8.read_calibration(calib, tokenizer_dir, spec.vocab_size)
+    summary = Summary()
+    with staged_output(out, force, inputs, command=f"export trtllm --target {target}") as stage:
+        try:
+            if megatron:  # through convert/ first (streaming, verified mappings)
+                mcore_to_hf(src, stage / SOURCE_HF, hf_config=hf_config, quiet=quiet)
+                reader = HFReader(stage / SOURCE_HF)
+            summary.bytes = _write(reader, spec, stage, target, tp, pp, ep, dtype, samples, out)
+        finally:
+            if reader is not None:
+                reader.close()
+        shutil.rmtree(stage / SOURCE_HF, ignore_errors=True)
     summary.seconds = time.monotonic() - start
     return summary
+
+
+def _write(reader: HFReader, spec: Any, stage: Path, target: str, tp: int, pp: int, ep: int, dtype: str,
+           samples: list | None, out: Path) -> int:
+    scales = None
+    if samples is not None:
+        amax = fp8.calibrate(reader.path, samples)
+        scales = fp8.linear_scales(amax, {m: reader.get(f"{m}.weight") for m in hf_target.linear_modules(reader)})
+    try:
+        if target == "pytorch":
+            return hf_target.write(reader, stage, tp, pp, ep, DTYPES[dtype], scales)
+        written = engine.write(reader, spec, stage, tp, pp, ep, DTYPES[dtype], DTYPE_NAMES[dtype], scales)
+        (stage / "hf").mkdir()
+        copy_assets(reader.path, stage / "hf")  # tokenizer for serving the engine
+        return written
+    except SafetensorError as e:  # safetensors reports a full or read-only disk as its own error type
+        raise OutputError(f"cannot write {out}: {e}; nothing was written there") from None
+    except OSError as e:  # a full disk, or a file that vanished under us: what and where, OUT left untouched
+        where = f"{e.filename}: " if e.filename else ""
+        raise OutputError(f"export to {out} failed: {where}{e.strerror or e}; nothing was written there") from None
