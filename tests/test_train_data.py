@@ -45,7 +45,7 @@ def test_preprocess_writes_every_document_with_eod(tmp_path: Path, tok: Path) ->
         assert doc.tolist() == t(text, add_special_tokens=False)["input_ids"] + [t.eos_token_id]
     meta = json.loads((tmp_path / "out" / "a.json").read_text())
     assert meta["eod"] == t.eos_token_id and meta["vocab_size"] == len(t) and meta["tokens"] == s.tokens
-    assert not list((tmp_path / "out").glob("*.tmp"))
+    assert not list((tmp_path / "out").glob("*.tmp*"))
     # same bytes with one worker: the output does not depend on the worker count
     preprocess([str(tmp_path / "a.jsonl")], str(tok), str(tmp_path / "one"), workers=1, quiet=True)
     assert (tmp_path / "one.bin").read_bytes() == (tmp_path / "out" / "a.bin").read_bytes()
@@ -62,7 +62,7 @@ def test_preprocess_refuses_bad_input_and_overwrite(tmp_path: Path, tok: Path) -
     (tmp_path / "bad.jsonl").write_text('{"text": "hello"}\n{"body": "no text key"}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: not a JSON object with a 'text' string"):
         preprocess([str(tmp_path / "bad.jsonl")], str(tok), str(tmp_path / "bad"), workers=1, quiet=True)
-    assert not list(tmp_path.glob("bad.*.tmp")) and not (tmp_path / "bad.idx").exists()
+    assert not list(tmp_path.glob("bad.*.tmp*")) and not (tmp_path / "bad.idx").exists()
     with pytest.raises(ConfigError, match="input not found"):
         preprocess([str(tmp_path / "missing.jsonl")], str(tok), str(tmp_path / "m"), quiet=True)
 

@@ -1,6 +1,6 @@
 """`mcorekit data`: prepare training data.
 
-  mcorekit data preprocess INPUT.jsonl [...] --tokenizer HF_DIR --output-prefix PREFIX [--key text] [--workers N]
+  mcorekit data preprocess INPUT.jsonl [...] --tokenizer HF_DIR --output-prefix PREFIX [--key text] [--workers N] [--max-line-mb N] [--force]
 """
 
 from __future__ import annotations
@@ -10,8 +10,19 @@ import argparse
 from mcorekit.cli import dispatch
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse prints the usage and this message, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= 1")
+    return value
+
+
 def _preprocess(argv: list[str]) -> int:
-    from mcorekit.train.data.preprocess import preprocess
+    from mcorekit.train.data.preprocess import MAX_LINE_MB, preprocess
 
     p = argparse.ArgumentParser(prog="mcorekit data preprocess",
                                 description="jsonl (one document per line) -> Megatron .bin/.idx with an end-of-document "
@@ -20,11 +31,15 @@ def _preprocess(argv: list[str]) -> int:
     p.add_argument("--tokenizer", required=True, help="HF tokenizer directory")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
     p.add_argument("--key", default="text", help="the JSON field holding the text (default: text)")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
-    p.add_argument("--force", action="store_true", help="replace existing output")
+    p.add_argument("--workers", type=positive_int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--max-line-mb", type=positive_int, default=MAX_LINE_MB,
+                   help=f"refuse lines (documents) longer than this many MB (default {MAX_LINE_MB}; tokenizing a line "
+                   "takes about 70x its size in memory, per worker)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier output of this command (recognised by its PREFIX.json); never an input")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
-    s = preprocess(a.inputs, a.tokenizer, a.output_prefix, a.key, a.workers, a.force, a.quiet)
+    s = preprocess(a.inputs, a.tokenizer, a.output_prefix, a.key, a.workers, a.force, a.quiet, a.max_line_mb)
     print(s.line(a.output_prefix))
     return 0
 

@@ -10,7 +10,6 @@ token) or on the response and the eos token after it; 0 elsewhere.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from mcorekit.errors import ConfigError
+from mcorekit.train.data.jsonl import records
 from mcorekit.train.data.packing import Example, first_fit_decreasing, pack, pad_one
 
 log = logging.getLogger("mcorekit.train")
@@ -26,15 +26,7 @@ log = logging.getLogger("mcorekit.train")
 def _read(path: Path) -> list[tuple[int, dict[str, Any]]]:
     if not path.is_file():
         raise ConfigError(f"SFT data not found: {path}")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    out.append((n, json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}:{n}: not valid JSON ({e})") from None
-    return out
+    return list(records(path))
 
 
 def tokenize_chat(tok: Any, messages: list[dict[str, str]]) -> Example:
@@ -64,17 +56,29 @@ def tokenize_pair(tok: Any, prompt: str, response: str) -> Example:
 
 
 def tokenize_record(tok: Any, record: dict[str, Any], where: str) -> Example:
-    if isinstance(record.get("messages"), list):
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ConfigError(f"{where}: 'messages' must be a list of {{\"role\": str, \"content\": str}} objects")
         if not tok.chat_template:
             raise ConfigError(f"{where}: chat data needs a tokenizer with a chat template")
-        return tokenize_chat(tok, record["messages"])
+        try:
+            return tokenize_chat(tok, messages)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        except Exception as e:  # noqa: BLE001  (templates raise their own errors, e.g. "roles must alternate")
+            lines = str(e).strip().splitlines()
+            raise ConfigError(f"{where}: the tokenizer's chat template failed on this conversation: "
+                              f"{lines[0] if lines else type(e).__name__}") from None
     if "prompt" in record and "response" in record:
         return tokenize_pair(tok, str(record["prompt"]), str(record["response"]))
     if "instruction" in record and "output" in record:
         prompt = str(record["instruction"]) + ("\n\n" + str(record["input"]) if record.get("input") else "")
         return tokenize_pair(tok, prompt + "\n\n", str(record["output"]))
     raise ConfigError(f"{where}: expected 'messages', 'prompt'+'response' or 'instruction'+'output' "
-                      f"(got keys {sorted(record)})")
+                      f"(got keys {sorted(record)[:8]})")
 
 
 class SFTDataset:
@@ -85,7 +89,12 @@ class SFTDataset:
                  vocab_size: int) -> None:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        except Exception as e:  # noqa: BLE001  (transformers raises many types for a broken directory)
+            lines = str(e).strip().splitlines()
+            raise ConfigError(f"{tokenizer_dir}: not a usable HF tokenizer directory (data.tokenizer): "
+                              f"{lines[0] if lines else type(e).__name__}") from None
         if len(tok) > vocab_size:
             raise ConfigError(f"tokenizer {tokenizer_dir} has {len(tok)} tokens but the model's vocabulary is {vocab_size}")
         if tok.eos_token_id is None:
