@@ -228,7 +228,8 @@ def prepare_sweep(config: str | Path, cluster: str | Path, axes: dict[str, list[
             exp = cfg.load_experiment(config, overrides + [f"{k}={_yaml_value(v)}" for k, v in point.items()])
             points.append(prepare(exp, profile, run_dir=sweep_dir / f"point-{i}"))
         except (ConfigError, ModelError) as e:
-            raise type(e)(f"{cfg.shown(config)}: sweep point {i} {point}: {str(e).removeprefix(cfg.shown(config) + ': ')}") from None
+            what = str(e).removeprefix(f"{cfg.shown(config)}: ")  # load_experiment names the file already
+            raise type(e)(f"{cfg.shown(config)}: sweep point {i} {point}: {what}") from None
     resources = {(p.spec.nodes, p.spec.time, p.spec.exclusive) for p in points}
     if len(resources) > 1:
         raise ConfigError("sweep points differ in resources (nodes/time/exclusive); one array job needs the same for all")

@@ -20,7 +20,6 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
 
-    parse.__name__ = f"int >= {low}"  # argparse names the type in some messages
     return parse
 
 

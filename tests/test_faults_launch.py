@@ -349,7 +349,7 @@ def _cancel(job: str) -> None:
 
 
 def nap() -> None:
-    time.sleep(60)
+    time.sleep(120)
 
 
 def fail() -> None:
@@ -373,7 +373,7 @@ class Ours:
 
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ours]:
-    """This project's array of four tasks: 0 and 1 sleep a minute, 2 fails, 3 completes."""
+    """This project's array of four tasks: 0 and 1 sleep two minutes, 2 fails, 3 completes."""
     root = tmp_path_factory.mktemp("ours")
     cfg = write(root / "exp.yaml", yaml.safe_dump({"name": "faults", "model": {"preset": "llama-tiny"},
                                                    "data": {"seq_length": 128}, "resources": {"time": "00:05:00"},
@@ -389,7 +389,7 @@ def ours(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ours]:
 @pytest.fixture(scope="module")
 def foreign() -> Iterator[str]:
     """A job of someone else: plain sbatch, not in any registry of ours."""
-    job = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-t", "2", "-o", "/dev/null", "--wrap", "sleep 60"],
+    job = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-t", "3", "-o", "/dev/null", "--wrap", "sleep 120"],
                          capture_output=True, text=True, check=True).stdout.strip()
     yield job
     _cancel(job)
