@@ -464,6 +464,12 @@ def test_preprocess_force_never_replaces_unknown_files(tok: Path, tmp_path: Path
     assert fingerprint(tmp_path) == before
 
 
+def test_preprocess_prefix_naming_a_folder_is_refused(tok: Path, tmp_path: Path) -> None:
+    src = corpus(tmp_path / "a.jsonl", 3)
+    rc, err = run(*preprocess_args([src], tok, f"{tmp_path}/out/"))
+    assert_error(rc, err, "names a folder", tmp_path / "out")
+
+
 def test_preprocess_force_replaces_an_earlier_output(tok: Path, tmp_path: Path) -> None:
     src = corpus(tmp_path / "a.jsonl", 5)
     rc, err = run(*preprocess_args([src], tok, tmp_path / "p"))

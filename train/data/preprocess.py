@@ -260,6 +260,9 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise ConfigError(f"input not found: {', '.join(missing)}")
+    if not Path(output_prefix).name or output_prefix.endswith(("/", os.sep)):
+        raise ConfigError(f"--output-prefix {output_prefix!r} names a folder; add a file stem (e.g. {output_prefix}corpus "
+                          f"writes corpus.bin/.idx/.json there)")
     out = output_paths(output_prefix)
     check_outputs(out, paths, Path(tokenizer_dir), force)
     tok = load_tokenizer(tokenizer_dir)
