@@ -8,6 +8,11 @@ import subprocess
 
 import pytest
 
+try:  # Transformer Engine's cuDNN first: loaded after torch's, it fails to link (GPU machine; absent on CPU)
+    import transformer_engine.pytorch  # noqa: F401
+except (ImportError, OSError):
+    pass
+
 
 def _slurm_ready() -> str | None:
     if shutil.which("sinfo") is None:
