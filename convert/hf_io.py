@@ -1,31 +1,78 @@
-"""HF checkpoints on disk: validated streaming reads of sharded safetensors, and size-bounded sharded writes."""
+"""HF checkpoints on disk: validated streaming reads of sharded safetensors, and size-bounded sharded writes.
+
+Everything in an HF directory is untrusted input: the index may only name files inside the directory, and
+every safetensors header is checked (dtype known, shape and byte span agree, data inside the file) before
+any tensor is allocated, so a header claiming more bytes than the file holds fails at once.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from mcorekit.convert.files import model_file, read_json
 from mcorekit.errors import ConversionError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# Everything besides the weights that a served or fine-tuned model needs; copied as they are.
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+# Everything besides the weights that a served or fine-tuned model needs; copied as they are.
 ASSET_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
 )
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in its shard, as its (checked) header says."""
+
+    shard: str
+    offset: int  # from the start of the file
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _is_count(v: object) -> bool:
+    return type(v) is int and v >= 0
+
+
+def parse_entry(name: str, info: object, data_bytes: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, or ValueError saying what is wrong with it."""
+    if not isinstance(info, dict):
+        raise ValueError(f"entry {name!r} is not an object")
+    dtype = ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+    if dtype is None:
+        raise ValueError(f"tensor {name!r} has unsupported dtype {info.get('dtype')!r} (known: {', '.join(ST_DTYPES)})")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} is not two non-negative integers")
+    begin, end = offsets
+    if begin > end:
+        raise ValueError(f"tensor {name!r}: data_offsets {offsets} are reversed")
+    if end > data_bytes:
+        raise ValueError(f"tensor {name!r} ends at data byte {end}, past the end of the file ({data_bytes} data bytes)")
+    need = math.prod(shape) * dtype.itemsize
+    if end - begin != need:
+        raise ValueError(f"tensor {name!r}: shape {shape} of {info['dtype']} needs {need} bytes, data_offsets span {end - begin}")
+    return dtype, tuple(shape), begin, end
 
 
 class HFReader:
@@ -37,52 +84,66 @@ class HFReader:
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise ConversionError(f"{self.path}: no config.json; pass an HF model directory")
-        self.config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
-        if (self.path / INDEX).is_file():
-            weight_map: dict[str, str] = json.loads((self.path / INDEX).read_text())["weight_map"]
-        elif (self.path / SINGLE).is_file():
-            weight_map = {}
-        else:
-            bins = sorted(p.name for p in self.path.glob("*.bin"))
-            raise ConversionError(
-                f"{self.path}: no {INDEX} or {SINGLE}"
-                + (f" (found {bins[0]}...: only safetensors are read; re-save with save_pretrained(safe_serialization=True))" if bins else "")
-            )
-        shards = sorted(set(weight_map.values())) or [SINGLE]
-        self.entries: dict[str, tuple[str, int, torch.dtype, tuple[int, ...], int]] = {}
-        for shard in shards:
-            header, base = self._header(shard)
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                begin, end = info["data_offsets"]
-                self.entries[name] = (shard, base + begin, ST_DTYPES[info["dtype"]], tuple(info["shape"]), end - begin)
-            expected = {k for k, v in weight_map.items() if v == shard}
-            if expected - set(header):
-                raise ConversionError(f"{self.path / shard}: the index lists {sorted(expected - set(header))[:3]} but the shard lacks them")
-        self.weight_map = {name: e[0] for name, e in self.entries.items()}
+        self.config: dict[str, Any] = read_json(model_file(self.path, "config.json", str(self.path)))
+        weight_map = self._weight_map()
+        self.entries: dict[str, TensorEntry] = {}
+        for shard in sorted(set(weight_map.values())) or [SINGLE]:
+            found = self._header(shard)
+            twice = sorted(found.keys() & self.entries.keys())
+            if twice:
+                raise ConversionError(f"{self.path}: tensor {twice[0]!r} is in both {self.entries[twice[0]].shard} and {shard}")
+            self.entries.update(found)
+            missing = sorted(k for k, v in weight_map.items() if v == shard and k not in found)
+            if missing:
+                raise ConversionError(f"{self.path / shard}: the index lists {missing[:3]} but the shard lacks them")
+        self.weight_map = {name: e.shard for name, e in self.entries.items()}
         self._fds: dict[str, int] = {}
 
-    def _header(self, shard: str) -> tuple[dict[str, Any], int]:
-        file = self.path / shard
+    def _weight_map(self) -> dict[str, str]:
+        """The index's tensor -> shard map ({} for a single model.safetensors); shards must lie inside the folder."""
+        if (self.path / INDEX).is_file():
+            index_file = self.path / INDEX
+            weight_map = read_json(model_file(self.path, INDEX, str(self.path))).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConversionError(f"{index_file}: no \"weight_map\" object mapping tensor names to shard files")
+            for name, shard in weight_map.items():
+                if not isinstance(shard, str):
+                    raise ConversionError(f"{index_file}: weight_map[{name!r}] is {shard!r}, not a file name")
+                model_file(self.path, shard, str(index_file))
+            return weight_map
+        if (self.path / SINGLE).is_file():
+            return {}
+        bins = sorted(p.name for p in self.path.glob("*.bin"))
+        raise ConversionError(
+            f"{self.path}: no {INDEX} or {SINGLE}"
+            + (f" (found {bins[0]}...: only safetensors are read; re-save with save_pretrained(safe_serialization=True))" if bins else "")
+        )
+
+    def _header(self, shard: str) -> dict[str, TensorEntry]:
+        file = model_file(self.path, shard, str(self.path / INDEX))
         if not file.is_file():
-            raise ConversionError(f"missing shard {file} (listed in {INDEX}); re-download or re-save the checkpoint")
+            raise ConversionError(f"missing shard {self.path / shard} (listed in {INDEX}); re-download or re-save the checkpoint")
         size = file.stat().st_size
+        entries = {}
         try:
             with open(file, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                if n > size - 8:
-                    raise ValueError(f"header length {n} exceeds the file")
+                head = f.read(8)
+                if len(head) < 8:
+                    raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
+                (n,) = struct.unpack("<Q", head)
+                if n > min(size - 8, MAX_HEADER_BYTES):
+                    raise ValueError(f"header length {n} exceeds the file ({size} bytes)" if n > size - 8
+                                     else f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
                 header = json.loads(f.read(n))
-            data = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-            for k, v in header.items():
-                if k != "__metadata__" and v["dtype"] not in ST_DTYPES:
-                    raise ValueError(f"tensor {k} has unsupported dtype {v['dtype']}")
-        except (ValueError, KeyError, TypeError, struct.error) as e:
-            raise ConversionError(f"corrupt or truncated safetensors file {file}: bad header ({e})") from None
-        if 8 + n + data > size:
-            raise ConversionError(f"corrupt or truncated safetensors file {file}: {size} bytes, header needs {8 + n + data}")
-        return header, 8 + n
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+            for name, info in header.items():
+                if name != "__metadata__":
+                    dtype, shape, begin, end = parse_entry(name, info, size - 8 - n)
+                    entries[name] = TensorEntry(shard, 8 + n + begin, dtype, shape, end - begin)
+        except (ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors too
+            raise ConversionError(f"corrupt or truncated safetensors file {self.path / shard}: {e}") from None
+        return entries
 
     def names(self) -> list[str]:
         return sorted(self.entries)
@@ -94,20 +155,19 @@ class HFReader:
         entry = self.entries.get(name)
         if entry is None:
             raise ConversionError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
-        shard, offset, dtype, shape, nbytes = entry
-        fd = self._fds.get(shard)
+        fd = self._fds.get(entry.shard)
         if fd is None:
-            fd = self._fds[shard] = os.open(self.path / shard, os.O_RDONLY)
-        buf = bytearray(nbytes)
+            fd = self._fds[entry.shard] = os.open(self.path / entry.shard, os.O_RDONLY)
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        buf = bytearray(entry.nbytes)  # the header check bounds this by the file size
         view, done = memoryview(buf), 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
+        while done < entry.nbytes:
+            got = os.preadv(fd, [view[done:]], entry.offset + done)
             if got == 0:
-                raise ConversionError(f"{self.path / shard}: file ended inside tensor {name!r}")
+                raise ConversionError(f"{self.path / entry.shard}: file ended inside tensor {name!r}")
             done += got
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+        return torch.frombuffer(buf, dtype=entry.dtype).reshape(entry.shape)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -115,9 +175,21 @@ class HFReader:
         self._fds.clear()
 
 
+def _save(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    try:
+        save_file(tensors, str(file), {"format": "pt"})
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors reports I/O failures (a full disk) as its own error type
+        raise ConversionError(f"{file}: cannot write ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
 class HFWriter:
     """Collects tensors into shards of at most max_shard_bytes and writes each full shard on a background
-    thread while the next one fills (reading and writing overlap; at most two shards are in memory)."""
+    thread while the next one fills (reading and writing overlap; at most two shards are in memory).
+
+    A failed background write is re-raised in the caller's thread by the next add/finish. Use it as a context
+    manager: on an error the in-flight write is waited for, so nothing writes into a folder being removed."""
 
     def __init__(self, path: Path, max_shard_bytes: int = 5 * 1024**3) -> None:
         from concurrent.futures import Future, ThreadPoolExecutor
@@ -131,6 +203,12 @@ class HFWriter:
         self._pool = ThreadPoolExecutor(max_workers=1)
         self._inflight: Future | None = None
 
+    def __enter__(self) -> HFWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + size > self.max_shard_bytes:
@@ -142,15 +220,21 @@ class HFWriter:
     def _flush(self) -> None:
         n = len(self.shards) + 1
         self._wait()
-        self._inflight = self._pool.submit(save_file, self.pending, str(self.path / f"part-{n:05d}.safetensors"),
-                                           {"format": "pt"})
+        self._inflight = self._pool.submit(_save, self.pending, self.path / f"part-{n:05d}.safetensors")
         self.shards.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 
     def _wait(self) -> None:
         if self._inflight is not None:
-            self._inflight.result()  # re-raises a failed write here
+            inflight, self._inflight = self._inflight, None
+            inflight.result()  # re-raises a failed write here, in the caller's thread
+
+    def close(self) -> None:
+        """Wait for the in-flight write (its error, if any, was or will be reported by finish) and stop the thread."""
+        if self._inflight is not None:
+            self._inflight.exception()
             self._inflight = None
+        self._pool.shutdown()
 
     def finish(self) -> None:
         if self.pending:
@@ -168,11 +252,12 @@ class HFWriter:
 
 
 def copy_assets(src: Path, dst: Path, config: dict[str, Any] | None = None) -> list[str]:
-    """Copy config, generation config and tokenizer files; `config` replaces config.json when given."""
+    """Copy config, generation config and tokenizer files; `config` replaces config.json when given.
+    A file that is a symlink leading out of `src` is refused, as for shards."""
     copied = []
     for name in ASSET_FILES:
         if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
+            shutil.copy2(model_file(src, name, str(src)), dst / name)
             copied.append(name)
     if config is not None:
         (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
