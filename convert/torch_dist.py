@@ -10,15 +10,26 @@ serialized (DCP's default planner would pickle them twice).
 Writing streams: each stacked tensor is planned as one chunk per layer (per layer and expert for experts), and
 DCP asks for the chunks one at a time while it writes, so only one chunk and its sources are in memory.
 The format has no parallel layout: Megatron reshards it to whatever TP/PP/EP it is loaded with.
+
+Reading trusts nothing in the directory: DCP's own `read_metadata()` unpickles `.metadata` (any class, so a
+crafted file runs code); here a restricted unpickler admits only the classes DCP metadata is made of, the
+result is checked (types, bounds, storage files inside the directory, enough bytes behind every chunk) before
+anything is allocated, bytes entries are loaded with `weights_only=True`, and a read fails unless the stored
+chunks cover every element it returns.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
+import pickle
+import threading
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,9 +41,11 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import (
     BytesIOWriteData,
     LoadPlan,
@@ -44,6 +57,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from mcorekit.convert.files import model_file, read_json, write_failure
 from mcorekit.errors import ConversionError
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
@@ -88,8 +102,32 @@ def extra_state_key(module: str, layer: int | None = None, layers: int | None = 
     return f"{module}._extra_state/shard_{layer}.{expert}_{layers}.{experts}"
 
 
+@contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP warns on every call that it runs without a process group; here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The exception inside DCP's CheckpointException (it wraps whatever failed, as (exception, traceback))."""
+    if isinstance(e, CheckpointException):
+        inner = next(iter(e.failures.values()), e)
+        return inner[0] if isinstance(inner, tuple) else inner
+    return e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class StreamingSavePlanner(SavePlanner):
-    """A SavePlanner whose tensors do not exist until DCP resolves them, chunk by chunk."""
+    """A SavePlanner whose tensors do not exist until DCP resolves them, chunk by chunk.
+
+    DCP runs some writes on helper threads that drop their exceptions; every failure is kept in `errors`
+    so that `write` can raise it in the caller's thread."""
 
     def __init__(self, tensors: list[PlannedTensor], blobs: dict[str, bytes],
                  on_chunk: Callable[[int], None] | None = None) -> None:
@@ -97,6 +135,8 @@ class StreamingSavePlanner(SavePlanner):
         self.blobs = blobs
         self.on_chunk = on_chunk
         self.sources: dict[tuple[str, tuple[int, ...]], ChunkSource] = {}
+        self.items = 0
+        self.errors: list[BaseException] = []
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         pass
@@ -117,6 +157,7 @@ class StreamingSavePlanner(SavePlanner):
         for fqn, blob in self.blobs.items():
             items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO,
                                    bytes_io_data=BytesIOWriteData(nbytes=len(blob))))
+        self.items = len(items)
         return SavePlan(items)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -126,6 +167,13 @@ class StreamingSavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        try:
+            return self._resolve(write_item)
+        except BaseException as e:
+            self.errors.append(e)
+            raise
+
+    def _resolve(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self.blobs[write_item.index.fqn])
         source = self.sources[(write_item.index.fqn, tuple(write_item.index.offset))]
@@ -138,23 +186,168 @@ class StreamingSavePlanner(SavePlanner):
         return tensor.contiguous()
 
 
+class _CountingWriter(FileSystemWriter):
+    """Counts the items DCP reports as written (a helper thread that fails reports none of its own)."""
+
+    written = 0
+
+    def finish(self, metadata: Metadata, results: list[Any]) -> None:
+        self.written = sum(len(r) for r in results)
+        super().finish(metadata, results)
+
+
 def write(path: Path, tensors: list[PlannedTensor], blobs: dict[str, bytes], threads: int = 2,
           on_chunk: Callable[[int], None] | None = None) -> None:
     """Write one torch_dist iteration directory (path must not exist yet)."""
     path.mkdir(parents=True)
-    writer = FileSystemWriter(str(path), single_file_per_rank=True, thread_count=threads, sync_files=True)
-    try:
-        dcp.save({}, storage_writer=writer, planner=StreamingSavePlanner(tensors, blobs, on_chunk), no_dist=True)
-    except CheckpointException as e:  # DCP wraps whatever failed inside it; surface the original
-        inner = next(iter(e.failures.values()), e)
-        inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback)
-        if isinstance(inner, (ConversionError, KeyboardInterrupt)):
-            raise inner from None
-        raise ConversionError(f"writing {path} failed: {inner}") from None
+    writer = _CountingWriter(str(path), single_file_per_rank=True, thread_count=threads, sync_files=True)
+    planner = StreamingSavePlanner(tensors, blobs, on_chunk)
+    failures: list[BaseException] = []
+    with _quiet_dcp(), _thread_errors() as thread_errors:
+        try:
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as e:
+            failures.append(_cause(e))
+    # Helper threads that failed are not in DCP's exception: their items are missing from .metadata.
+    failures += planner.errors + thread_errors
+    if failures:
+        _raise_write_failure(path, failures)
+    if writer.written != planner.items:
+        raise ConversionError(f"writing {path} failed: {planner.items - writer.written} of {planner.items} items were not written")
     (path / "metadata.json").write_text(json.dumps(BACKEND))
 
 
-# ---------------------------------------------------------------- reading
+def _raise_write_failure(path: Path, failures: list[BaseException]) -> None:
+    """Raise the most telling failure: our own errors as they are, else an OSError (it has the errno)."""
+    for e in failures:
+        if isinstance(e, (ConversionError, KeyboardInterrupt)):
+            raise e from None
+    cause = next((e for e in failures if isinstance(e, OSError)), failures[0])
+    raise ConversionError(f"writing {path} failed: {write_failure(path, cause)}") from None
+
+
+@contextmanager
+def _thread_errors() -> Iterator[list[BaseException]]:
+    """Exceptions that end threads (DCP's writer helpers), collected instead of printed as tracebacks."""
+    caught: list[BaseException] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: caught.append(args.exc_value)
+    try:
+        yield caught
+    finally:
+        threading.excepthook = previous
+
+
+# ---------------------------------------------------------------- reading .metadata without running it
+
+METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a dict lookup of torch's layouts by name (torch.strided)
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id as DCP writes it
+}
+TORCH_DTYPES = frozenset(name for name, v in vars(torch).items() if isinstance(v, torch.dtype))
+
+
+class _Refused(Exception):
+    pass
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: a class outside what DCP metadata is made of (the way a
+    crafted pickle reaches os.system & co.) is refused before it is looked up."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_CLASSES or (module == "torch" and name in TORCH_DTYPES):
+            return super().find_class(module, name)
+        raise _Refused(f"{module}.{name}")
+
+
+def load_metadata(file: Path) -> Metadata:
+    """The DCP metadata in `file`, unpickled with MetadataUnpickler (no code from the file runs)."""
+    try:
+        with open(file, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except _Refused as e:
+        raise ConversionError(f"{file}: not a checkpoint metadata file (refusing to load class {e})") from None
+    except OSError as e:
+        raise ConversionError(f"{file}: cannot read ({e.strerror})") from None
+    except Exception as e:  # noqa: BLE001 - unpickling arbitrary bytes can raise anything; all mean "not metadata"
+        raise ConversionError(f"{file}: not a readable checkpoint metadata file ({type(e).__name__}: {_first_line(e)})") from None
+    if not isinstance(metadata, Metadata):
+        raise ConversionError(f"{file}: not a checkpoint metadata file (it holds a {type(metadata).__name__})")
+    return metadata
+
+
+def _size(v: object) -> tuple[int, ...] | None:
+    return tuple(v) if isinstance(v, tuple) and all(type(d) is int and d >= 0 for d in v) else None
+
+
+def metadata_problem(md: Metadata, iter_dir: Path) -> str | None:
+    """What is wrong with unpickled metadata, checked before any of it is used: entry types, tensor bounds,
+    storage files inside iter_dir, and at least as many stored bytes as every chunk's elements need."""
+    sdm, storage = md.state_dict_metadata, md.storage_data
+    if not isinstance(sdm, dict) or not isinstance(storage, dict):
+        return "state_dict_metadata or storage_data is not a dict"
+    for key, info in storage.items():
+        if not (isinstance(key, MetadataIndex) and isinstance(key.fqn, str) and isinstance(info, _StorageInfo)):
+            return f"storage entry {key!r} is not a MetadataIndex -> _StorageInfo"
+        if not (isinstance(info.relative_path, str) and _size((info.offset, info.length))):
+            return f"storage entry {key.fqn!r} has a bad file, offset or length"
+        if info.transform_descriptors:
+            return f"storage entry {key.fqn!r} is stored transformed ({info.transform_descriptors}), which is not supported"
+        model_file(iter_dir, info.relative_path, f"{iter_dir / '.metadata'} (entry {key.fqn!r})")
+    for fqn, entry in sdm.items():
+        if not isinstance(fqn, str):
+            return f"key {fqn!r} is not a string"
+        if isinstance(entry, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                return f"bytes entry {fqn!r} has no storage"
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            return f"entry {fqn!r} is a {type(entry).__name__}, neither tensor nor bytes"
+        problem = _tensor_problem(fqn, entry, storage)
+        if problem:
+            return problem
+    return None
+
+
+def _tensor_problem(fqn: str, md: TensorStorageMetadata, storage: dict[MetadataIndex, _StorageInfo]) -> str | None:
+    size = _size(md.size)
+    dtype = getattr(md.properties, "dtype", None)
+    if size is None or not isinstance(dtype, torch.dtype) or not isinstance(md.chunks, list):
+        return f"tensor {fqn!r} has a bad size, dtype or chunk list"
+    for chunk in md.chunks:
+        offsets, sizes = _size(getattr(chunk, "offsets", None)), _size(getattr(chunk, "sizes", None))
+        if offsets is None or sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
+            return f"tensor {fqn!r} has a chunk whose offsets or sizes do not fit its {len(size)} dimensions"
+        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
+            return f"tensor {fqn!r}: chunk at {offsets} of {sizes} lies outside the tensor's size {size}"
+        stored = storage.get(MetadataIndex(fqn, torch.Size(offsets)))
+        if stored is None:
+            return f"tensor {fqn!r}: chunk at {offsets} has no storage"
+        if stored.length < math.prod(sizes) * dtype.itemsize:  # the file must hold what we would allocate
+            return f"tensor {fqn!r}: chunk at {offsets} claims {sizes} of {dtype} but has {stored.length} stored bytes"
+    return None
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, given metadata we loaded and checked (its own read_metadata would unpickle again)."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(str(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
 
 class _ChunkLoadPlanner(DefaultLoadPlanner):
@@ -181,33 +374,50 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]
 
 
+class _BytesLoadPlanner(DefaultLoadPlanner):
+    """Keeps bytes entries as bytes (DCP's default planner torch.loads them with weights_only=False)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False)
+        self.loaded: dict[str, bytes] = {}
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        self.loaded[read_item.dest_index.fqn] = value.getvalue()
+
+
 class TorchDistReader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         meta_json = self.path / "metadata.json"
         if not meta_json.is_file():
             raise ConversionError(f"{self.path}: no metadata.json; not a Megatron torch_dist checkpoint directory (iter_N/)")
-        backend = json.loads(meta_json.read_text())
+        backend = read_json(meta_json)
         if backend.get("sharded_backend") != "torch_dist":
-            raise ConversionError(f"{self.path}: backend {backend.get('sharded_backend')!r}, expected torch_dist")
+            raise ConversionError(f"{meta_json}: backend {backend.get('sharded_backend')!r}, expected torch_dist")
+        meta_file = self.path / ".metadata"
+        if not meta_file.is_file():
+            raise ConversionError(f"{meta_file}: missing; the checkpoint is incomplete")
+        self.metadata: Metadata = load_metadata(meta_file)
         try:
-            self.reader = FileSystemReader(str(self.path))
-            self.metadata: Metadata = self.reader.read_metadata()
-        except Exception as e:
-            raise ConversionError(f"{self.path}: cannot read the DCP metadata (.metadata): {e}") from None
+            problem = metadata_problem(self.metadata, self.path)
+        except (AttributeError, TypeError) as e:  # a Metadata instance built with odd attributes
+            problem = f"{type(e).__name__}: {_first_line(e)}"
+        if problem:
+            raise ConversionError(f"{meta_file}: not valid checkpoint metadata ({problem})")
+        self.reader = _SafeReader(self.path, self.metadata)
         self._check_files()
 
     def _check_files(self) -> None:
-        for info in {i.relative_path for i in self.metadata.storage_data.values()}:
-            if not (self.path / info).is_file():
-                raise ConversionError(f"missing checkpoint file {self.path / info} (listed in .metadata)")
         sizes: dict[str, int] = {}
         for info in self.metadata.storage_data.values():
             sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
         for rel, need in sizes.items():
-            have = (self.path / rel).stat().st_size
+            file = self.path / rel
+            if not file.is_file():
+                raise ConversionError(f"missing checkpoint file {file} (listed in .metadata)")
+            have = file.stat().st_size
             if have < need:
-                raise ConversionError(f"truncated checkpoint file {self.path / rel}: {have} bytes, .metadata needs {need}")
+                raise ConversionError(f"truncated checkpoint file {file}: {have} bytes, .metadata needs {need}")
 
     def tensor_keys(self) -> dict[str, TensorStorageMetadata]:
         return {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -217,19 +427,46 @@ class TorchDistReader:
 
     def read(self, fqn: str, index: tuple[int, ...] = ()) -> torch.Tensor:
         """The sub-tensor at leading index `index`: read(k) is the whole tensor, read(k, (l,)) one layer,
-        read(k, (l, e)) one expert of one layer."""
+        read(k, (l, e)) one expert of one layer. Fails unless the stored chunks cover all of it."""
         md = self.tensor_keys().get(fqn)
         if md is None:
             raise ConversionError(f"{self.path}: tensor {fqn!r} is not in the checkpoint")
         size = tuple(md.size)
+        if len(index) > len(size) or any(not 0 <= i < d for i, d in zip(index, size)):
+            raise ConversionError(f"{self.path}: tensor {fqn!r} of size {size} has no slice {index}")
         offsets = tuple(index) + (0,) * (len(size) - len(index))
         sizes = (1,) * len(index) + size[len(index):]
-        buf = torch.empty(sizes, dtype=md.properties.dtype)
         chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
-        dcp.load({}, storage_reader=self.reader, planner=_ChunkLoadPlanner({fqn: (chunk, buf)}), no_dist=True)
+        self._check_coverage(fqn, md, chunk, index)
+        buf = torch.empty(sizes, dtype=md.properties.dtype)  # every element is filled: checked just above
+        try:
+            with _quiet_dcp():
+                dcp.load({}, storage_reader=self.reader, planner=_ChunkLoadPlanner({fqn: (chunk, buf)}), no_dist=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a corrupt data file fails in many ways in DCP
+            cause = _cause(e)
+            if isinstance(cause, ConversionError):
+                raise cause from None
+            raise ConversionError(f"{self.path}: cannot read tensor {fqn!r} ({type(cause).__name__}: {_first_line(cause)})") from None
         return buf.reshape(size[len(index):])
 
+    def _check_coverage(self, fqn: str, md: TensorStorageMetadata, chunk: ChunkStorageMetadata, index: tuple[int, ...]) -> None:
+        covered = torch.zeros(tuple(chunk.sizes), dtype=torch.bool)
+        for item in create_read_items_for_chunk_list(fqn, md, [chunk]):
+            covered[tuple(slice(o, o + n) for o, n in zip(item.dest_offsets, item.lengths))] = True
+        if not bool(covered.all()):
+            raise ConversionError(f"{self.path / '.metadata'}: the stored chunks of {fqn!r} do not cover slice {index} "
+                                  f"({int((~covered).sum())} elements missing); the checkpoint is incomplete")
+
     def read_bytes(self, key: str) -> Any:
-        holder = {key: io.BytesIO()}
-        dcp.load(holder, storage_reader=self.reader, no_dist=True)
-        return holder[key]
+        """A bytes entry (Megatron stores `torch.save(...)` there), loaded with weights_only=True."""
+        if key not in self.bytes_keys():
+            raise ConversionError(f"{self.path}: bytes entry {key!r} is not in the checkpoint")
+        planner = _BytesLoadPlanner()
+        try:
+            with _quiet_dcp():
+                dcp.load({key: io.BytesIO()}, storage_reader=self.reader, planner=planner, no_dist=True)
+            return torch.load(io.BytesIO(planner.loaded[key]), map_location="cpu", weights_only=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - refused globals and corrupt bytes alike
+            cause = _cause(e)
+            raise ConversionError(f"{self.path}: cannot load bytes entry {key!r} with weights_only "
+                                  f"({type(cause).__name__}: {_first_line(cause)})") from None
