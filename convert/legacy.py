@@ -13,12 +13,15 @@ are replicated. Expert tensor parallelism is 1 or equal to TP. Load it in Megatr
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from mcorekit.convert import torch_dist
+from mcorekit.convert.files import write_failure
 from mcorekit.convert.mapping import GLOBAL, LAYER, Ctx
 from mcorekit.errors import ConversionError
 from mcorekit.models.spec import ModelSpec
@@ -80,6 +83,11 @@ def stages(spec: ModelSpec, pp: int, vpp: int | None) -> dict[tuple[int, int], l
 
 
 def check_layout(spec: ModelSpec, ctx: Ctx, tp: int, pp: int, ep: int, etp: int, vpp: int | None) -> None:
+    """Every rule the layout breaks for this model, as one ConversionError (the CLI already refused sizes < 1)."""
+    sizes = {"TP": tp, "PP": pp, "EP": ep, "ETP": etp, "VPP": vpp or 1}
+    small = [f"{k}={v}" for k, v in sizes.items() if type(v) is not int or v < 1]
+    if small:
+        raise ConversionError(f"layout sizes must be integers >= 1: {', '.join(small)}")
     problems = []
     if spec.num_query_groups % tp:
         problems.append(f"TP={tp} does not divide num_query_groups={spec.num_query_groups}")
@@ -167,7 +175,14 @@ def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], spec: ModelSp
                 state["model"] = chunks[0]
             d = iter_dir / rank_dir(t, p, e, pp, ep)
             d.mkdir()
-            torch.save(state, d / "model_optim_rng.pt")
+            _save(state, d / "model_optim_rng.pt")
+
+
+def _save(state: dict[str, Any], file: Path) -> None:
+    try:
+        torch.save(state, file)
+    except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError from its zip writer
+        raise ConversionError(f"{file}: cannot write ({write_failure(file, e)})") from None
 
 
 def _produce(t: torch_dist.PlannedTensor, index: tuple[int, ...]) -> torch.Tensor:
@@ -188,22 +203,15 @@ class LegacyReader:
 
     def __init__(self, iter_dir: Path, spec: ModelSpec) -> None:
         self.spec = spec
+        self.iter_dir = iter_dir
         dirs = sorted(d for d in iter_dir.glob("mp_rank_*") if d.is_dir())
         if not dirs:
             raise ConversionError(f"{iter_dir}: no mp_rank_* directories")
-        states = {}
-        for d in dirs:
-            file = d / "model_optim_rng.pt"
-            if not file.is_file():
-                raise ConversionError(f"missing rank file {file}")
-            try:
-                states[d.name] = torch.load(file, map_location="cpu", weights_only=True)
-            except Exception as e:  # noqa: BLE001 - any unpickling problem is a bad file
-                raise ConversionError(f"cannot read {file} (weights_only): {e}") from None
+        states = {d.name: load_rank_file(d / "model_optim_rng.pt") for d in dirs}
         self.ranks: dict[tuple[int, int, int], dict[int, dict[str, Any]]] = {}
         for name, state in states.items():
             t, p, e = self._parse(name, states)
-            self.ranks[(t, p, e)] = {int(k[5:] or 0): v for k, v in state.items() if k.startswith("model")}
+            self.ranks[(t, p, e)] = _models(state)
         self.tp = 1 + max(k[0] for k in self.ranks)
         self.pp = 1 + max(k[1] for k in self.ranks)
         self.ep = 1 + max(k[2] for k in self.ranks)
@@ -211,29 +219,58 @@ class LegacyReader:
         if set(self.ranks) != expected:
             raise ConversionError(f"{iter_dir}: missing rank directories {sorted(expected - set(self.ranks))}")
         self.vpp = len(self.ranks[(0, 0, 0)])
+        if any(sorted(chunks) != list(range(self.vpp)) for chunks in self.ranks.values()):
+            raise ConversionError(f"{iter_dir}: rank files disagree on their model chunks (model, model0, model1, ...)")
+        self._check_counts()
         self.layout = stages(spec, self.pp, self.vpp if self.vpp > 1 else None)
         self.layer_home = {layer: (p, c, i) for (p, c), layers in self.layout.items() for i, layer in enumerate(layers)}
         self.local_experts = (spec.num_experts or 1) // self.ep
         self._sizes = self._global_sizes()
 
-    @staticmethod
-    def _parse(name: str, states: dict[str, Any]) -> tuple[int, int, int]:
-        parts = [int(x) for x in name.split("_")[2:]]
+    def _check_counts(self) -> None:
+        """The layers and experts the files hold must be the ones the config describes (else reads would miss)."""
+        per_stage = {(p, c): _indices(self._sd(0, p, 0, c), r"^decoder\.layers\.(\d+)\.")
+                     for p in range(self.pp) for c in range(self.vpp)}
+        layers = sum(len(v) for v in per_stage.values())
+        if layers != self.spec.num_layers or any(v != set(range(len(v))) or len(v) != layers // len(per_stage)
+                                                 for v in per_stage.values()):
+            raise ConversionError(
+                f"{self.iter_dir}: the rank files hold {layers} layers ({', '.join(str(len(v)) for v in per_stage.values())} "
+                f"per stage) but the config says num_hidden_layers={self.spec.num_layers}; wrong --hf-config?")
+        if self.spec.is_moe:
+            local = _indices(self._sd(0, 0, 0, 0), r"\.local_experts\.(\d+)\.")
+            if len(local) * self.ep != self.spec.num_experts:
+                raise ConversionError(f"{self.iter_dir}: the rank files hold {len(local)} experts x EP={self.ep} but the "
+                                      f"config says {self.spec.num_experts} experts; wrong --hf-config?")
+
+    _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+
+    @classmethod
+    def _parse(cls, name: str, states: dict[str, Any]) -> tuple[int, int, int]:
+        match = cls._RANK_DIR.fullmatch(name)
+        if match is None:
+            raise ConversionError(f"{name}: not a Megatron rank directory name (mp_rank_TT[_PPP][_EEE])")
+        parts = [int(x) for x in match.groups() if x is not None]
         if len(parts) == 3:
             return parts[0], parts[1], parts[2]
         if len(parts) == 1:
             return parts[0], 0, 0
         # One suffix is PP or EP: with PP only the first stage holds the embedding; with EP every file does.
-        model = next(v for k, v in states[name].items() if k.startswith("model"))
-        all_have_embedding = all("embedding.word_embeddings.weight" in next(v for k, v in st.items() if k.startswith("model"))
-                                 for st in states.values())
-        return (parts[0], 0, parts[1]) if all_have_embedding and model is not None else (parts[0], parts[1], 0)
+        all_have_embedding = all("embedding.word_embeddings.weight" in _models(st)[min(_models(st))] for st in states.values())
+        return (parts[0], 0, parts[1]) if all_have_embedding else (parts[0], parts[1], 0)
 
     def _sd(self, t: int, p: int, e: int, c: int) -> dict[str, Any]:
         return self.ranks[(t, p, e)][c]
 
-    def _global_sizes(self) -> dict[str, tuple[int, ...]]:
-        sizes: dict[str, tuple[int, ...]] = {}
+    def _get(self, t: int, p: int, e: int, c: int, name: str) -> torch.Tensor:
+        value = self._sd(t, p, e, c).get(name)
+        if not isinstance(value, torch.Tensor):
+            where = self.iter_dir / rank_dir(t, p, e, self.pp, self.ep) / "model_optim_rng.pt"
+            raise ConversionError(f"{where}: {'no tensor' if value is None else 'not a tensor:'} {name!r} (model chunk {c})")
+        return value
+
+    def _global_sizes(self) -> dict[str, _Sized]:
+        sizes: dict[str, _Sized] = {}
         L, E = self.spec.num_layers, self.spec.num_experts
         for key in list(self._sd(0, 0, 0, 0)) + list(self._sd(0, self.pp - 1, 0, self.vpp - 1)):
             if key.endswith("_extra_state"):
@@ -242,33 +279,70 @@ class LegacyReader:
             if key.startswith("decoder.layers.") and parts[2].isdigit():
                 if "local_experts" in parts:
                     stacked = "decoder.layers." + ".".join(parts[3:5]) + ".experts." + ".".join(parts[7:])
-                    sizes.setdefault(stacked, (L, E) + tuple(self.read(stacked, (0, 0)).shape))
+                    if stacked not in sizes:
+                        t = self.read(stacked, (0, 0))
+                        sizes[stacked] = _Sized((L, E) + tuple(t.shape), _Properties(t.dtype))
                 else:
                     stacked = "decoder.layers." + ".".join(parts[3:])
-                    sizes.setdefault(stacked, (L,) + tuple(self.read(stacked, (0,)).shape))
-            elif not (key == "output_layer.weight" and self.spec.tie_word_embeddings):
-                sizes.setdefault(key, tuple(self.read(key).shape))
+                    if stacked not in sizes:
+                        t = self.read(stacked, (0,))
+                        sizes[stacked] = _Sized((L,) + tuple(t.shape), _Properties(t.dtype))
+            elif not (key == "output_layer.weight" and self.spec.tie_word_embeddings) and key not in sizes:
+                t = self.read(key)
+                sizes[key] = _Sized(tuple(t.shape), _Properties(t.dtype))
         return sizes
 
-    def tensor_keys(self) -> dict[str, Any]:
-        return {k: _Sized(v) for k, v in self._sizes.items()}
+    def tensor_keys(self) -> dict[str, _Sized]:
+        return dict(self._sizes)
 
     def read(self, key: str, index: tuple[int, ...] = ()) -> torch.Tensor:
         if not index:
             p, c = (0, 0) if key.startswith("embedding.") else (self.pp - 1, self.vpp - 1)
-            return join_ranks(key, [self._sd(t, p, 0, c)[key] for t in range(self.tp)])
+            return join_ranks(key, [self._get(t, p, 0, c, key) for t in range(self.tp)])
         p, c, i = self.layer_home[index[0]]
         if len(index) == 1:
             name = local_name(key, i)
-            return join_ranks(key, [self._sd(t, p, 0, c)[name] for t in range(self.tp)])
+            return join_ranks(key, [self._get(t, p, 0, c, name) for t in range(self.tp)])
         e, j = divmod(index[1], self.local_experts)
         name = local_name(key, i, j)
-        parts = [self._sd(t, p, e, c)[name] for t in range(self.tp)]
+        parts = [self._get(t, p, e, c, name) for t in range(self.tp)]
         f = self.spec.moe_ffn_hidden_size or self.spec.ffn_hidden_size
         full = (2 * f, self.spec.hidden_size) if key.endswith("linear_fc1.weight") else (self.spec.hidden_size, f)
         return parts[0] if tuple(parts[0].shape) == full else join_ranks(key, parts)  # expert TP 1 or = TP
 
 
+@dataclass(frozen=True)
+class _Properties:
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class _Sized:
-    def __init__(self, size: tuple[int, ...]) -> None:
-        self.size = size
+    """What TorchDistReader.tensor_keys() gives per tensor (size, properties.dtype), for the legacy reader."""
+
+    size: tuple[int, ...]
+    properties: _Properties
+
+
+def _indices(state: dict[str, Any], pattern: str) -> set[int]:
+    return {int(m.group(1)) for k in state if (m := re.search(pattern, k))}
+
+
+def _models(state: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Model chunk -> state dict: `model` is chunk 0, `model0`, `model1`, ... under virtual pipeline stages."""
+    return {int(k[5:] or 0): v for k, v in state.items() if isinstance(k, str) and re.fullmatch(r"model\d*", k)}
+
+
+def load_rank_file(file: Path) -> dict[str, Any]:
+    """One rank's state, loaded with weights_only=True: tensors and plain containers, nothing that runs code."""
+    if not file.is_file():
+        raise ConversionError(f"missing rank file {file}")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a refused global, a corrupt zip or pickle: all mean "not loadable"
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        reason = next((line for line in lines if "Unsupported" in line), lines[0] if lines else type(e).__name__)
+        raise ConversionError(f"{file}: cannot load it as a weights-only checkpoint, so it is not read ({reason})") from None
+    if not isinstance(state, dict) or not _models(state) or not all(isinstance(v, dict) for v in _models(state).values()):
+        raise ConversionError(f"{file}: not a Megatron rank file (no `model` state dict in it)")
+    return state
