@@ -9,9 +9,32 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from mcorekit.convert import pipeline, verify
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a layout size, a divisor); anything else is a usage error, exit 2."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; it must be at least 1")
+    return value
+
+
+def positive_gb(text: str) -> float:
+    """argparse type: a finite size in GB above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is out of range; it must be a size above 0 (GB)")
+    return value
 
 
 def _hf_to_mcore(argv: list[str]) -> int:
@@ -21,14 +44,19 @@ def _hf_to_mcore(argv: list[str]) -> int:
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
     p.add_argument("--format", choices=["torch_dist", "torch"], default="torch_dist")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel (torch: files per rank; torch_dist: checked only)")
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--etp", type=int, default=1)
-    p.add_argument("--vpp", type=int, default=None)
-    p.add_argument("--dtype", choices=sorted(pipeline.DTYPES), default=None, help="default: keep the HF dtype")
-    p.add_argument("--vocab-divisible-by", type=int, default=128, help="pad the vocabulary to a multiple of this (Megatron's default 128)")
-    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor parallel (torch: files per rank; torch_dist: checked only); it must divide the heads, "
+                   "query groups and padded vocabulary")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages; must divide the layers")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert parallel (MoE); must divide the experts")
+    p.add_argument("--etp", type=positive_int, default=1, help="expert tensor parallel: 1 or equal to --tp")
+    p.add_argument("--vpp", type=positive_int, default=None, help="virtual stages per pipeline stage (needs --pp >= 2); "
+                   "PP*VPP must divide the layers")
+    p.add_argument("--dtype", choices=sorted(pipeline.DTYPES), default=None,
+                   help="default: keep the HF dtype. Casts float weights only: integer, bool or fp8 weights are an error")
+    p.add_argument("--vocab-divisible-by", type=positive_int, default=128, help="pad the vocabulary to a multiple of this (Megatron's default 128)")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT_DIR if an earlier mcorekit command wrote it (never an input or an unknown folder)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     s = pipeline.hf_to_mcore(a.hf_dir, a.out_dir, fmt=a.format, dtype=a.dtype, vocab_divisible_by=a.vocab_divisible_by,
@@ -45,12 +73,13 @@ def _mcore_to_hf(argv: list[str]) -> int:
     p.add_argument("out_dir")
     p.add_argument("--hf-config", default=None, help="HF directory or config.json (default: the one stored at import)")
     p.add_argument("--dtype", choices=sorted(pipeline.DTYPES), default=None, help="default: the HF config's dtype")
-    p.add_argument("--max-shard-gb", type=float, default=5.0)
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--max-shard-gb", type=positive_gb, default=5.0, help="largest output shard, in GB (> 0)")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT_DIR if an earlier mcorekit command wrote it (never an input or an unknown folder)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     s = pipeline.mcore_to_hf(a.ckpt_dir, a.out_dir, hf_config=a.hf_config, dtype=a.dtype,
-                             max_shard_bytes=int(a.max_shard_gb * 1024**3), force=a.force, quiet=a.quiet)
+                             max_shard_bytes=max(1, int(a.max_shard_gb * 1024**3)), force=a.force, quiet=a.quiet)
     print(s.line(f"mcore-to-hf -> {a.out_dir}"))
     return 0
 

@@ -1,32 +1,41 @@
-"""HF -> Megatron and Megatron -> HF, streaming, into a temporary directory renamed only when complete."""
+"""HF -> Megatron and Megatron -> HF, streaming, into a temporary directory renamed only when complete.
+
+Before anything is written, every tensor is checked against what the config implies: present, the expected
+shape, and a floating-point dtype (bf16, fp16, fp32 or fp64). --dtype may cast between those; integer, bool
+and fp8 weights are always an error (casting them would invent values). Without --dtype the tensors that
+make one Megatron tensor must share one dtype. Megatron -> HF also checks that the HF config agrees with the
+checkpoint (layers, hidden size, heads, experts, vocabulary) and that every element it writes was stored.
+"""
 
 from __future__ import annotations
 
 import json
-import os
+import re
 import resource
-import shutil
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from mcorekit.convert import torch_dist
 from mcorekit.convert.architectures import ArchitectureMap, architecture_map, check_supported
+from mcorekit.convert.files import model_file, read_json, tracked_iteration
 from mcorekit.convert.hf_io import HFReader, HFWriter, copy_assets
 from mcorekit.convert.mapping import EXPERT, GLOBAL, LAYER, Ctx, Mapping
 from mcorekit.errors import ConversionError, ModelError
 from mcorekit.models.megatron import DTYPES, padded_vocab_size  # noqa: F401  (DTYPES: the CLI's --dtype choices)
-from mcorekit.models.spec import ModelSpec, from_hf_config, load_hf_config
-from mcorekit.train.checkpoint import RELEASE, TRACKER, tracked  # Megatron-LM's checkpoint directory layout
+from mcorekit.models.spec import ModelSpec, from_hf_config
+from mcorekit.outputs import staged_output
+from mcorekit.train.checkpoint import RELEASE, TRACKER  # Megatron-LM's checkpoint directory layout
 
 SIDECAR = "mcorekit.json"
 # Buffers some HF checkpoints carry that are recomputed, never loaded.
 IGNORED_HF = ("rotary_emb.inv_freq",)
+# Weights we convert; --dtype casts between them. Anything else (int, bool, fp8 without its scales) is refused.
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 @dataclass
@@ -53,12 +62,48 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
-def spec_for(config: dict[str, Any]) -> ModelSpec:
+SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "num_local_experts", "num_experts",
+                  "moe_intermediate_size")
+
+
+def _positive(v: object) -> bool:
+    return type(v) is int and v > 0
+
+
+def config_problems(config: dict[str, Any]) -> list[str]:
+    """What makes an HF config unusable before any tensor is looked at (types, sizes, divisibility)."""
+    if not isinstance(config.get("model_type"), str):
+        return [f"model_type={config.get('model_type')!r} is not a name"]
+    out = [f"{k}={config.get(k)!r} (needs a positive integer)" for k in SIZES if not _positive(config.get(k))]
+    out += [f"{k}={config[k]!r} (needs a positive integer or null)" for k in OPTIONAL_SIZES
+            if config.get(k) is not None and not _positive(config[k])]
+    if out:
+        return out
+    heads, groups = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % groups:
+        out.append(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
+    if not config.get("head_dim") and config["hidden_size"] % heads:
+        out.append(f"hidden_size={config['hidden_size']} is not a multiple of num_attention_heads={heads} (and no head_dim)")
+    if config["model_type"] in ("mixtral", "qwen3_moe") and not (config.get("num_local_experts") or config.get("num_experts")):
+        out.append(f"num_local_experts (or num_experts) is missing (a {config['model_type']} model has experts)")
+    if config["model_type"] == "qwen3_moe" and not config.get("moe_intermediate_size"):
+        out.append("moe_intermediate_size is missing")
+    return out
+
+
+def spec_for(config: dict[str, Any], where: str | Path = "config.json") -> ModelSpec:
+    """The model an HF config describes, or a ConversionError naming the file and every problem in it."""
+    problems = config_problems(config) if isinstance(config, dict) else ["not a JSON object"]
+    if problems:
+        raise ConversionError(f"{where}: " + "; ".join(problems))
     check_supported(config)
     try:
         return from_hf_config(config)
     except ModelError as e:
         raise ConversionError(str(e)) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # e.g. rope_parameters that is not an object
+        raise ConversionError(f"{where}: unusable config ({type(e).__name__}: {e})") from None
 
 
 def expected_shapes(spec: ModelSpec, padded_vocab: int) -> dict[str, tuple[int, ...]]:
@@ -105,68 +150,100 @@ def hf_names_at(m: Mapping, index: tuple[int, ...]) -> list[str]:
     return m.hf_names(layer, expert)
 
 
-@contextmanager
-def staged_output(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of `out`; rename it to `out` only if the body finishes."""
-    out = out.resolve()
-    if out.exists() and not force:
-        raise ConversionError(f"output {out} exists; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
-
-
 def _progress(total: int, desc: str, quiet: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet, leave=False)
+
+
+def hf_slice_shapes(m: Mapping, mcore_shape: tuple[int, ...], ctx: Ctx) -> list[tuple[int, ...]]:
+    """The shapes of one slice's HF tensors (in m.hf order) implied by its Megatron slice shape: the mapping's
+    own split, run on the meta device (no memory)."""
+    try:
+        return [tuple(t.shape) for t in m.to_hf(torch.empty(mcore_shape, device="meta"), ctx)]
+    except RuntimeError as e:
+        raise ConversionError(f"{m.mcore}: the config is inconsistent ({str(e).splitlines()[0]})") from None
+
+
+def dtype_problem(dtype: torch.dtype) -> str | None:
+    if dtype in FLOAT_DTYPES:
+        return None
+    return (f"is stored as {dtype}; only floating-point weights (bf16, fp16, fp32, fp64) are converted, and integer, "
+            f"bool or fp8 weights are refused even with --dtype (casting them would invent values)")
 
 
 # ---------------------------------------------------------------- HF -> Megatron
 
 
+def _listed(ids: set[int]) -> str:
+    shown = sorted(ids)
+    return "none" if not shown else ", ".join(map(str, shown[:8])) + (f", ... ({len(shown)} in all)" if len(shown) > 8 else "")
+
+
+def _is_range(ids: set[int], n: int) -> bool:
+    """ids == {0, ..., n-1}, without building that set (n comes from an untrusted config)."""
+    return len(ids) == n and all(0 <= i < n for i in ids)
+
+
+def check_counts(reader: HFReader, spec: ModelSpec) -> None:
+    """The config's layer and expert counts must be what the weights hold; checked first, so that a config
+    claiming a billion layers fails at once instead of planning them."""
+    names = reader.names()
+    layers = {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    if not _is_range(layers, spec.num_layers):
+        raise ConversionError(f"{reader.path / 'config.json'}: num_hidden_layers={spec.num_layers}, but the weights hold "
+                              f"layers {_listed(layers)}; the config disagrees with the weights")
+    if spec.is_moe:
+        experts = {int(m.group(1)) for n in names if (m := re.search(r"\.experts\.(\d+)\.", n))}
+        if not _is_range(experts, spec.num_experts):
+            raise ConversionError(f"{reader.path / 'config.json'}: {spec.num_experts} experts per layer, but the weights "
+                                  f"hold experts {_listed(experts)}; the config disagrees with the weights")
+
+
+def check_hf_tensor(reader: HFReader, name: str, want: tuple[int, ...], m: Mapping, mcore_shape: tuple[int, ...]) -> torch.dtype:
+    """The dtype of HF tensor `name`, once its header shows it is present, shaped as the config implies, and float."""
+    entry = reader.entries.get(name)
+    if entry is None:
+        raise ConversionError(f"{reader.path}: tensor {name!r} is missing (part of {m.mcore}); the checkpoint is incomplete")
+    where = reader.path / entry.shard
+    if entry.shape != want:
+        raise ConversionError(f"{where}: {name} has shape {entry.shape}, but config.json implies {want} ({m.mcore}: "
+                              f"config.json implies {mcore_shape}); the config disagrees with the weights")
+    problem = dtype_problem(entry.dtype)
+    if problem:
+        raise ConversionError(f"{where}: {name} {problem}")
+    return entry.dtype
+
+
 def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: ArchitectureMap, ctx: Ctx, dtype: torch.dtype | None
                  ) -> tuple[list[torch_dist.PlannedTensor], int]:
-    """Check coverage and shapes from one probe slice per mapping; return the streaming plan and its bytes."""
+    """Check every HF tensor from the shard headers (presence, shape, dtype) and return the streaming plan and
+    its bytes; nothing is read or written before every slice of every Megatron tensor is known to fit."""
+    check_counts(reader, spec)
+    shapes = expected_shapes(spec, ctx.padded_vocab)
     used: set[str] = set()
     planned = []
     total = 0
-    shapes = expected_shapes(spec, ctx.padded_vocab)
     for m in amap.mappings:
+        shape = shapes[m.mcore]
+        want_hf = hf_slice_shapes(m, shape, ctx)
         indices = slice_indices(m, spec)
+        dtypes = set()
         for index in indices:
-            used.update(hf_names_at(m, index))
-        try:
-            probe = m.to_mcore([reader.get(n) for n in hf_names_at(m, indices[0])], ctx)
-        except RuntimeError as e:
-            raise ConversionError(f"{m.mcore}: HF tensors {hf_names_at(m, indices[0])} do not fit the config ({e})") from None
-        want = shapes.get(m.mcore)
-        if want is not None and tuple(probe.shape) != want:
-            raise ConversionError(
-                f"{m.mcore}: the weights give shape {tuple(probe.shape)} but config.json implies {want} "
-                f"(from {hf_names_at(m, indices[0])}); the config disagrees with the weights"
-            )
-        out_dtype = dtype or probe.dtype
+            for name, want in zip(hf_names_at(m, index), want_hf):
+                dtypes.add(check_hf_tensor(reader, name, want, m, shape))
+                used.add(name)
+        if dtype is None and len(dtypes) > 1:
+            raise ConversionError(f"{reader.path}: the HF tensors of {m.mcore} mix dtypes ({', '.join(sorted(map(str, dtypes)))}); "
+                                  f"pass --dtype to convert them to one")
+        out_dtype = dtype or dtypes.pop()
         lead = () if m.scope == GLOBAL else (spec.num_layers,) if m.scope == LAYER else (spec.num_layers, spec.num_experts)
         chunks = []
         for index in indices:
             def produce(m: Mapping = m, index: tuple[int, ...] = index) -> torch.Tensor:
                 t = m.to_mcore([reader.get(n) for n in hf_names_at(m, index)], ctx).to(out_dtype)
                 return t.reshape((1,) * len(index) + tuple(t.shape))
-            chunks.append(torch_dist.ChunkSource(index + (0,) * probe.dim(), (1,) * len(index) + tuple(probe.shape), produce))
-        planned.append(torch_dist.PlannedTensor(m.mcore, lead + tuple(probe.shape), out_dtype, chunks, m.scope))
-        total += probe.numel() * torch.empty((), dtype=out_dtype).element_size() * len(indices)
+            chunks.append(torch_dist.ChunkSource(index + (0,) * len(shape), (1,) * len(index) + shape, produce))
+        planned.append(torch_dist.PlannedTensor(m.mcore, lead + shape, out_dtype, chunks, m.scope))
+        total += int(torch.Size(shape).numel()) * out_dtype.itemsize * len(indices)
     unmapped = sorted(n for n in reader.names() if n not in used and not n.endswith(IGNORED_HF))
     if spec.tie_word_embeddings and "lm_head.weight" in unmapped:
         unmapped.remove("lm_head.weight")  # a tied copy; Megatron reuses the embedding
@@ -195,44 +272,50 @@ def extra_state_blobs(amap: ArchitectureMap, spec: ModelSpec) -> dict[str, bytes
     return blobs
 
 
+FORMATS = ("torch_dist", "torch")
+
+
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, fmt: str = "torch_dist", dtype: str | None = None,
                 vocab_divisible_by: int = 128, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, vpp: int | None = None,
                 force: bool = False, quiet: bool = False) -> Summary:
+    from mcorekit.convert import legacy
+
     start = time.monotonic()
+    if fmt not in FORMATS:
+        raise ConversionError(f"unknown format {fmt!r}; supported: {', '.join(FORMATS)}")
+    if vocab_divisible_by < 1:
+        raise ConversionError(f"--vocab-divisible-by {vocab_divisible_by}: must be at least 1")
     reader = HFReader(hf_dir)
-    spec = spec_for(reader.config)
-    ctx = Ctx(spec, padded_vocab_size(spec.vocab_size, vocab_divisible_by))
-    amap = architecture_map(spec)
-    torch_dtype = DTYPES[dtype] if dtype else None
-    planned, total = plan_from_hf(reader, spec, amap, ctx, torch_dtype)
-    summary = Summary()
-    with staged_output(Path(out_dir), force) as tmp:
-        bar = _progress(total, f"hf -> mcore ({fmt})", quiet)
-
-        def tick(n: int) -> None:
-            summary.tensors += 1
-            summary.bytes += n
-            bar.update(n)
-
-        from mcorekit.convert import legacy
-
+    try:
+        spec = spec_for(reader.config, reader.path / "config.json")
+        ctx = Ctx(spec, padded_vocab_size(spec.vocab_size, vocab_divisible_by))
         legacy.check_layout(spec, ctx, tp, pp, ep, etp, vpp)  # torch_dist has no layout, but it must load at this one
-        if fmt == "torch_dist":
-            torch_dist.write(tmp / RELEASE, planned, extra_state_blobs(amap, spec), on_chunk=tick)
-        elif fmt == "torch":
-            legacy.write(tmp / RELEASE, planned, spec, ctx, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp,
-                         te_modules=[(te.name, te.scope) for te in amap.te_modules], on_tensor=tick)
-        else:
-            raise ConversionError(f"unknown format {fmt!r}; supported: torch_dist, torch")
-        bar.close()
-        (tmp / TRACKER).write_text(RELEASE)
-        (tmp / "hf").mkdir()
-        copy_assets(reader.path, tmp / "hf")
-        sidecar = {"format": fmt, "model": spec.to_dict(), "padded_vocab_size": ctx.padded_vocab,
-                   "layout": {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "vpp": vpp} if fmt == "torch" else None,
-                   "source": str(reader.path)}
-        (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2) + "\n")
-    reader.close()
+        amap = architecture_map(spec)
+        planned, total = plan_from_hf(reader, spec, amap, ctx, DTYPES[dtype] if dtype else None)
+        summary = Summary()
+        with staged_output(Path(out_dir), force, inputs=(reader.path,), command="mcorekit convert hf-to-mcore") as tmp:
+            bar = _progress(total, f"hf -> mcore ({fmt})", quiet)
+
+            def tick(n: int) -> None:
+                summary.tensors += 1
+                summary.bytes += n
+                bar.update(n)
+
+            if fmt == "torch_dist":
+                torch_dist.write(tmp / RELEASE, planned, extra_state_blobs(amap, spec), on_chunk=tick)
+            else:
+                legacy.write(tmp / RELEASE, planned, spec, ctx, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp,
+                             te_modules=[(te.name, te.scope) for te in amap.te_modules], on_tensor=tick)
+            bar.close()
+            (tmp / TRACKER).write_text(RELEASE)
+            (tmp / "hf").mkdir()
+            copy_assets(reader.path, tmp / "hf")
+            sidecar = {"format": fmt, "model": spec.to_dict(), "padded_vocab_size": ctx.padded_vocab,
+                       "layout": {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "vpp": vpp} if fmt == "torch" else None,
+                       "source": str(reader.path)}
+            (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2) + "\n")
+    finally:
+        reader.close()
     summary.seconds = time.monotonic() - start
     return summary
 
@@ -242,25 +325,64 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, fmt: str = "torch_dist"
 
 def find_iteration_dir(path: Path) -> Path:
     """A checkpoint root (with latest_checkpointed_iteration.txt) or an iteration directory itself."""
+    if not path.is_dir():
+        raise ConversionError(f"{path}: not a directory; pass a checkpoint root ({TRACKER}) or an iteration directory")
     if (path / "metadata.json").is_file() or any(path.glob("mp_rank_*")):
         return path
-    found = tracked(path)
+    found = tracked_iteration(path)
     if found is None:
         raise ConversionError(f"{path}: neither a checkpoint root ({TRACKER}) nor an iteration directory (metadata.json)")
     return found
 
 
-def hf_config_for(ckpt_root: Path, hf_config: str | None) -> tuple[dict[str, Any], Path | None]:
+def hf_config_for(ckpt_root: Path, hf_config: str | None) -> tuple[dict[str, Any], Path, Path]:
+    """(config, its file, the folder its tokenizer files are copied from)."""
     if hf_config:
-        cfg_path = Path(hf_config)
-        return load_hf_config(cfg_path), (cfg_path if cfg_path.is_dir() else cfg_path.parent)
+        given = Path(hf_config)
+        file = given / "config.json" if given.is_dir() else given
+        if not file.is_file():
+            raise ConversionError(f"no HF config at {file}; pass an HF model directory or its config.json")
+        return read_json(file), file, file.parent
     for candidate in (ckpt_root / "hf", ckpt_root.parent / "hf"):
         if (candidate / "config.json").is_file():
-            return load_hf_config(candidate), candidate
+            return read_json(model_file(candidate, "config.json", str(candidate))), candidate / "config.json", candidate
     raise ConversionError(f"{ckpt_root}: no HF config stored with the checkpoint; pass --hf-config HF_DIR_OR_CONFIG")
 
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+def config_mismatches(spec: ModelSpec, amap: ArchitectureMap, sizes: dict[str, tuple[int, ...]],
+                      shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Where the HF config and the stored tensors disagree: model dimensions first, then each tensor."""
+    out = []
+
+    def compare(field: str, value: int, key: str, dim: int) -> None:
+        size = sizes.get(key, ())
+        if len(size) > dim and size[dim] != value:
+            out.append(f"{field} {value} in the config, {size[dim]} in the checkpoint")
+
+    compare("num_hidden_layers", spec.num_layers, "decoder.layers.self_attention.linear_proj.weight", 0)
+    compare("hidden_size", spec.hidden_size, "decoder.final_layernorm.weight", 0)
+    if spec.is_moe:
+        compare("num_experts", spec.num_experts, "decoder.layers.mlp.router.weight", 1)
+    rows = sizes["embedding.word_embeddings.weight"][:1]
+    if rows and rows[0] < spec.vocab_size:
+        out.append(f"vocab_size {spec.vocab_size} in the config, {rows[0]} embedding rows in the checkpoint")
+    lead = {GLOBAL: (), LAYER: (spec.num_layers,), EXPERT: (spec.num_layers, spec.num_experts or 0)}
+    for m in amap.mappings:
+        want = lead[m.scope] + shapes[m.mcore]
+        if sizes[m.mcore] != want:
+            out.append(f"{m.mcore} is {sizes[m.mcore]} in the checkpoint, the config implies {want}")
+    return out
+
+
+def open_checkpoint(iter_dir: Path, spec: ModelSpec) -> Any:
+    if any(iter_dir.glob("mp_rank_*")):
+        from mcorekit.convert import legacy
+
+        return legacy.LegacyReader(iter_dir, spec)
+    return torch_dist.TorchDistReader(iter_dir)
 
 
 def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = None, dtype: str | None = None,
@@ -268,37 +390,38 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
     start = time.monotonic()
     root = Path(ckpt)
     iter_dir = find_iteration_dir(root)
-    config, assets = hf_config_for(root if iter_dir != root else root.parent, hf_config)
-    spec = spec_for(config)
+    config, config_file, assets = hf_config_for(root if iter_dir != root else root.parent, hf_config)
+    spec = spec_for(config, config_file)
     amap = architecture_map(spec)
-    if any(iter_dir.glob("mp_rank_*")):
-        from mcorekit.convert import legacy
-
-        source: Any = legacy.LegacyReader(iter_dir, spec)
-    else:
-        source = torch_dist.TorchDistReader(iter_dir)
-    stored = {k: tuple(v.size) for k, v in source.tensor_keys().items() if k.startswith(MODEL_PREFIXES)}
+    source = open_checkpoint(iter_dir, spec)
+    stored = {k: v for k, v in source.tensor_keys().items() if k.startswith(MODEL_PREFIXES)}
     wanted = {m.mcore for m in amap.mappings}
     missing, extra = sorted(wanted - set(stored)), sorted(set(stored) - wanted)
     if missing or extra:
         raise ConversionError(
-            f"{iter_dir}: checkpoint and config.json disagree: missing {missing[:4]}, unexpected {extra[:4]} "
+            f"{iter_dir}: checkpoint and {config_file} disagree: missing {missing[:4]}, unexpected {extra[:4]} "
             f"(wrong --hf-config, or tied embeddings differ?)"
         )
-    padded = stored["embedding.word_embeddings.weight"][0]
-    if padded < spec.vocab_size:
-        raise ConversionError(f"embedding has {padded} rows but config.json says vocab_size={spec.vocab_size}")
-    ctx = Ctx(spec, padded)
-    shapes = expected_shapes(spec, padded)
-    for m in amap.mappings:
-        lead = {GLOBAL: 0, LAYER: 1, EXPERT: 2}[m.scope]
-        if m.mcore in shapes and stored[m.mcore][lead:] != shapes[m.mcore]:
-            raise ConversionError(f"{m.mcore}: stored shape {stored[m.mcore]} does not match config.json ({shapes[m.mcore]} per slice)")
+    sizes = {k: tuple(v.size) for k, v in stored.items()}
+    rows = sizes["embedding.word_embeddings.weight"][:1]
+    ctx = Ctx(spec, rows[0] if rows else 0)
+    shapes = expected_shapes(spec, ctx.padded_vocab)
+    problems = config_mismatches(spec, amap, sizes, shapes)
+    if problems:
+        raise ConversionError(f"{iter_dir}: the checkpoint and {config_file} disagree: {'; '.join(problems[:6])}"
+                              f"{' ...' if len(problems) > 6 else ''}; pass the --hf-config it was converted from")
+    for key, md in sorted(stored.items()):
+        problem = dtype_problem(md.properties.dtype)
+        if problem:
+            raise ConversionError(f"{iter_dir}: {key} {problem}")
+    hf_shapes = {m.mcore: hf_slice_shapes(m, shapes[m.mcore], ctx) for m in amap.mappings}
     out_dtype = DTYPES.get(dtype) if dtype else _config_dtype(config)
     summary = Summary()
-    total = sum(int(torch.Size(s).numel()) for s in stored.values()) * torch.empty((), dtype=out_dtype or torch.float32).element_size()
-    with staged_output(Path(out_dir), force) as tmp:
-        writer = HFWriter(tmp, max_shard_bytes)
+    total = sum(int(torch.Size(s).numel()) for s in sizes.values()) * (out_dtype or torch.float32).itemsize
+    given_file = hf_config is not None and not Path(hf_config).is_dir()
+    inputs = (root, iter_dir, config_file) if given_file else (root, iter_dir, assets)
+    with (staged_output(Path(out_dir), force, inputs=inputs, command="mcorekit convert mcore-to-hf") as tmp,
+          HFWriter(tmp, max_shard_bytes) as writer):
         bar = _progress(total, "mcore -> hf", quiet)
         # Layer by layer, so HF shards come out in the usual order (embeddings, layer 0, 1, ..., norm, head).
         order = ([m for m in amap.mappings if m.scope == GLOBAL and m.mcore.startswith("embedding")]
@@ -308,8 +431,12 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
             m, layer = item if isinstance(item, tuple) else (item, None)
             indices = [()] if layer is None else [(layer,)] if m.scope == LAYER else [(layer, e) for e in range(spec.num_experts)]
             for index in indices:
-                tensors = m.to_hf(source.read(m.mcore, index), ctx)
-                for name, t in zip(hf_names_at(m, index), tensors):
+                part = source.read(m.mcore, index)
+                if tuple(part.shape) != shapes[m.mcore]:
+                    raise ConversionError(f"{iter_dir}: {m.mcore} slice {index} reads as {tuple(part.shape)}, expected {shapes[m.mcore]}")
+                for name, t, want in zip(hf_names_at(m, index), m.to_hf(part, ctx), hf_shapes[m.mcore]):
+                    if tuple(t.shape) != want:
+                        raise ConversionError(f"{name}: came out as {tuple(t.shape)}, expected {want} (from {m.mcore})")
                     t = t.to(out_dtype) if out_dtype else t
                     writer.add(name, t)
                     n = t.numel() * t.element_size()
@@ -318,8 +445,7 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
                     bar.update(n)
         writer.finish()
         bar.close()
-        if assets is not None:
-            copy_assets(assets, tmp)
+        copy_assets(assets, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     summary.seconds = time.monotonic() - start
     return summary
@@ -327,4 +453,4 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
 
 def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:
     name = config.get("dtype") or config.get("torch_dtype")
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(name)
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(name) if isinstance(name, str) else None

@@ -210,8 +210,14 @@ def test_existing_output_needs_force(models, tmp_path: Path) -> None:
     proc = run_cli("hf-to-mcore", str(models[("llama", False)]), str(out))
     assert proc.returncode == 2 and "exists; pass --force" in proc.stderr
     assert (out / "keep.txt").read_text() == "precious"
-    assert run_cli("hf-to-mcore", str(models[("llama", False)]), str(out), "--force").returncode == 0
-    assert not (out / "keep.txt").exists() and (out / "release" / "metadata.json").is_file()
+    proc = run_cli("hf-to-mcore", str(models[("llama", False)]), str(out), "--force")  # not ours: --force refuses too
+    assert proc.returncode == 2 and "was not written by mcorekit" in proc.stderr
+    assert (out / "keep.txt").read_text() == "precious"
+    (out / "keep.txt").unlink()
+    out.rmdir()
+    assert run_cli("hf-to-mcore", str(models[("llama", False)]), str(out)).returncode == 0
+    assert run_cli("hf-to-mcore", str(models[("llama", False)]), str(out), "--force").returncode == 0  # ours: replaced
+    assert (out / "release" / "metadata.json").is_file()
 
 
 def test_interrupted_conversion_leaves_nothing_that_looks_complete(models, tmp_path: Path, monkeypatch) -> None:
