@@ -371,3 +371,28 @@ def test_weights_are_gathered_before_a_checkpoint_reads_them() -> None:
 
     sync_params([Chunk("overlapped", True), Chunk("synchronous", False)])
     assert calls == [("overlapped", True)]
+
+
+def test_tasks_are_chosen_by_data_kind_and_share_the_loop() -> None:
+    """Every experiment trains a task from train/tasks: chat jsonl is SFT (masked LM loss), the rest LM."""
+    from pathlib import Path
+
+    from mcorekit.models.spec import resolve
+    from mcorekit.train.tasks import TASKS, task_for
+
+    spec = resolve("llama-tiny", None, {})
+    assert type(task_for(exp(), spec, Path("/tmp"))).name == "lm"
+    e = exp("data.kind=sft", "data.paths=[a.jsonl]", "data.tokenizer=tok")
+    assert type(task_for(e, spec, Path("/tmp"))).name == "sft"
+    assert set(TASKS) == {"lm", "sft"} and all(cls.metrics[0] == "loss" for cls in TASKS.values())
+
+
+def test_masked_mean_is_the_mean_over_unmasked_tokens() -> None:
+    import torch
+
+    from mcorekit.train.tasks.lm import masked_mean
+
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    assert masked_mean(per_token, mask).item() == torch.tensor(10.0 / 3).item()  # fp32
+    assert masked_mean(per_token, torch.zeros_like(mask)).item() == 0.0  # an all-masked batch is no NaN

@@ -1,4 +1,5 @@
-"""The training loop: one screen. The machinery lives in build.py, checkpoint.py, data/, metrics.py and flops.py."""
+"""The training loop, the same for every task: train() reads top to bottom; one optimizer step is train_step(),
+logging is StepLog, validation evaluate(), checkpoints checkpoint.py. What is optimised comes from tasks/."""
 
 from __future__ import annotations
 
@@ -17,42 +18,11 @@ from mcorekit.launch.layout import layout_of
 from mcorekit.launch.requeue import RestartGuard, StopSignal, requeue_and_exit
 from mcorekit.train import checkpoint
 from mcorekit.train.build import Trainer, build
-from mcorekit.train.data import batches, build_dataset
 from mcorekit.train.flops import train_flops_per_token
 from mcorekit.train.metrics import ExpertLoad, MetricsWriter
+from mcorekit.train.tasks import Task, task_for
 
 log = logging.getLogger("mcorekit.train")
-
-
-def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
-    from megatron.core import parallel_state as ps
-
-    batch = next(data_iterator)
-    packed = None
-    if "cu_seqlens" in batch:  # packed SFT: attention stays within each example
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        cu, n = batch["cu_seqlens"], batch["max_seqlen"]
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
-    cp = ps.get_context_parallel_world_size()
-    if cp > 1:  # this rank's two of the 2*CP sequence chunks (load-balanced for causal attention)
-        from megatron.core.utils import get_batch_on_this_cp_rank
-
-        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
-    per_token = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
-                      packed_seq_params=packed)
-    mask = batch["loss_mask"]
-
-    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        total = torch.stack([(output.float() * mask).sum(), mask.sum()])
-        if cp > 1:  # the mean over the whole sequence; no gradient flows through the all-reduce
-            torch.distributed.all_reduce(total, group=ps.get_context_parallel_group())
-        loss = total[0] / total[1].clamp(min=1)
-        # The schedule scales the first value in place: by 1 / micro-batches, and by CP (DDP averages gradients over
-        # DP x CP ranks while each CP rank holds only its chunks' part of the gradient), so it is returned unscaled.
-        return loss, {"lm loss": loss.detach().clone()}
-
-    return per_token, loss_func
 
 
 def experts_note(model_chunks: list[Any]) -> str:
@@ -63,102 +33,152 @@ def experts_note(model_chunks: list[Any]) -> str:
 
 
 def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: Any = None) -> list[float]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
+    """Build, resume, then one train_step per iteration until schedule.train_iters: logging, validation and saving
+    at their intervals, a save and requeue when Slurm signals. Returns this process's losses."""
     t = build(exp)
-    rank0 = dist.get_rank() == 0
-    if rank0:  # which environment the ranks came from: a wrong one shows here, not as a hang
-        print(f"mcorekit.train: {dist.get_world_size()} ranks from the {t.env.source} environment, rendezvous "
-              f"{t.env.master_addr}:{t.env.master_port}, layout {layout_of(exp)} x DP{t.dp_size}"
-              f"{experts_note(t.model)}", flush=True)
+    announce(t, exp)
+    task = task_for(exp, t.spec, run_dir)
     stop = StopSignal()
     saver = checkpoint.Saver(Path(exp.checkpoint.dir or run_dir / "checkpoints"), exp.checkpoint.keep_last,
                              exp.checkpoint.async_save)
     step = _resume(t, saver.root, exp)
-    if rank0:
+    if dist.get_rank() == 0:
         RestartGuard(run_dir, exp.resources.max_restarts).check(step)
     s = exp.schedule
-    micro_batches = s.global_batch_size // (s.micro_batch_size * t.dp_size)
-    dataset = build_dataset(exp, t.spec, run_dir)
-    valid = build_dataset(exp, t.spec, run_dir, validation=True) if s.eval_interval else None
+    dataset = task.dataset()
+    valid = task.dataset(validation=True) if s.eval_interval else None
     # one iterator per virtual pipeline stage: each model chunk reads the same micro-batches
-    data = [batches(dataset, s.micro_batch_size, step * s.global_batch_size, t.dp_rank, t.dp_size) for _ in t.model]
-    tokens_per_step = s.global_batch_size * exp.data.seq_length
-    flops_per_step = train_flops_per_token(t.spec, exp.data.seq_length, t.padded_vocab) * tokens_per_step
-    writer = MetricsWriter(run_dir, exp.logging.tensorboard, rank0)
-    experts = ExpertLoad(t.model, exp.parallel.sequence_parallel) if t.spec.is_moe else None
-    fwd_bwd = get_forward_backward_func()
+    data = [task.batches(dataset, step * s.global_batch_size, t.dp_rank, t.dp_size) for _ in t.model]
+    log = StepLog(t, exp, run_dir, peak_tflops, on_step)
     losses: list[float] = []
-    skipped = 0
-    timer, eval_seconds = time.perf_counter(), 0.0
     while step < s.train_iters:
         if stop.requested():  # USR2 before the time limit, or preemption: save together, then requeue
             saver.save(step, t.model, t.optimizer, t.scheduler, wait=True)
             requeue_and_exit(dist.get_rank())
         saver.poll()
-        for chunk in t.model:
-            chunk.zero_grad_buffer()
-        t.optimizer.zero_grad()
-        out = fwd_bwd(forward_step_func=forward_step, data_iterator=data if len(data) > 1 else data[0], model=t.model,
-                      num_microbatches=micro_batches, seq_length=exp.data.seq_length,
-                      micro_batch_size=s.micro_batch_size, forward_only=False)
-        updated, grad_norm, _ = t.optimizer.step()
-        if updated:
-            t.scheduler.step(increment=s.global_batch_size)
-        else:  # fp16: the loss scaler found Inf/NaN gradients, lowered the scale and skipped the update
-            skipped += 1
+        metrics = train_step(t, task, data)
         step += 1
-        loss = _mean_loss(out)
-        losses.append(loss)
-        grad_norm = None if grad_norm is None else float(grad_norm)
-        if not math.isfinite(loss) or (updated and grad_norm is not None and not math.isfinite(grad_norm)):
-            raise FloatingPointError(f"NaN or Inf in loss ({loss}) or grad norm ({grad_norm}) at step {step}: lower "
-                                     f"optimizer.lr, lengthen warmup, check the data")
-        if step % exp.logging.log_interval == 0 or step == s.train_iters:
-            torch.cuda.synchronize()
-            elapsed, timer = time.perf_counter() - timer - eval_seconds, time.perf_counter()
-            eval_seconds = 0.0  # validation time is not training throughput
-            n = (step - 1) % exp.logging.log_interval + 1  # steps since the last log line
-            tflops = flops_per_step * n / elapsed / dist.get_world_size() / 1e12
-            metrics = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": float(t.optimizer.param_groups[0]["lr"]),
-                       "tokens_per_s": tokens_per_step * n / elapsed, "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops,
-                       "mem_gb": torch.cuda.max_memory_allocated() / 1e9}
-            if exp.precision.dtype == "fp16":
-                metrics.update(loss_scale=float(t.optimizer.get_loss_scale()), skipped_steps=skipped)
-            if experts:
-                metrics.update(experts.read_and_reset())
-            writer.write(step, s.train_iters, metrics)
-            if on_step:
-                on_step(metrics)
+        stop_on_nan(metrics, step)
+        losses.append(metrics["loss"])
+        log.step(step, metrics)
         if valid is not None and (step % s.eval_interval == 0 or step == s.train_iters):
-            started = time.perf_counter()
-            val_loss = evaluate(t, fwd_bwd, valid, exp, micro_batches)
-            writer.write(step, s.train_iters, {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 30.0))})
-            eval_seconds += time.perf_counter() - started
+            log.validation(step, lambda: evaluate(t, task, valid))
         if step % exp.checkpoint.save_interval == 0 or step == s.train_iters:
             saver.save(step, t.model, t.optimizer, t.scheduler, wait=step == s.train_iters)
     saver.close()
-    writer.close()
+    log.close()
     return losses
 
 
-def evaluate(t: Trainer, fwd_bwd: Any, dataset: Any, exp: Experiment, micro_batches: int) -> float:
-    """Mean loss over the first schedule.eval_iters global batches of the held-out data (the same batches at
+def announce(t: Trainer, exp: Experiment) -> None:
+    """Rank 0 says where its ranks came from and what it built: a wrong environment shows here, not as a hang."""
+    if dist.get_rank() == 0:
+        print(f"mcorekit.train: {dist.get_world_size()} ranks from the {t.env.source} environment, rendezvous "
+              f"{t.env.master_addr}:{t.env.master_port}, layout {layout_of(exp)} x DP{t.dp_size}"
+              f"{experts_note(t.model)}", flush=True)
+
+
+def train_step(t: Trainer, task: Task, data: list[Any]) -> dict[str, Any]:
+    """One optimizer step over a global batch: forward and backward of every micro-batch through Megatron's
+    (pipeline) schedule, then the optimizer and the learning-rate schedule; returns the task's metrics, grad norm
+    and whether the optimizer updated (fp16 skips a step whose gradients overflowed)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    s = t.exp.schedule
+    for chunk in t.model:
+        chunk.zero_grad_buffer()
+    t.optimizer.zero_grad()
+    out = get_forward_backward_func()(
+        forward_step_func=task.forward_step, data_iterator=data if len(data) > 1 else data[0], model=t.model,
+        num_microbatches=micro_batches(t), seq_length=t.exp.data.seq_length, micro_batch_size=s.micro_batch_size,
+        forward_only=False)
+    updated, grad_norm, _ = t.optimizer.step()
+    if updated:
+        t.scheduler.step(increment=s.global_batch_size)
+    metrics: dict[str, Any] = {**_mean_metrics(out, task.metrics), "updated": bool(updated)}
+    metrics["grad_norm"] = None if grad_norm is None else float(grad_norm)
+    return metrics
+
+
+def stop_on_nan(metrics: dict[str, Any], step: int) -> None:
+    loss, norm = metrics["loss"], metrics["grad_norm"]
+    if not math.isfinite(loss) or (metrics["updated"] and norm is not None and not math.isfinite(norm)):
+        raise FloatingPointError(f"NaN or Inf in loss ({loss}) or grad norm ({norm}) at step {step}: lower "
+                                 f"optimizer.lr, lengthen warmup, check the data")
+
+
+def micro_batches(t: Trainer) -> int:
+    s = t.exp.schedule
+    return s.global_batch_size // (s.micro_batch_size * t.dp_size)
+
+
+class StepLog:
+    """Metrics at logging.log_interval: loss, grad norm, lr, tokens/s, TFLOP/s per GPU, MFU, memory (and loss scale,
+    skipped steps, expert load where they apply); validation results; the time spent validating is left out of
+    tokens/s."""
+
+    def __init__(self, t: Trainer, exp: Experiment, run_dir: Path, peak_tflops: float, on_step: Any) -> None:
+        self.t, self.exp, self.peak_tflops, self.on_step = t, exp, peak_tflops, on_step
+        self.writer = MetricsWriter(run_dir, exp.logging.tensorboard, dist.get_rank() == 0)
+        self.experts = ExpertLoad(t.model, exp.parallel.sequence_parallel) if t.spec.is_moe else None
+        self.tokens_per_step = exp.schedule.global_batch_size * exp.data.seq_length
+        self.flops_per_step = train_flops_per_token(t.spec, exp.data.seq_length, t.padded_vocab) * self.tokens_per_step
+        self.timer, self.eval_seconds, self.skipped = time.perf_counter(), 0.0, 0
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        if not metrics["updated"]:  # fp16: the loss scaler found Inf/NaN gradients, lowered the scale and skipped
+            self.skipped += 1
+        interval, total = self.exp.logging.log_interval, self.exp.schedule.train_iters
+        if step % interval and step != total:
+            return
+        torch.cuda.synchronize()
+        elapsed, self.timer = time.perf_counter() - self.timer - self.eval_seconds, time.perf_counter()
+        self.eval_seconds = 0.0  # validation time is not training throughput
+        n = (step - 1) % interval + 1  # steps since the last log line
+        tflops = self.flops_per_step * n / elapsed / dist.get_world_size() / 1e12
+        row = {"step": step, **{k: v for k, v in metrics.items() if k != "updated"},
+               "lr": float(self.t.optimizer.param_groups[0]["lr"]), "tokens_per_s": self.tokens_per_step * n / elapsed,
+               "tflops_per_gpu": tflops, "mfu": tflops / self.peak_tflops, "mem_gb": torch.cuda.max_memory_allocated() / 1e9}
+        if self.exp.precision.dtype == "fp16":
+            row.update(loss_scale=float(self.t.optimizer.get_loss_scale()), skipped_steps=self.skipped)
+        if self.experts:
+            row.update(self.experts.read_and_reset())
+        self.writer.write(step, total, row)
+        if self.on_step:
+            self.on_step(row)
+
+    def validation(self, step: int, run: Any) -> None:
+        started = time.perf_counter()
+        val = run()
+        self.writer.write(step, self.exp.schedule.train_iters,
+                          {"step": step, **{f"val_{k}": v for k, v in val.items()},
+                           "val_ppl": math.exp(min(val["loss"], 30.0))})
+        self.eval_seconds += time.perf_counter() - started
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def evaluate(t: Trainer, task: Task, dataset: Any) -> dict[str, float]:
+    """Mean metrics over the first schedule.eval_iters global batches of the held-out data (the same batches at
     every validation, so the values compare), forward only, dropout off."""
-    s = exp.schedule
-    data = [batches(dataset, s.micro_batch_size, 0, t.dp_rank, t.dp_size) for _ in t.model]
-    losses = []
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    s = t.exp.schedule
+    data = [task.batches(dataset, 0, t.dp_rank, t.dp_size) for _ in t.model]
+    results = []
     for chunk in t.model:
         chunk.eval()
     with torch.no_grad(), forward_pre_hooks_off(t.model):
         for _ in range(s.eval_iters):
-            out = fwd_bwd(forward_step_func=forward_step, data_iterator=data if len(data) > 1 else data[0],
-                          model=t.model, num_microbatches=micro_batches, seq_length=exp.data.seq_length,
-                          micro_batch_size=s.micro_batch_size, forward_only=True)
-            losses.append(_mean_loss(out))
+            out = get_forward_backward_func()(
+                forward_step_func=task.forward_step, data_iterator=data if len(data) > 1 else data[0], model=t.model,
+                num_microbatches=micro_batches(t), seq_length=t.exp.data.seq_length,
+                micro_batch_size=s.micro_batch_size, forward_only=True)
+            results.append(_mean_metrics(out, task.metrics))
     for chunk in t.model:
         chunk.train()
-    return sum(losses) / len(losses)
+    return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
 
 
 @contextmanager
@@ -196,14 +216,16 @@ def _resume(t: Trainer, root: Path, exp: Experiment) -> int:
     return step
 
 
-def _mean_loss(out: list[dict[str, torch.Tensor]]) -> float:
+def _mean_metrics(out: list[dict[str, torch.Tensor]], names: tuple[str, ...]) -> dict[str, float]:
+    """The task's metrics averaged over this step's micro-batches and data-parallel ranks. Only the last pipeline
+    stage computes them; the others learn them through the pipeline group's all-reduce."""
     from megatron.core import parallel_state as ps
 
     if not ps.is_pipeline_last_stage():
-        value = torch.zeros(1, device="cuda")
+        values = torch.zeros(len(names), device="cuda")
     else:
-        value = torch.stack([o["lm loss"] for o in out]).mean().reshape(1)
+        values = torch.stack([torch.stack([o[k].float().reshape(()) for k in names]) for o in out]).mean(0)
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(value, group=ps.get_pipeline_model_parallel_group())
-    dist.all_reduce(value, group=ps.get_data_parallel_group())
-    return value.item() / ps.get_data_parallel_world_size()
+        dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())
+    dist.all_reduce(values, group=ps.get_data_parallel_group())
+    return dict(zip(names, (values / ps.get_data_parallel_world_size()).tolist()))

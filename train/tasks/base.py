@@ -1,0 +1,39 @@
+"""The interface every training task implements (see tasks/__init__.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    import torch
+
+    from mcorekit.launch.config import Experiment
+    from mcorekit.models.spec import ModelSpec
+
+# What Megatron's pipeline schedule calls per micro-batch: (data iterator, model chunk) -> (output, loss function),
+# where the loss function maps the output to (loss, {metric name: value}). The metrics are averaged over
+# micro-batches and data-parallel ranks and logged under their names; "loss" is the one the loop guards and returns.
+LossFunc = Callable[["torch.Tensor"], tuple["torch.Tensor", dict[str, "torch.Tensor"]]]
+
+
+class Task:
+    name = "task"
+    metrics: tuple[str, ...] = ("loss",)  # the names its loss function reports, "loss" first
+
+    def __init__(self, exp: Experiment, spec: ModelSpec, run_dir: Path) -> None:
+        self.exp, self.spec, self.run_dir = exp, spec, run_dir
+
+    def dataset(self, validation: bool = False) -> Any:
+        """The training data (or the held-out data): indexed by global sample number, so a resumed run continues
+        the exact order."""
+        raise NotImplementedError
+
+    def batches(self, dataset: Any, first_sample: int, dp_rank: int, dp_size: int) -> Iterator[dict[str, Any]]:
+        """This data-parallel rank's micro-batches from global sample `first_sample` on."""
+        from mcorekit.train.data import batches
+
+        return batches(dataset, self.exp.schedule.micro_batch_size, first_sample, dp_rank, dp_size)
+
+    def forward_step(self, data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, LossFunc]:
+        raise NotImplementedError
