@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Callable
 
-from mcorekit.errors import MCoreKitError, NotBuiltError
+from mcorekit.errors import MCoreKitError
 
 PARTS = {
     "launch": ("mcorekit.launch.cli", "turn an experiment YAML + cluster profile into a validated Slurm job"),
@@ -22,38 +22,67 @@ PARTS = {
 }
 
 
-def dispatch(prog: str, doc: str | None, commands: dict[str, Callable[[list[str]], int]], argv: list[str]) -> int:
-    """`mcorekit PART SUBCOMMAND ...`: run the subcommand, or print the part's help and exit 2."""
-    if not argv or argv[0] not in commands:
-        p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("subcommand", choices=list(commands))
-        p.parse_args(argv[:1] or ["--help"])
+def _parser(prog: str, description: str | None, commands: dict[str, str]) -> argparse.ArgumentParser:
+    """A parser that only names the commands: each command parses its own options (imported only when run)."""
+    listing = "\n".join(f"  {name:<14}{text}" for name, text in commands.items())
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"commands:\n{listing}\n\nRun `{prog} COMMAND --help` for each command's options.")
+    p.add_argument("command", metavar="COMMAND", choices=list(commands), help="one of the commands below")
+    return p
+
+
+def _choose(p: argparse.ArgumentParser, argv: list[str]) -> int | None:
+    """None when argv names a command; else the exit code after help (0) or a usage error (2: no or unknown command)."""
+    if not argv:
+        p.print_usage(sys.stderr)
+        names = next(a.choices for a in p._actions if a.dest == "command")
+        print(f"{p.prog}: error: a command is required (one of: {', '.join(names)})", file=sys.stderr)
         return 2
-    return commands[argv[0]](argv[1:])
+    if argv[0] in ("-h", "--help"):
+        p.print_help()
+        return 0
+    try:
+        p.parse_args(argv[:1])
+    except SystemExit as e:
+        return int(e.code or 0)
+    return None
+
+
+def dispatch(prog: str, doc: str | None, commands: dict[str, Callable[[list[str]], int]], argv: list[str],
+             helps: dict[str, str] | None = None) -> int:
+    """`mcorekit PART SUBCOMMAND ...`: run the subcommand; help exits 0, a missing or unknown subcommand exits 2."""
+    p = _parser(prog, doc, {name: (helps or {}).get(name, "") for name in commands})
+    code = _choose(p, argv)
+    return code if code is not None else commands[argv[0]](argv[1:])
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("mcorekit")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    top = argparse.ArgumentParser(
-        prog="mcorekit",
-        description="Megatron-Core on Slurm: launch training, follow jobs, convert and export checkpoints.",
-        epilog="Run `mcorekit COMMAND --help` for each command's options.",
-    )
-    top.add_argument("command", choices=list(PARTS), help=" | ".join(f"{k}: {v[1]}" for k, v in PARTS.items()))
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in PARTS:
-        top.parse_args(argv[:1] or ["--help"])
-        return 2
+    if argv[:1] == ["--version"]:
+        print(f"mcorekit {version()}")
+        return 0
+    top = _parser("mcorekit", "Megatron-Core on Slurm: launch training, follow jobs, convert and export checkpoints.",
+                  {name: text for name, (_, text) in PARTS.items()})
+    top.add_argument("--version", action="store_true", help="print the version and exit")
+    code = _choose(top, argv)
+    if code is not None:
+        return code
     command, rest = argv[0], argv[1:]
     module_name, _ = PARTS[command]
     try:
         import importlib
 
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name == module_name:
-                raise NotBuiltError(f"`mcorekit {command}` is not built yet") from None
-            raise
+        module = importlib.import_module(module_name)
         return int(module.main(command, rest) or 0)
     except MCoreKitError as e:
         print(f"mcorekit: error: {e}", file=sys.stderr)

@@ -23,10 +23,26 @@ def test_missing_config_is_one_line_naming_the_file() -> None:
 
 @pytest.mark.parametrize("command", sorted(PARTS))
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main([command, "--help"])
-    assert exit_info.value.code == 0
+    try:
+        code = main([command, "--help"])
+    except SystemExit as e:  # argparse's own --help exits
+        code = e.code
+    assert code == 0
     assert f"mcorekit {command}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [[], ["convert"], ["export"], ["data"], ["nonsense"], ["convert", "nonsense"]])
+def test_a_missing_or_unknown_command_is_a_usage_error(argv: list[str]) -> None:
+    proc = run_cli(*argv)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("usage: mcorekit") and "error:" in proc.stderr.splitlines()[-1], proc.stderr
+
+
+def test_version() -> None:
+    from importlib.metadata import version
+
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout == f"mcorekit {version('mcorekit')}\n"
 
 
 def test_top_level_help_lists_commands() -> None:
