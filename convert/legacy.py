@@ -14,6 +14,7 @@ are replicated. Expert tensor parallelism is 1 or equal to TP. Load it in Megatr
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -338,7 +339,9 @@ def load_rank_file(file: Path) -> dict[str, Any]:
     if not file.is_file():
         raise ConversionError(f"missing rank file {file}")
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols before refusing; one line is enough
+            warnings.simplefilter("ignore")
+            state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a refused global, a corrupt zip or pickle: all mean "not loadable"
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         reason = next((line for line in lines if "Unsupported" in line), lines[0] if lines else type(e).__name__)

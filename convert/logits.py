@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
+from mcorekit.convert.files import read_json
 from mcorekit.convert.pipeline import find_iteration_dir, spec_for
 from mcorekit.convert.torch_dist import TorchDistReader
 from mcorekit.convert.verify import LogitsReport, compare_logits
 from mcorekit.errors import ConversionError
-from mcorekit.models.spec import load_hf_config
+from mcorekit.models.spec import ModelSpec
 
 
 def fixed_prompts(vocab: int, batch: int = 4, seq: int = 64, seed: int = 1234) -> torch.Tensor:
@@ -41,9 +42,9 @@ def megatron_logits(hf_dir: str | Path, ckpt: str | Path, ids: torch.Tensor) -> 
 
     from mcorekit.models.megatron import build_gpt, te_available, transformer_config
 
-    spec = spec_for(load_hf_config(hf_dir))
-    iter_dir = find_iteration_dir(Path(ckpt))
-    padded = tuple(TorchDistReader(iter_dir).tensor_keys()["embedding.word_embeddings.weight"].size)[0]
+    spec = hf_spec(hf_dir)
+    iter_dir, reader = checked_checkpoint(ckpt)
+    padded = tuple(reader.tensor_keys()["embedding.word_embeddings.weight"].size)[0]
     init_single_gpu()
     config = transformer_config(spec)
     model = build_gpt(spec, config, padded, use_te=te_available()).cuda().eval()
@@ -64,13 +65,31 @@ def hf_logits(hf_dir: str | Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids.cuda()).logits.float().cpu()
 
 
+def hf_spec(hf_dir: str | Path) -> ModelSpec:
+    """The model an HF directory (or its config.json) describes; a bad config is one line."""
+    path = Path(hf_dir)
+    file = path / "config.json" if path.is_dir() else path
+    return spec_for(read_json(file), file)
+
+
+def checked_checkpoint(ckpt: str | Path) -> tuple[Path, TorchDistReader]:
+    """The iteration folder and its reader, once nothing in it would run code: .metadata is read by our restricted
+    unpickler, and every bytes entry must load weights-only, because Megatron's loader unpickles them freely."""
+    iter_dir = find_iteration_dir(Path(ckpt))
+    reader = TorchDistReader(iter_dir)
+    reader.check_bytes_entries()
+    return iter_dir, reader
+
+
 def verify_logits(hf_dir: str | Path, ckpt: str | Path) -> LogitsReport:
+    hf_spec(hf_dir)
+    checked_checkpoint(ckpt)  # inputs first: a bad one is reported without a GPU too
     if not torch.cuda.is_available():
         raise ConversionError("--logits needs a CUDA GPU (Megatron-Core does not run a forward pass on CPU)")
     from mcorekit.models.megatron import te_available
 
     te_available()  # load TE's cuDNN before anything makes torch load its own (mixing them fails on some images)
-    spec = spec_for(load_hf_config(hf_dir))
+    spec = hf_spec(hf_dir)
     ids = fixed_prompts(spec.vocab_size)
     got = megatron_logits(hf_dir, ckpt, ids)
     return compare_logits(hf_logits(hf_dir, ids), got)

@@ -461,12 +461,28 @@ class TorchDistReader:
         """A bytes entry (Megatron stores `torch.save(...)` there), loaded with weights_only=True."""
         if key not in self.bytes_keys():
             raise ConversionError(f"{self.path}: bytes entry {key!r} is not in the checkpoint")
+        return self._load_bytes([key])[key]
+
+    def check_bytes_entries(self) -> None:
+        """Every bytes entry loads with weights_only=True. Run this before handing the checkpoint to Megatron's
+        loader, which unpickles these entries without restriction (DCP's default planner)."""
+        self._load_bytes(self.bytes_keys())
+
+    def _load_bytes(self, keys: list[str]) -> dict[str, Any]:
         planner = _BytesLoadPlanner()
         try:
             with _quiet_dcp():
-                dcp.load({key: io.BytesIO()}, storage_reader=self.reader, planner=planner, no_dist=True)
-            return torch.load(io.BytesIO(planner.loaded[key]), map_location="cpu", weights_only=True)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - refused globals and corrupt bytes alike
+                dcp.load({key: io.BytesIO() for key in keys}, storage_reader=self.reader, planner=planner, no_dist=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a corrupt data file fails in many ways in DCP
             cause = _cause(e)
-            raise ConversionError(f"{self.path}: cannot load bytes entry {key!r} with weights_only "
-                                  f"({type(cause).__name__}: {_first_line(cause)})") from None
+            raise ConversionError(f"{self.path}: cannot read bytes entries ({type(cause).__name__}: {_first_line(cause)})") from None
+        out = {}
+        for key in keys:
+            try:
+                with warnings.catch_warnings():  # torch warns about pickle protocols before refusing; one line is enough
+                    warnings.simplefilter("ignore")
+                    out[key] = torch.load(io.BytesIO(planner.loaded[key]), map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - refused globals and corrupt bytes alike
+                raise ConversionError(f"{self.path}: cannot load bytes entry {key!r} with weights_only, so it is not "
+                                      f"read ({type(e).__name__}: {_first_line(e)})") from None
+        return out
