@@ -1,0 +1,643 @@
+"""Fault injection for `mcorekit convert` (issue 18), grouped by the issue's kinds.
+
+Every bad input or fault must give exit code 2 with exactly one `mcorekit: error:` line (or an argparse usage
+error for a bad option value), no traceback, nothing at the output path (no staged folder either), and inputs
+byte-identical afterwards. CPU only; tiny models are built here with real transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from io import BytesIO, StringIO
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from hf_models import COMMON, make_model
+from mcorekit import cli
+from mcorekit.convert import torch_dist
+from mcorekit.convert.hf_io import HFWriter
+from mcorekit.convert.torch_dist import TorchDistReader, load_metadata
+from mcorekit.errors import ConversionError
+
+INDEX = "model.safetensors.index.json"
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Read-only originals; every test copies what it changes."""
+    root = tmp_path_factory.mktemp("faults")
+    paths = {"llama": make_model("llama", False, root / "llama"), "mixtral": make_model("mixtral", False, root / "mixtral")}
+    for name, fmt in (("ckpt", "torch_dist"), ("legacy", "torch")):
+        rc, err = convert("hf-to-mcore", str(paths["llama"]), str(root / name), "--format", fmt)
+        assert rc == 0, err
+        paths[name] = root / name
+    return paths
+
+
+def convert(*args: str) -> tuple[int, str]:
+    """`mcorekit convert ARGS` in this process: (exit code, stderr). --quiet where the command has it."""
+    argv = ["convert", *args] + (["--quiet"] if args[0] in ("hf-to-mcore", "mcore-to-hf") else [])
+    err = StringIO()
+    with redirect_stderr(err), redirect_stdout(StringIO()):
+        try:
+            rc = cli.main(argv)
+        except SystemExit as e:  # argparse usage errors
+            rc = e.code if isinstance(e.code, int) else 1
+    return rc, err.getvalue()
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The real entry point in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "mcorekit", "convert", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def tree_digest(path: Path) -> str:
+    """Hash of every file's bytes and every symlink's target under path (or of path itself)."""
+    h = hashlib.sha256()
+    items = [path] if not path.is_dir() or path.is_symlink() else sorted(path.rglob("*"))
+    for p in items:
+        h.update(str(p.relative_to(path) if p != path else p.name).encode())
+        if p.is_symlink():
+            h.update(b"->" + os.readlink(p).encode())
+        elif p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def assert_one_error(rc: int, err: str, needle: str, usage: bool = False) -> None:
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    if usage:  # argparse: the usage lines, then one `PROG: error: ...` line
+        assert lines[0].startswith("usage:") and ": error: " in lines[-1] and needle in lines[-1], err
+    else:
+        assert len(lines) == 1 and lines[0].startswith("mcorekit: error:") and needle in lines[0], err
+
+
+def assert_nothing_at(out: Path) -> None:
+    assert not out.exists()
+    leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")] if out.parent.is_dir() else []
+    assert leftovers == [], leftovers
+
+
+def expect_error(args: list[str], out: Path, inputs: list[Path], needle: str, usage: bool = False) -> str:
+    """Run, then check the error line, that nothing is at `out`, and that every input is unchanged."""
+    before = [tree_digest(p) for p in inputs]
+    rc, err = convert(*args)
+    assert_one_error(rc, err, needle, usage)
+    assert_nothing_at(out)
+    assert [tree_digest(p) for p in inputs] == before, "an input changed"
+    return err
+
+
+def copy(src: Path, dst: Path) -> Path:
+    return Path(shutil.copytree(src, dst, symlinks=True))
+
+
+def shard_of(hf: Path, name: str) -> Path:
+    return hf / json.loads((hf / INDEX).read_text())["weight_map"][name]
+
+
+def edit_tensor(hf: Path, name: str, change: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """Replace (or, when change returns None, delete) one tensor in its shard and the index."""
+    shard = shard_of(hf, name)
+    tensors = load_file(shard)
+    new = change(tensors[name])
+    if new is None:
+        del tensors[name]
+        index = json.loads((hf / INDEX).read_text())
+        del index["weight_map"][name]
+        (hf / INDEX).write_text(json.dumps(index))
+    else:
+        tensors[name] = new
+    save_file(tensors, shard, {"format": "pt"})
+
+
+def edit_json(file: Path, change: Callable[[dict], object]) -> None:
+    """Change a JSON object in place (what `change` returns is ignored)."""
+    data = json.loads(file.read_text())
+    change(data)
+    file.write_text(json.dumps(data))
+
+
+def edit_header(file: Path, change: Callable[[dict], None]) -> None:
+    """Rewrite a safetensors header in place, keeping the data bytes."""
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    new = json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+def first_tensor(header: dict) -> dict:
+    return header[next(k for k in header if k != "__metadata__")]
+
+
+class Evil:
+    """Pickles as a call to os.system (what a crafted checkpoint file does)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.system, (f"touch {self.marker}",)
+
+
+@contextmanager
+def tmpfs(where: Path, options: str) -> Iterator[Path]:
+    """A small tmpfs at `where`, or a skip saying why it cannot be mounted here."""
+    where.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or 'mount failed'}); needs root or CAP_SYS_ADMIN")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+# ---------------------------------------------------------------- code execution
+
+
+def test_malicious_metadata_runs_nothing_through_the_real_cli(base, tmp_path: Path) -> None:
+    ckpt = copy(base["ckpt"], tmp_path / "ckpt")
+    marker = tmp_path / "MARKER"
+    (ckpt / "release/.metadata").write_bytes(pickle.dumps(Evil(marker)))
+    before = tree_digest(ckpt)
+    for args in (["mcore-to-hf", str(ckpt), str(tmp_path / "out"), "--quiet"],
+                 ["mcore-to-hf", str(ckpt / "release"), str(tmp_path / "out"), "--quiet"]):
+        proc = run_cli(*args)
+        assert_one_error(proc.returncode, proc.stderr, "not a checkpoint metadata file (refusing to load class posix.system)")
+        assert not marker.exists()
+        assert_nothing_at(tmp_path / "out")
+    assert tree_digest(ckpt) == before
+
+
+def test_malicious_metadata_that_also_holds_real_metadata(base, tmp_path: Path) -> None:
+    """The variant that ran the command and still converted: a real Metadata with the payload inside it."""
+    ckpt = copy(base["ckpt"], tmp_path / "ckpt")
+    marker = tmp_path / "MARKER"
+    md = load_metadata(ckpt / "release/.metadata")
+    md.planner_data = Evil(marker)
+    (ckpt / "release/.metadata").write_bytes(pickle.dumps(md))
+    expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out")], tmp_path / "out", [ckpt], "refusing to load class posix.system")
+    expect_error(["verify", "--logits", str(ckpt / "hf"), str(ckpt)], tmp_path / "out", [ckpt],
+                 "refusing to load class posix.system")  # checked before the GPU is asked for
+    with pytest.raises(ConversionError, match="refusing to load class posix.system"):
+        TorchDistReader(ckpt / "release")  # the reader export uses
+    assert not marker.exists()
+
+
+def test_malicious_legacy_rank_file(base, tmp_path: Path) -> None:
+    ckpt = copy(base["legacy"], tmp_path / "ckpt")
+    marker = tmp_path / "MARKER"
+    torch.save({"model": {}, "args": Evil(marker)}, ckpt / "release/mp_rank_00/model_optim_rng.pt")
+    expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out")], tmp_path / "out", [ckpt],
+                 "cannot load it as a weights-only checkpoint")
+    assert not marker.exists()
+
+
+def test_malicious_bytes_entry_is_loaded_weights_only(tmp_path: Path) -> None:
+    """common_state and TE extra states are torch.save blobs: read with weights_only, never plain unpickling."""
+    marker = tmp_path / "MARKER"
+    blob = BytesIO()
+    torch.save([Evil(marker)], blob)
+    torch_dist.write(tmp_path / "ckpt", [], {"common_state/shard_0_1": blob.getvalue()})
+    reader = TorchDistReader(tmp_path / "ckpt")
+    with pytest.raises(ConversionError, match="cannot load bytes entry 'common_state/shard_0_1' with weights_only"):
+        reader.read_bytes("common_state/shard_0_1")
+    with pytest.raises(ConversionError, match="cannot load bytes entry"):
+        reader.check_bytes_entries()  # what verify --logits runs before Megatron's own (unrestricted) loader
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- exit 0 with a broken output
+
+
+def test_missing_q_proj_in_one_layer(base, tmp_path: Path) -> None:
+    hf = copy(base["llama"], tmp_path / "hf")
+    edit_tensor(hf, "model.layers.2.self_attn.q_proj.weight", lambda t: None)
+    expect_error(["hf-to-mcore", str(hf), str(tmp_path / "out")], tmp_path / "out", [hf],
+                 "tensor 'model.layers.2.self_attn.q_proj.weight' is missing")
+
+
+@pytest.mark.parametrize("cast", [[], ["--dtype", "bf16"]], ids=["keep", "dtype-bf16"])
+def test_integer_weights_are_refused_even_with_dtype(base, tmp_path: Path, cast: list[str]) -> None:
+    hf = copy(base["llama"], tmp_path / "hf")
+    edit_tensor(hf, "model.layers.0.mlp.down_proj.weight", lambda t: t.to(torch.int8))
+    expect_error(["hf-to-mcore", str(hf), str(tmp_path / "out"), *cast], tmp_path / "out", [hf],
+                 "model.layers.0.mlp.down_proj.weight is stored as torch.int8")
+
+
+def test_mixed_float_dtypes_need_dtype(base, tmp_path: Path) -> None:
+    hf = copy(base["llama"], tmp_path / "hf")
+    edit_tensor(hf, "model.layers.1.mlp.down_proj.weight", lambda t: t.float())
+    expect_error(["hf-to-mcore", str(hf), str(tmp_path / "out")], tmp_path / "out", [hf], "mix dtypes")
+    rc, err = convert("hf-to-mcore", str(hf), str(tmp_path / "out"), "--dtype", "bf16")  # floats may be cast
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("ckpt_name", ["ckpt", "legacy"])
+def test_stored_config_with_more_layers_than_the_checkpoint(base, tmp_path: Path, ckpt_name: str) -> None:
+    ckpt = copy(base[ckpt_name], tmp_path / "ckpt")
+    edit_json(ckpt / "hf/config.json", lambda c: c.update(num_hidden_layers=6))
+    needle = "num_hidden_layers 6 in the config, 4 in the checkpoint" if ckpt_name == "ckpt" else "hold 4 layers"
+    expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out")], tmp_path / "out", [ckpt], needle)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(hidden_size=128), "hidden_size 128 in the config, 64 in the checkpoint"),
+    (dict(vocab_size=300), "vocab_size 300 in the config, 256 embedding rows"),
+    (dict(num_attention_heads=2, num_key_value_heads=1), "linear_qkv.weight is (4, 128, 64) in the checkpoint"),
+], ids=["hidden", "vocab", "heads"])
+def test_given_config_that_disagrees_with_the_checkpoint(base, tmp_path: Path, change: dict, needle: str) -> None:
+    other = copy(base["llama"], tmp_path / "other")
+    edit_json(other / "config.json", lambda c: c.update(change))
+    expect_error(["mcore-to-hf", str(base["ckpt"]), str(tmp_path / "out"), "--hf-config", str(other)],
+                 tmp_path / "out", [base["ckpt"], other], needle)
+
+
+def test_metadata_whose_chunks_leave_a_hole(base, tmp_path: Path) -> None:
+    """A slice no chunk covers would come out as uninitialised memory."""
+    ckpt = copy(base["ckpt"], tmp_path / "ckpt")
+    md = load_metadata(ckpt / "release/.metadata")
+    md.state_dict_metadata["decoder.layers.self_attention.linear_proj.weight"].chunks.pop(2)
+    (ckpt / "release/.metadata").write_bytes(pickle.dumps(md))
+    expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out")], tmp_path / "out", [ckpt],
+                 "do not cover slice (2,)")
+
+
+def test_checkpoint_tensor_with_an_integer_dtype(base, tmp_path: Path) -> None:
+    ckpt = copy(base["ckpt"], tmp_path / "ckpt")
+    md = load_metadata(ckpt / "release/.metadata")
+    md.state_dict_metadata["decoder.final_layernorm.weight"].properties.dtype = torch.int8
+    (ckpt / "release/.metadata").write_bytes(pickle.dumps(md))
+    expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out"), "--dtype", "bf16"], tmp_path / "out", [ckpt],
+                 "decoder.final_layernorm.weight is stored as torch.int8")
+
+
+@pytest.mark.parametrize("failing", [0, 7], ids=["first-chunk", "last-chunk"])
+def test_torch_dist_write_raises_what_failed_on_any_thread(tmp_path: Path, failing: int) -> None:
+    """DCP writes some files on helper threads that swallow exceptions; the write must fail all the same."""
+
+    def chunk(i: int) -> torch_dist.ChunkSource:
+        def produce() -> torch.Tensor:
+            if i == failing:
+                raise ConversionError(f"chunk {i} failed")
+            return torch.full((1, 4), float(i))
+        return torch_dist.ChunkSource((i, 0), (1, 4), produce)
+
+    tensors = [torch_dist.PlannedTensor(f"t{k}", (8, 4), torch.float32, [chunk(i) for i in range(8)], "layer") for k in range(2)]
+    with pytest.raises(ConversionError, match=f"chunk {failing} failed"):
+        torch_dist.write(tmp_path / "out", tensors, {}, threads=2)
+
+
+def test_hf_writer_reports_a_failed_background_write(tmp_path: Path) -> None:
+    writer = HFWriter(tmp_path / "absent", max_shard_bytes=1)  # every write there fails
+    writer.add("a", torch.zeros(4))
+    writer.add("b", torch.zeros(4))  # shard "a" is written (and fails) on the background thread
+    with pytest.raises(ConversionError, match="absent/part-00001.safetensors: cannot write"):
+        writer.finish()
+    writer.close()
+
+
+# ---------------------------------------------------------------- invalid values
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tp", "0"], "argument --tp: 0 is out of range"),
+    (["--tp", "-1"], "argument --tp: -1 is out of range"),
+    (["--tp", "two"], "argument --tp: 'two' is not an integer"),
+    (["--pp", "0"], "argument --pp"),
+    (["--ep", "-1"], "argument --ep"),
+    (["--etp", "0"], "argument --etp"),
+    (["--vpp", "0"], "argument --vpp"),
+    (["--vocab-divisible-by", "0"], "argument --vocab-divisible-by"),
+])
+def test_bad_layout_numbers_are_usage_errors(base, tmp_path: Path, args: list[str], needle: str) -> None:
+    expect_error(["hf-to-mcore", str(base["llama"]), str(tmp_path / "out"), *args], tmp_path / "out", [base["llama"]],
+                 needle, usage=True)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "big"])
+def test_bad_shard_size_is_a_usage_error(base, tmp_path: Path, value: str) -> None:
+    expect_error(["mcore-to-hf", str(base["ckpt"]), str(tmp_path / "out"), "--max-shard-gb", value], tmp_path / "out",
+                 [base["ckpt"]], "argument --max-shard-gb", usage=True)
+
+
+@pytest.mark.parametrize("model, args, needle", [
+    ("llama", ["--tp", "3"], "TP=3 does not divide num_query_groups=2"),
+    ("llama", ["--tp", "4"], "TP=4 does not divide num_query_groups=2"),
+    ("llama", ["--pp", "3"], "PP*VPP=3 does not divide num_layers=4"),
+    ("llama", ["--pp", "2", "--vpp", "3"], "PP*VPP=6 does not divide num_layers=4"),
+    ("llama", ["--vpp", "2"], "--vpp needs --pp >= 2"),
+    ("llama", ["--ep", "2"], "given for a dense model"),
+    ("mixtral", ["--ep", "3"], "EP=3 does not divide num_experts=4"),
+    ("mixtral", ["--etp", "2"], "expert TP of 1 or equal to TP=1"),
+])
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_layout_that_does_not_fit_the_model(base, tmp_path: Path, model: str, args: list[str], needle: str, fmt: str) -> None:
+    expect_error(["hf-to-mcore", str(base[model]), str(tmp_path / "out"), "--format", fmt, *args], tmp_path / "out",
+                 [base[model]], needle)
+
+
+# ---------------------------------------------------------------- data loss: --force never deletes an input
+
+
+def test_hf_to_mcore_never_replaces_its_input(base, tmp_path: Path) -> None:
+    parent = tmp_path / "od" / "parent"
+    hf = copy(base["llama"], parent / "model")
+    (parent / "sibling.txt").write_text("keep me")
+    for out in (hf, hf / "inside", parent, tmp_path / "od"):
+        before = tree_digest(tmp_path / "od")
+        rc, err = convert("hf-to-mcore", str(hf), str(out), "--force")
+        assert_one_error(rc, err, "overlaps the input")
+        assert tree_digest(tmp_path / "od") == before
+    assert not (hf / "inside").exists()
+
+
+def test_mcore_to_hf_never_replaces_its_inputs(base, tmp_path: Path) -> None:
+    ckpt = copy(base["ckpt"], tmp_path / "ckpts" / "ckpt")
+    other = copy(base["llama"], tmp_path / "other")
+    cases = [(ckpt, []), (ckpt / "release", []), (ckpt / "hf", []), (ckpt / "release" / "x", []), (tmp_path / "ckpts", []),
+             (other, ["--hf-config", str(other)]), (other / "config.json", ["--hf-config", str(other / "config.json")])]
+    for out, extra in cases:
+        before = tree_digest(tmp_path)
+        rc, err = convert("mcore-to-hf", str(ckpt), str(out), "--force", *extra)
+        assert_one_error(rc, err, "overlaps the input")
+        assert tree_digest(tmp_path) == before, out
+
+
+def test_force_replaces_only_an_earlier_output(base, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    rc, err = convert("hf-to-mcore", str(base["llama"]), str(out), "--force")
+    assert_one_error(rc, err, "was not written by mcorekit")
+    assert (out / "thesis.tex").read_text() == "precious"
+    shutil.rmtree(out)
+    assert convert("hf-to-mcore", str(base["llama"]), str(out))[0] == 0
+    assert convert("hf-to-mcore", str(base["llama"]), str(out), "--force")[0] == 0  # ours: replaced
+
+
+# ---------------------------------------------------------------- reads outside the model directory
+
+
+def move_shard_out(hf: Path, outside: Path, entry: Callable[[Path], str]) -> None:
+    """Move one shard out of the model folder and point the index at it with entry(new location)."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    shard = shard_of(hf, name)
+    outside.mkdir(exist_ok=True)
+    moved = Path(shutil.move(shard, outside / shard.name))
+    edit_json(hf / INDEX, lambda i: i["weight_map"].update({k: entry(moved) for k, v in i["weight_map"].items() if v == shard.name}))
+
+
+@pytest.mark.parametrize("entry, needle", [
+    (lambda moved: f"../outside/{moved.name}", "only relative paths inside"),
+    (lambda moved: str(moved), "only relative paths inside"),
+], ids=["dotdot", "absolute"])
+@pytest.mark.parametrize("command", ["hf-to-mcore", "verify"])
+def test_index_naming_a_file_outside(base, tmp_path: Path, entry: Callable[[Path], str], needle: str, command: str) -> None:
+    hf = copy(base["llama"], tmp_path / "hf")
+    move_shard_out(hf, tmp_path / "outside", entry)
+    args = [command, str(hf), str(tmp_path / "out")] if command == "hf-to-mcore" else [command, str(base["llama"]), str(hf)]
+    expect_error(args, tmp_path / "out", [hf, tmp_path / "outside"], needle)
+
+
+def test_symlinked_shard_leading_out(base, tmp_path: Path) -> None:
+    hf = copy(base["llama"], tmp_path / "hf")
+    shard = shard_of(hf, "model.embed_tokens.weight")
+    (tmp_path / "outside").mkdir()
+    shutil.move(shard, tmp_path / "outside" / shard.name)
+    shard.symlink_to(tmp_path / "outside" / shard.name)
+    expect_error(["hf-to-mcore", str(hf), str(tmp_path / "out")], tmp_path / "out", [hf], "outside")
+
+
+def test_symlinked_tokenizer_file_leading_out(base, tmp_path: Path) -> None:
+    hf = copy(base["llama"], tmp_path / "hf")
+    (tmp_path / "secret.txt").write_text("not for the output")
+    (hf / "tokenizer.json").symlink_to(tmp_path / "secret.txt")
+    expect_error(["hf-to-mcore", str(hf), str(tmp_path / "out")], tmp_path / "out", [hf], "outside")
+
+
+def test_metadata_naming_a_data_file_outside(base, tmp_path: Path) -> None:
+    ckpt = copy(base["ckpt"], tmp_path / "ckpt")
+    md = load_metadata(ckpt / "release/.metadata")
+    for info in md.storage_data.values():
+        info.relative_path = "../../outside.distcp"
+    (ckpt / "release/.metadata").write_bytes(pickle.dumps(md))
+    expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out")], tmp_path / "out", [ckpt], "only relative paths inside")
+
+
+def test_hub_snapshot_symlinks_are_read(base, tmp_path: Path) -> None:
+    """The Hugging Face cache links snapshots/REV/* to ../../blobs/*: that layout must keep working."""
+    repo = tmp_path / "models--tiny"
+    snap = repo / "snapshots" / "rev1"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in base["llama"].iterdir():
+        shutil.copy(f, repo / "blobs" / f"blob-{f.name}")
+        (snap / f.name).symlink_to(Path("../../blobs") / f"blob-{f.name}")
+    rc, err = convert("hf-to-mcore", str(snap), str(tmp_path / "out"))
+    assert rc == 0, err
+
+
+# ---------------------------------------------------------------- malformed input: one line, not a traceback
+
+
+def _set_config(**values: object) -> Callable[[Path], None]:
+    return lambda hf: edit_json(hf / "config.json", lambda c: c.update(values))
+
+
+def _first_shard_header(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    return lambda hf: edit_header(shard_of(hf, "model.embed_tokens.weight"), change)
+
+
+HF_CORRUPTIONS = {
+    "config-invalid-json": (lambda hf: (hf / "config.json").write_text("{not json"), "config.json: invalid JSON"),
+    "config-binary": (lambda hf: (hf / "config.json").write_bytes(b"\xff\xfe\x00garbage"), "config.json: not UTF-8 text"),
+    "config-a-list": (lambda hf: (hf / "config.json").write_text("[1, 2]"), "expected a JSON object, found a list"),
+    "config-deep": (lambda hf: (hf / "config.json").write_text("[" * 100000 + "]" * 100000), "config.json:"),
+    "config-no-hidden": (lambda hf: edit_json(hf / "config.json", lambda c: c.pop("hidden_size")), "hidden_size=None (needs a positive integer)"),
+    "config-hidden-str": (_set_config(hidden_size="64"), "hidden_size='64' (needs a positive integer)"),
+    "config-negative-layers": (_set_config(num_hidden_layers=-4), "num_hidden_layers=-4"),
+    "config-model-type-list": (_set_config(model_type=["llama"]), "model_type=['llama'] is not a name"),
+    "config-heads-groups": (_set_config(num_key_value_heads=3), "not a multiple of num_key_value_heads=3"),
+    "config-rope-not-object": (_set_config(rope_parameters=5), "unusable config"),
+    "config-more-layers": (_set_config(num_hidden_layers=6), "num_hidden_layers=6, but the weights hold layers 0, 1, 2, 3"),
+    "index-invalid-json": (lambda hf: (hf / INDEX).write_text('{"weight_map": '), f"{INDEX}: invalid JSON"),
+    "index-no-weight-map": (lambda hf: edit_json(hf / INDEX, lambda i: i.pop("weight_map")), 'no "weight_map" object'),
+    "index-weight-map-list": (lambda hf: edit_json(hf / INDEX, lambda i: i.update(weight_map=["a"])), 'no "weight_map" object'),
+    "index-value-not-str": (lambda hf: edit_json(hf / INDEX, lambda i: i["weight_map"].update({"lm_head.weight": 3})), "is 3, not a file name"),
+    "missing-shard": (lambda hf: shard_of(hf, "lm_head.weight").unlink(), "missing shard"),
+    "header-not-json": (lambda hf: shard_of(hf, "lm_head.weight").write_bytes(struct.pack("<Q", 5) + b"{oops"), "corrupt or truncated"),
+    "header-too-long": (lambda hf: shard_of(hf, "lm_head.weight").write_bytes(struct.pack("<Q", 2**40) + b"{}"), "exceeds the file"),
+    "header-short-file": (lambda hf: shard_of(hf, "lm_head.weight").write_bytes(b"\x01\x02"), "shorter than the 8-byte header"),
+    "header-not-object": (lambda hf: shard_of(hf, "lm_head.weight").write_bytes(struct.pack("<Q", 2) + b"[]"), "not a JSON object"),
+    "offsets-reversed": (_first_shard_header(lambda h: first_tensor(h)["data_offsets"].reverse()), "are reversed"),
+    "offsets-negative": (_first_shard_header(lambda h: first_tensor(h).update(data_offsets=[-8, 0])), "not two non-negative integers"),
+    "offsets-past-end": (_first_shard_header(lambda h: first_tensor(h).update(data_offsets=[10**9, 10**9 + 32000])), "past the end of the file"),
+    "dtype-unknown": (_first_shard_header(lambda h: first_tensor(h).update(dtype="Q7")), "unsupported dtype 'Q7'"),
+    "shape-vs-offsets": (_first_shard_header(lambda h: first_tensor(h).update(shape=[250, 65])), "data_offsets span"),
+    "shape-not-ints": (_first_shard_header(lambda h: first_tensor(h).update(shape=["250", 64])), "not a list of non-negative integers"),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CORRUPTIONS))
+def test_malformed_hf_input(base, tmp_path: Path, case: str) -> None:
+    corrupt, needle = HF_CORRUPTIONS[case]
+    hf = copy(base["llama"], tmp_path / "hf")
+    corrupt(hf)
+    expect_error(["hf-to-mcore", str(hf), str(tmp_path / "out")], tmp_path / "out", [hf], needle)
+
+
+def _distcp(ckpt: Path) -> Path:
+    return next((ckpt / "release").glob("*.distcp"))
+
+
+CKPT_CORRUPTIONS = {
+    "tracker-traversal": (lambda c: (c / "latest_checkpointed_iteration.txt").write_text("../../etc"), "holds '../../etc'; expected `release`"),
+    "tracker-binary": (lambda c: (c / "latest_checkpointed_iteration.txt").write_bytes(b"\x00\xff" * 100), "expected `release` or an iteration number"),
+    "tracker-empty": (lambda c: (c / "latest_checkpointed_iteration.txt").write_text(""), "holds ''"),
+    "tracker-absent-iteration": (lambda c: (c / "latest_checkpointed_iteration.txt").write_text("7"), "iter_0000007 does not exist"),
+    "metadata-json-invalid": (lambda c: (c / "release/metadata.json").write_text("{"), "metadata.json: invalid JSON"),
+    "metadata-json-list": (lambda c: (c / "release/metadata.json").write_text("[]"), "metadata.json: expected a JSON object"),
+    "metadata-json-backend": (lambda c: (c / "release/metadata.json").write_text('{"sharded_backend": "zarr"}'), "backend 'zarr', expected torch_dist"),
+    "dcp-metadata-garbage": (lambda c: (c / "release/.metadata").write_bytes(os.urandom(64)), "not a"),
+    "dcp-metadata-truncated": (lambda c: (c / "release/.metadata").write_bytes((c / "release/.metadata").read_bytes()[:200]), "not a readable checkpoint metadata file"),
+    "dcp-metadata-not-metadata": (lambda c: (c / "release/.metadata").write_bytes(pickle.dumps({"a": 1})), "it holds a dict"),
+    "dcp-metadata-missing": (lambda c: (c / "release/.metadata").unlink(), ".metadata: missing"),
+    "data-file-missing": (lambda c: _distcp(c).unlink(), "missing checkpoint file"),
+    "data-file-truncated": (lambda c: _distcp(c).write_bytes(_distcp(c).read_bytes()[:1000]), "truncated checkpoint file"),
+    "data-file-garbage": (lambda c: _distcp(c).write_bytes(os.urandom(_distcp(c).stat().st_size)), "cannot read tensor"),
+    "stored-config-invalid": (lambda c: (c / "hf/config.json").write_text("{"), "hf/config.json: invalid JSON"),
+    "stored-config-binary": (lambda c: (c / "hf/config.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00"), "not UTF-8 text"),
+}
+
+
+@pytest.mark.parametrize("case", list(CKPT_CORRUPTIONS))
+def test_malformed_checkpoint(base, tmp_path: Path, case: str) -> None:
+    corrupt, needle = CKPT_CORRUPTIONS[case]
+    ckpt = copy(base["ckpt"], tmp_path / "ckpt")
+    corrupt(ckpt)
+    expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out")], tmp_path / "out", [ckpt], needle)
+
+
+@pytest.mark.parametrize("case", ["garbage", "bad-rank-name", "missing-rank-file"])
+def test_malformed_legacy_checkpoint(base, tmp_path: Path, case: str) -> None:
+    ckpt = copy(base["legacy"], tmp_path / "ckpt")
+    rank = ckpt / "release/mp_rank_00"
+    if case == "garbage":
+        (rank / "model_optim_rng.pt").write_bytes(os.urandom(4096))
+        needle = "cannot load it as a weights-only checkpoint"
+    elif case == "bad-rank-name":
+        rank.rename(ckpt / "release/mp_rank_xx")
+        needle = "not a Megatron rank directory name"
+    else:
+        (rank / "model_optim_rng.pt").unlink()
+        needle = "missing rank file"
+    expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out")], tmp_path / "out", [ckpt], needle)
+
+
+def test_missing_paths(base, tmp_path: Path) -> None:
+    expect_error(["mcore-to-hf", str(tmp_path / "nope"), str(tmp_path / "out")], tmp_path / "out", [], "not a directory")
+    expect_error(["mcore-to-hf", str(base["ckpt"]), str(tmp_path / "out"), "--hf-config", str(tmp_path / "nope")],
+                 tmp_path / "out", [base["ckpt"]], "no HF config at")
+    expect_error(["hf-to-mcore", str(tmp_path / "nope"), str(tmp_path / "out")], tmp_path / "out", [], "no config.json")
+
+
+def test_read_only_output_filesystem(base, tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "ro", "ro,size=64k") as ro:
+        expect_error(["hf-to-mcore", str(base["llama"]), str(ro / "out")], ro / "out", [base["llama"]], "Read-only file system")
+        expect_error(["mcore-to-hf", str(base["ckpt"]), str(ro / "sub" / "out")], ro / "sub" / "out", [base["ckpt"]],
+                     "Read-only file system")
+
+
+# ---------------------------------------------------------------- resource exhaustion
+
+
+def test_header_claiming_8_gb_is_rejected_before_allocating(base, tmp_path: Path) -> None:
+    hf = copy(base["llama"], tmp_path / "hf")
+    # 8 GiB of bf16 claimed, zero bytes stored: formerly allocated by torch.empty(shape) for an empty span.
+    edit_header(shard_of(hf, "lm_head.weight"), lambda h: first_tensor(h).update(shape=[2**31, 2], data_offsets=[0, 0]))
+    expect_error(["hf-to-mcore", str(hf), str(tmp_path / "out")], tmp_path / "out", [hf],
+                 "needs 8589934592 bytes, data_offsets span 0")
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(num_hidden_layers=10**9), "num_hidden_layers=1000000000, but the weights hold"),
+    (dict(vocab_size=10**12), "config.json implies (1000000000000, 64)"),
+    (dict(intermediate_size=10**12), "config.json implies (1000000000000, 64)"),
+], ids=["layers", "vocab", "ffn"])
+def test_huge_config_values_fail_fast(base, tmp_path: Path, change: dict, needle: str) -> None:
+    hf = copy(base["llama"], tmp_path / "hf")
+    edit_json(hf / "config.json", lambda c: c.update(change))
+    start = time.monotonic()
+    expect_error(["hf-to-mcore", str(hf), str(tmp_path / "out")], tmp_path / "out", [hf], needle)
+    assert time.monotonic() - start < 10
+
+
+def test_metadata_claiming_more_bytes_than_stored(base, tmp_path: Path) -> None:
+    ckpt = copy(base["ckpt"], tmp_path / "ckpt")
+    md = load_metadata(ckpt / "release/.metadata")
+    tensor = md.state_dict_metadata["decoder.final_layernorm.weight"]
+    tensor.size = torch.Size([2**33])
+    tensor.chunks[0].sizes = torch.Size([2**33])
+    (ckpt / "release/.metadata").write_bytes(pickle.dumps(md))
+    expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out")], tmp_path / "out", [ckpt], "stored bytes")
+
+
+# ---------------------------------------------------------------- leftovers: killed runs, full disks
+
+
+def test_sigkill_mid_write_then_rerun(tmp_path: Path) -> None:
+    """A real conversion killed while its output is staged leaves nothing that looks complete; the next run
+    removes the dead process's staged folder and succeeds."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": 32000, "hidden_size": 256, "intermediate_size": 1024})
+    hf = tmp_path / "big"
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(hf)  # ~40 MB
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "mcorekit", "convert", "hf-to-mcore", str(hf), str(out), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.partial-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    staged = list(tmp_path.glob(".out.partial-*"))
+    assert staged and not out.exists(), "the kill did not land while the output was staged"
+    before = tree_digest(hf)
+    rc, err = convert("hf-to-mcore", str(hf), str(out))
+    assert rc == 0, err
+    assert (out / "release/metadata.json").is_file() and (out / ".mcorekit-output").is_file()
+    assert list(tmp_path.glob(".out.*")) == []
+    assert tree_digest(hf) == before
+
+
+def test_disk_full(base, tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "small", "size=128k") as small:
+        for args in (["hf-to-mcore", str(base["llama"]), str(small / "out")],
+                     ["hf-to-mcore", str(base["llama"]), str(small / "out"), "--format", "torch"],
+                     ["mcore-to-hf", str(base["ckpt"]), str(small / "out")]):
+            expect_error(args, small / "out", [base["llama"], base["ckpt"]], "o space left on device")
+            assert list(small.iterdir()) == []
