@@ -107,6 +107,9 @@ def check_layout(spec: ModelSpec, ctx: Ctx, tp: int, pp: int, ep: int, etp: int,
             problems.append(f"EP={ep} does not divide num_experts={spec.num_experts}")
         if etp not in (1, tp):
             problems.append(f"ETP={etp}: the legacy format supports expert TP of 1 or equal to TP={tp}")
+        expert_ffn = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
+        if expert_ffn % etp:
+            problems.append(f"ETP={etp} does not divide the expert FFN size {expert_ffn}")
     elif ep > 1 or etp > 1:
         problems.append(f"EP={ep}/ETP={etp} given for a dense model")
     if problems:
