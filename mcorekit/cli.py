@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Callable
 
+from mcorekit import quiet
 from mcorekit.errors import MCoreKitError
 
 PARTS = {
@@ -20,6 +21,15 @@ PARTS = {
     "convert": ("mcorekit.convert.cli", "HF <-> Megatron checkpoint conversion and verification"),
     "export": ("mcorekit.export.cli", "Megatron/HF checkpoints to TensorRT-LLM"),
 }
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help shows its default, except where there is none to show (flags, unset options)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _parser(prog: str, description: str | None, commands: dict[str, str]) -> argparse.ArgumentParser:
@@ -68,6 +78,7 @@ def version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet.install()
     if argv[:1] == ["--version"]:
         print(f"mcorekit {version()}")
         return 0

@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from mcorekit import quiet
 from mcorekit.errors import MCoreKitError
 from mcorekit.launch.config import load_experiment
 
@@ -19,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU peak for MFU (H100/H200 bf16: 989)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
+    quiet.install()
     try:
         exp = load_experiment(a.config, a.overrides)
     except MCoreKitError as e:  # a bad config: one line that says what to change, before any GPU work

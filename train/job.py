@@ -13,8 +13,11 @@ class TrainJob:
         self.peak_tflops = peak_tflops
 
     def __call__(self) -> dict[str, Any]:
+        from mcorekit import quiet
         from mcorekit.launch.config import load_experiment
         from mcorekit.train.loop import train
+
+        quiet.install()
 
         losses = train(load_experiment(self.config_path), Path(self.run_dir), self.peak_tflops)
         return {"steps": len(losses), "final_loss": losses[-1] if losses else None}

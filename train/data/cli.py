@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from mcorekit.cli import dispatch
+from mcorekit.cli import HelpFormatter, dispatch
 
 
 def positive_int(text: str) -> int:
@@ -24,10 +24,10 @@ def positive_int(text: str) -> int:
 def _preprocess(argv: list[str]) -> int:
     from mcorekit.train.data.preprocess import MAX_LINE_MB, preprocess
 
-    p = argparse.ArgumentParser(prog="mcorekit data preprocess",
+    p = argparse.ArgumentParser(prog="mcorekit data preprocess", formatter_class=HelpFormatter,
                                 description="jsonl (one document per line) -> Megatron .bin/.idx with an end-of-document "
                                 "token after each document, tokenized on all cores. Use the prefix in data.paths.")
-    p.add_argument("inputs", nargs="+")
+    p.add_argument("inputs", nargs="+", help="jsonl files, one document per line")
     p.add_argument("--tokenizer", required=True, help="HF tokenizer directory")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
     p.add_argument("--key", default="text", help="the JSON field holding the text (default: text)")
@@ -37,7 +37,7 @@ def _preprocess(argv: list[str]) -> int:
                    "takes about 70x its size in memory, per worker)")
     p.add_argument("--force", action="store_true",
                    help="replace an earlier output of this command (recognised by its PREFIX.json); never an input")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     s = preprocess(a.inputs, a.tokenizer, a.output_prefix, a.key, a.workers, a.force, a.quiet, a.max_line_mb)
     print(s.line(a.output_prefix))
@@ -45,4 +45,5 @@ def _preprocess(argv: list[str]) -> int:
 
 
 def main(command: str, argv: list[str]) -> int:
-    return dispatch("mcorekit data", __doc__, {"preprocess": _preprocess}, argv)
+    return dispatch("mcorekit data", __doc__, {"preprocess": _preprocess}, argv,
+                    {"preprocess": "jsonl -> Megatron .bin/.idx (pretraining data for data.kind=indexed)"})
