@@ -1,0 +1,147 @@
+"""docs/results.md is what tools/results_page.py generates from docs/results/ (a stale page fails here), and
+every table on it says when, at which commit and on what hardware it was measured."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PAGE = REPO / "docs" / "results.md"
+DATA = REPO / "docs" / "results"
+DATE = r"\d{4}-\d{2}-\d{2}"
+COMMIT = r"(commit `[0-9a-f]{7,40}`|no commit recorded \(figures added to the docs in `[0-9a-f]{7,40}`\))"
+MEASURED = re.compile(rf"^Measured ({DATE}) · {COMMIT} · on (\S.+?)( · .*)?\.?$")
+
+
+def generator():
+    spec = importlib.util.spec_from_file_location("results_page", REPO / "tools" / "results_page.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("page")
+    assert generator().main(["--out", str(out)]) == 0
+    return out
+
+
+def tables(text: str) -> list[tuple[int, list[str]]]:
+    """(line index of the header, rows) of every Markdown table."""
+    lines, found, i = text.splitlines(), [], 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and re.match(r"^\|(-+\|)+$", lines[i + 1]):
+            start, i = i, i + 2
+            rows = []
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(lines[i])
+                i += 1
+            found.append((start, rows))
+        else:
+            i += 1
+    return found
+
+
+def cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+def test_page_is_what_the_generator_writes(generated: Path) -> None:
+    assert PAGE.read_text() == (generated / "results.md").read_text(), (
+        "docs/results.md is out of date: run .venv/bin/python tools/results_page.py and commit the page and its PNGs")
+
+
+def test_every_plot_the_page_shows_is_generated_and_committed(generated: Path) -> None:
+    images = re.findall(r"!\[[^\]]*\]\((results/[^)]+\.png)\)", PAGE.read_text())
+    assert len(images) >= 4
+    for image in images:
+        assert (generated / image).is_file(), image
+        assert (REPO / "docs" / image).is_file(), f"docs/{image} is not there: run tools/results_page.py"
+    pngs = {f"results/{p.name}" for p in DATA.glob("*.png")}
+    assert pngs == set(images), f"PNGs no page shows, or missing: {pngs ^ set(images)}"
+
+
+def test_every_table_row_has_date_commit_and_hardware() -> None:
+    text = PAGE.read_text()
+    lines = text.splitlines()
+    found = tables(text)
+    assert len(found) >= 10
+    glance_start, glance = found[0]
+    header = cells(lines[glance_start])
+    assert header[-3:] == ["date", "commit", "hardware"], header
+    for row in glance:
+        date, commit, hardware = cells(row)[-3:]
+        assert re.fullmatch(DATE, date), row
+        assert re.fullmatch(COMMIT, commit), row
+        assert hardware, row
+    for start, rows in found[1:]:
+        # the table's heading line: the nearest "Measured DATE · COMMIT · on HARDWARE" above it, below its heading
+        j = start - 1
+        while j >= 0 and not MEASURED.match(lines[j]):
+            assert not lines[j].startswith("#"), f"table at line {start + 1} has no 'Measured ...' line above it"
+            j -= 1
+        assert j >= 0, f"table at line {start + 1} has no 'Measured ...' line above it"
+        assert rows, f"table at line {start + 1} is empty"
+
+
+def test_every_measurement_folder_is_complete_and_dated() -> None:
+    folders = [d for d in DATA.iterdir() if d.is_dir()]
+    assert len(folders) >= 8
+    for d in folders:
+        meta = json.loads((d / "meta.json").read_text())
+        json.loads((d / "results.json").read_text())
+        assert re.fullmatch(DATE, meta["date"]), d
+        assert meta.get("commit") or meta.get("recorded_in"), f"{d.name}: a commit, or the commit that recorded it"
+        assert meta["hardware"] and meta["command"] and meta["source"], d
+        for metrics in d.glob("*/metrics.jsonl"):
+            assert all(json.loads(x)["loss"] > 0 for x in metrics.read_text().splitlines())
+
+
+def test_no_work_period_wording_in_the_docs() -> None:
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not re.search(r"\bsession( \d|s \d)|this session|same session", line, re.I), f"{path.name}:{n}: {line}"
+
+
+def test_a_superseded_measurement_is_one_line_under_the_newer_one() -> None:
+    text = PAGE.read_text()
+    for d in DATA.iterdir():
+        meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").is_file() else {}
+        if meta.get("superseded_by"):
+            lines = [x for x in text.splitlines() if f"](results/{d.name}/)" in x]
+            assert len(lines) == 1 and lines[0].startswith("Earlier measurement, superseded: "), d.name
+
+
+def test_check_mode_fails_on_a_stale_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = generator()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "results.md").write_text(PAGE.read_text() + "\nhand-edited line\n")
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    assert mod.main(["--check"]) == 1
+    (docs / "results.md").write_text(PAGE.read_text())
+    assert mod.main(["--check"]) == 0
+
+
+def github_anchor(heading: str) -> str:
+    keep = "".join(c for c in heading.strip().lower() if c.isalnum() or c in " -_")
+    return keep.replace(" ", "-")
+
+
+def test_links_between_the_docs_reach_their_headings() -> None:
+    files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    anchors = {f.resolve(): {github_anchor(x.lstrip("#")) for x in f.read_text().splitlines() if x.startswith("#")}
+               for f in files}
+    for f in files:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*\.md)?#([^)\s]+)\)", f.read_text()):
+            dest = (f.parent / target).resolve() if target else f.resolve()
+            assert dest in anchors, f"{f.name}: link to {target}"
+            assert anchor in anchors[dest], f"{f.name}: no heading #{anchor} in {dest.name}"
+        for target in re.findall(r"\]\(((?:results|docs)/[^)#\s]+)\)", f.read_text()):
+            assert (f.parent / target).exists(), f"{f.name}: {target} does not exist"

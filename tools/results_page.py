@@ -1,0 +1,579 @@
+"""Generate docs/results.md and its plots from the committed results under docs/results/.
+
+    .venv/bin/python tools/results_page.py            # rewrite docs/results.md and docs/results/*.png
+    .venv/bin/python tools/results_page.py --check    # exit 1 if docs/results.md is not what the data gives
+    .venv/bin/python tools/results_page.py --out DIR  # write DIR/results.md and DIR/results/*.png instead
+
+Each measurement is one folder docs/results/NAME/ holding
+  meta.json     title, section, order, kind (how to read results.json), date, commit (null when none was
+                recorded; then recorded_in names the commit that added the figures to the docs), hardware,
+                software, command (a list of command lines), source (where the numbers come from), notes;
+                superseded_by: NAME of a newer measurement of the same thing (then the page gives one line)
+  results.json  the numbers: what the benchmark script wrote, or a transcription in the same shape
+  */metrics.jsonl, *.log, config.yaml: the runs' own files, where they came back (loss curves are drawn from
+                metrics.jsonl)
+To add a measurement: copy its results.json (and metrics.jsonl) into a new folder, write meta.json, mark the one
+it replaces with superseded_by, run this script, commit the folder, the page and the PNGs together.
+tests/test_results_page.py fails when docs/results.md differs from what this script generates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "docs" / "results"
+
+SECTIONS = [
+    ("train", "Training throughput on one GPU"),
+    ("scaling", "Two GPUs: scaling and communication overlap"),
+    ("correctness", "Correctness on GPUs"),
+    ("convert", "Checkpoint conversion"),
+    ("data", "Data preprocessing"),
+]
+SHAPE_LABELS = {"dense": "dense 0.89B", "moe": "MoE 8x top-2"}
+RUN_LABELS = {"hf-bf16": "HF transformers bf16", "bf16": "mcorekit bf16", "bf16-te-experts": "mcorekit bf16, TE experts"}
+
+
+# ---------------------------------------------------------------- reading
+
+
+class Measurement:
+    def __init__(self, folder: Path):
+        self.name = folder.name
+        self.folder = folder
+        self.meta: dict[str, Any] = json.loads((folder / "meta.json").read_text())
+        self.results: Any = json.loads((folder / "results.json").read_text())
+        for key in ("title", "section", "kind", "date", "hardware", "command", "source"):
+            if key not in self.meta:
+                raise SystemExit(f"results_page: {folder / 'meta.json'}: no {key!r}")
+        if self.meta["section"] not in dict(SECTIONS):
+            raise SystemExit(f"results_page: {folder / 'meta.json'}: unknown section {self.meta['section']!r}")
+        if self.meta["kind"] not in KINDS:
+            raise SystemExit(f"results_page: {folder / 'meta.json'}: unknown kind {self.meta['kind']!r}")
+        if not self.meta.get("commit") and not self.meta.get("recorded_in"):
+            raise SystemExit(f"results_page: {folder / 'meta.json'}: neither commit nor recorded_in")
+
+    @property
+    def commit_text(self) -> str:
+        if self.meta.get("commit"):
+            return f"commit `{self.meta['commit']}`"
+        return f"no commit recorded (figures added to the docs in `{self.meta['recorded_in']}`)"
+
+    def metrics(self) -> dict[str, list[dict]]:
+        """Each run's metrics.jsonl (NAME/RUN/metrics.jsonl), by run folder name."""
+        out = {}
+        for path in sorted(self.folder.glob("*/metrics.jsonl")):
+            out[path.parent.name] = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        return out
+
+
+def load(data: Path) -> list[Measurement]:
+    ms = [Measurement(d) for d in sorted(data.iterdir()) if d.is_dir() and (d / "meta.json").is_file()]
+    names = {m.name for m in ms}
+    for m in ms:
+        if m.meta.get("superseded_by") and m.meta["superseded_by"] not in names:
+            raise SystemExit(f"results_page: {m.name}: superseded_by {m.meta['superseded_by']!r} is no folder here")
+    return ms
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def k(x: float) -> str:
+    return f"{x / 1e3:.1f}k"
+
+
+def pct(x: float, digits: int = 1) -> str:
+    return f"{x * 100:.{digits}f}%"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def provenance(m: Measurement, full: bool = True) -> str:
+    """The line above every table: date, commit, hardware (tests/test_results_page.py reads it); then the command
+    and the source, unless `full` is False (a further table of the same run)."""
+    line = f"Measured {m.meta['date']} · {m.commit_text} · on {m.meta['hardware']}"
+    if not full:
+        return line + " · the same run as above."
+    if m.meta.get("software"):
+        line += f" · {m.meta['software']}"
+    out = [line + ".", "", "```bash", *m.meta["command"], "```",
+           f"Source: {m.meta['source']}; data in [results/{m.name}/](results/{m.name}/)."]
+    return "\n".join(out)
+
+
+def notes(lines: list[str]) -> str:
+    return "\n\n".join(lines)
+
+
+def shape_label(r: dict) -> str:
+    return r.get("shape_label") or SHAPE_LABELS.get(r["shape"], r["shape"])
+
+
+def run_label(r: dict) -> str:
+    if "label" in r:
+        return r["label"]
+    run = r["run"]
+    if run.startswith("fp8-"):
+        return f"mcorekit FP8 {run.removeprefix('fp8-')}"
+    return RUN_LABELS.get(run, f"mcorekit {run}")
+
+
+# ---------------------------------------------------------------- kinds: table, headline
+
+
+def train_bench_rows(m: Measurement) -> list[dict]:
+    return [r for r in m.results if "error" not in r]
+
+
+def train_bench_table(m: Measurement) -> str:
+    rows = train_bench_rows(m)
+    hf = {r["shape"]: r["tokens_per_s"] for r in rows if r["run"] == "hf-bf16"}
+    one = {(r["shape"], r["run"]): r["tokens_per_s"] for r in rows if r.get("gpus", 1) == 1}
+    multi = any(r.get("gpus", 1) > 1 for r in rows)
+    layouts = m.meta.get("layouts", {})
+    header = ["shape", "run"]
+    if multi:
+        header += ["GPUs", "layout", "tokens/s per GPU"]
+    else:
+        header += ["tokens/s"]
+    header += ["MFU", "peak mem GB"]
+    if hf:
+        header.append("vs HF bf16")
+    if multi:
+        header.append("scaling vs 1 GPU")
+    if any("loss_first" in r for r in rows):
+        header.append("loss first -> last")
+    out = []
+    for r in rows:
+        gpus = r.get("gpus", 1)
+        cells = [shape_label(r), run_label(r)]
+        if multi:
+            cells += [str(gpus), layouts.get(str(gpus), "")]
+        cells += [k(r["tokens_per_s"]), pct(r["mfu"]), f"{r['mem_gb']:.1f}"]
+        if hf:
+            cells.append(f"{r['tokens_per_s'] / hf[r['shape']]:.2f}x" if r["shape"] in hf else "")
+        if multi:
+            single = one.get((r["shape"], r["run"]))
+            cells.append(f"{r['tokens_per_s'] / single * 100:.0f}%" if single and gpus > 1 else "")
+        if "loss first -> last" in header:
+            loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}" if "loss_first" in r else ""
+            if loss and "steps" in r:
+                loss += f" ({r['steps']} steps)"
+            cells.append(loss)
+        out.append(cells)
+    return table(header, out)
+
+
+def train_bench_headline(m: Measurement) -> str:
+    rows = train_bench_rows(m)
+    hf = {r["shape"]: r["tokens_per_s"] for r in rows if r["run"] == "hf-bf16"}
+    if any(r.get("gpus", 1) > 1 for r in rows):
+        one = {r["run"]: r["tokens_per_s"] for r in rows if r.get("gpus", 1) == 1}
+        parts = [f"{r.get('gpus', 1)} GPU{'s' if r.get('gpus', 1) > 1 else ''} {k(r['tokens_per_s'])}" for r in rows]
+        last = rows[-1]
+        return (f"{shape_label(rows[0])} bf16, tokens/s per GPU: " + ", ".join(parts)
+                + f" ({last['tokens_per_s'] / one[last['run']] * 100:.0f}% of 1 GPU)")
+    parts = []
+    for r in rows:
+        if r["run"] == "hf-bf16":
+            continue
+        ratio = f" ({r['tokens_per_s'] / hf[r['shape']]:.2f}x HF)" if r["shape"] in hf else ""
+        parts.append(f"{r['shape']} {r['run']} {k(r['tokens_per_s'])}{ratio}")
+    return "tokens/s: " + ", ".join(parts)
+
+
+def overlap_table(m: Measurement) -> str:
+    rows = [[r["run"], r.get("layout") or ", ".join(f"{a}={b}" for a, b in r["parallel"].items()),
+             f"{r['step_ms']:.1f}", k(r["tokens_per_s_per_gpu"]), pct(r["mfu"]), f"{r['comm_ms']:.1f}",
+             pct(r["hidden_frac"], 0), f"{r['exposed_ms']:.1f}"] for r in m.results if "error" not in r]
+    return table(["run", "layout", "step ms", "tokens/s/GPU", "MFU", "comm ms/step (GPU 0)", "hidden", "exposed ms"], rows)
+
+
+def overlap_headline(m: Measurement) -> str:
+    return "exposed communication per step: " + ", ".join(f"{r['run']} {r['exposed_ms']:.1f} ms of {r['step_ms']:.0f}"
+                                                          for r in m.results if "error" not in r)
+
+
+def moe_profile_table(m: Measurement) -> str:
+    rows = [[r["variant"], f"{r['step_ms']:.1f} ms", f"{r['gpu_busy_ms']:.1f} ms ({pct(r['gpu_busy_frac'], 0)})",
+             f"{r['kernels']:,}", r["host_waits"]] for r in m.results]
+    return table(["variant", "step (profiled)", "GPU busy per step", "kernels per step", "host waits on GPU per step"], rows)
+
+
+def moe_profile_headline(m: Measurement) -> str:
+    first, last = m.results[0], m.results[-1]
+    return (f"GPU busy {pct(first['gpu_busy_frac'], 0)} of a step with TE's experts, "
+            f"{pct(last['gpu_busy_frac'], 0)} with torch._grouped_mm: the host sets the pace")
+
+
+def logits_1gpu_table(m: Measurement) -> str:
+    rows = [[r["model"], "yes" if r["tied"] else "no", f"{r['max_abs_diff']:.3e}", f"{r['mean_abs_diff']:.3e}",
+             f"{r['cosine']:.6f}", pct(r["top1"]), str(r["near_ties_left_out"])] for r in m.results]
+    return table(["model", "tied", "max abs diff", "mean abs diff", "cosine", "top-1", "near-ties left out"], rows)
+
+
+def logits_1gpu_headline(m: Measurement) -> str:
+    return (f"{len(m.results)} converted models: cosine >= {min(r['cosine'] for r in m.results):.6f}, "
+            f"top-1 {pct(min(r['top1'] for r in m.results))}")
+
+
+LAYOUTS = {"dp2": "DP2", "tp2": "TP2", "tp2-sp": "TP2 + SP", "pp2": "PP2", "pp2-vpp2": "PP2 x VPP2", "cp2": "CP2",
+           "ep2": "EP2", "tp2-sp-ep2": "TP2 + SP + EP2"}
+
+
+def multi_gpu_tables(m: Measurement) -> list[tuple[str, str, list[str]]]:
+    res = m.results
+    logits = [[r["model"], LAYOUTS.get(r["layout"], r["layout"]), f"{r['max_abs_diff']:.3e}", f"{r['mean_abs_diff']:.3e}",
+               pct(r["top1"], 2), r["result"]] for r in res["logits"]]
+    training = []
+    for r in res["training"]:
+        gn = " ".join(f"{x:.4f}" for x in r["grad_norm_1_3"])
+        gn1 = " ".join(f"{x:.4f}" for x in r["one_gpu_grad_norm_1_3"])
+        training.append([r["model"], LAYOUTS.get(r["layout"], r["layout"]),
+                         f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}",
+                         f"{r['one_gpu_loss_first']:.4f} -> {r['one_gpu_loss_last']:.4f}", f"{r['step1_diff']:.1e}",
+                         f"{r['max_diff']:.1e} / {r['mean_diff']:.1e}", gn, gn1, r["result"]])
+    resume = [[r["case"], f"{r['max_diff']:.1e} / {r['mean_diff']:.1e}", r["result"]] for r in res["resume"]]
+    return [
+        ("Converted checkpoint: logits vs transformers at every layout (fp32; CP in bf16)",
+         table(["model", "layout", "max abs diff", "mean abs diff", "top-1", "result"], logits), m.meta.get("notes_logits", [])),
+        ("Training from that checkpoint: losses vs one GPU (bf16)",
+         table(["model", "layout", "loss first -> last", "1 GPU", "step-1 diff", "max / mean diff", "grad norm steps 1-3",
+                "1 GPU", "result"], training), m.meta.get("notes_training", [])),
+        ("Save and resume", table(["case", "max / mean loss diff", "result"], resume), []),
+    ]
+
+
+def multi_gpu_table(m: Measurement) -> str:
+    return multi_gpu_tables(m)[0][1]
+
+
+def multi_gpu_headline(m: Measurement) -> str:
+    res = m.results
+    worst = max(r["max_diff"] for r in res["training"])
+    return (f"{len(res['logits'])} layouts give transformers' logits (top-1 >= {pct(min(r['top1'] for r in res['logits']), 2)}); "
+            f"{len(res['training'])} layouts train like one GPU (max loss diff {worst:.1e}); {res['summary']}")
+
+
+def convert_table(m: Measurement) -> str:
+    res = m.results
+    d = res["disk"]
+    head = (f"Checkpoint {res['checkpoint_gb']:.2f} GB in {res['shards']} shards (largest {res['largest_shard_gb']:.2f} GB). "
+            f"Disk (dd, O_DIRECT): write {d['write_gb_s']:.2f} GB/s, read {d['read_gb_s']:.2f} GB/s, read+write of every "
+            f"byte {d['read_write_gb_s']:.2f} GB/s.\n\n")
+    rows = [[r["step"], f"{r['seconds']:.1f}", f"{r['gb_s']:.2f}", pct(r["vs_disk"], 0), f"{r['peak_rss_gb']:.2f}",
+             f"{r['rss_vs_largest_shard']:.1f}x"] for r in res["rows"]]
+    return head + table(["step", "time (s)", "GB/s", "vs disk read+write", "peak RSS (GB)", "RSS / largest shard"], rows)
+
+
+def convert_headline(m: Measurement) -> str:
+    res = m.results
+    return (", ".join(f"{r['label']} {r['gb_s']:.2f} GB/s ({r['peak_rss_gb']:.2f} GB RSS)" for r in res["rows"])
+            + f"; the disk reads+writes at {res['disk']['read_write_gb_s']:.2f} GB/s")
+
+
+def preprocess_table(m: Measurement) -> str:
+    rows = [[r["method"], f"{r['seconds']:.1f}", f"{r['mb_s']:.1f}", f"{r['tokens_per_s'] / 1e3:.0f}k", f"{r['speedup']:.2f}x"]
+            for r in m.results]
+    return table(["method", "seconds", "MB/s", "tokens/s", "speed-up"], rows)
+
+
+def preprocess_headline(m: Measurement) -> str:
+    best = m.results[-1]
+    return f"{best['method'].removeprefix('mcorekit data preprocess, ')}: {best['tokens_per_s'] / 1e3:.0f}k tokens/s, {best['speedup']:.2f}x a naive loop"
+
+
+KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str]]] = {
+    "train_bench": (train_bench_table, train_bench_headline),
+    "overlap_bench": (overlap_table, overlap_headline),
+    "moe_profile": (moe_profile_table, moe_profile_headline),
+    "logits_1gpu": (logits_1gpu_table, logits_1gpu_headline),
+    "multi_gpu": (multi_gpu_table, multi_gpu_headline),
+    "convert_bench": (convert_table, convert_headline),
+    "preprocess_bench": (preprocess_table, preprocess_headline),
+}
+
+
+def superseded_line(old: Measurement) -> str:
+    return (f"Earlier measurement, superseded: {old.meta['date']}, {old.commit_text}, on {old.meta['hardware']}, "
+            f"`{'; '.join(old.meta['command'])}`: {KINDS[old.meta['kind']][1](old)} "
+            f"([results/{old.name}/](results/{old.name}/)).")
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 9, "svg.hashsalt": "mcorekit", "figure.dpi": 100})
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100, metadata={"Software": None})
+    fig.clf()
+
+
+def plot_train_section(ms: list[Measurement], out: Path) -> str | None:
+    """tokens/s per shape, every 1-GPU training measurement of the section, HF transformers in grey."""
+    bench = [m for m in ms if m.meta["kind"] == "train_bench"]
+    if not bench:
+        return None
+    plt = _plt()
+    shapes = []
+    for m in bench:
+        for r in train_bench_rows(m):
+            if r["shape"] not in shapes:
+                shapes.append(r["shape"])
+    fig, axes = plt.subplots(1, len(shapes), figsize=(11, 4.2), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        labels, values, colors = [], [], []
+        for i, m in enumerate(bench, 1):
+            for r in train_bench_rows(m):
+                if r["shape"] != shape or r.get("gpus", 1) != 1:
+                    continue
+                labels.append(f"{run_label(r)} [{i}]")
+                values.append(r["tokens_per_s"] / 1e3)
+                colors.append("#9a9a9a" if r["run"] == "hf-bf16" else ("#d98c1f" if r["run"].startswith("fp8") else "#2f6db5"))
+        y = list(range(len(labels)))[::-1]
+        ax.barh(y, values, color=colors)
+        ax.set_yticks(y, [textwrap.fill(lab, 34) for lab in labels])
+        for yi, v in zip(y, values):
+            ax.text(v, yi, f" {v:.1f}k", va="center")
+        ax.set_xlim(0, max(values) * 1.22)
+        ax.set_xlabel("tokens/s (thousands), one H200")
+        ax.set_title(SHAPE_LABELS.get(shape, shape))
+    _save(fig, out / "train-1gpu.png")
+    plt.close(fig)
+    keys = "; ".join(f"[{i}] {m.meta['date']}, {m.commit_text}: {m.meta['title']}" for i, m in enumerate(bench, 1))
+    return (f"![tokens/s per shape, mcorekit next to HF transformers](results/train-1gpu.png)\n\n"
+            f"Bars from: {keys}. Grey: HF transformers; blue: mcorekit bf16; orange: mcorekit FP8.")
+
+
+def plot_scaling_section(ms: list[Measurement], out: Path) -> str | None:
+    bench = [m for m in ms if m.meta["kind"] == "train_bench" and any(r.get("gpus", 1) > 1 for r in train_bench_rows(m))]
+    if not bench:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    width = 0.38
+    names = []
+    for i, m in enumerate(bench):
+        rows = train_bench_rows(m)
+        one = next(r for r in rows if r.get("gpus", 1) == 1)
+        names.append(shape_label(one).split(" (")[0])
+        for j, r in enumerate(sorted(rows, key=lambda r: r.get("gpus", 1))):
+            g = r.get("gpus", 1)
+            x = i + (j - 0.5) * width
+            v = r["tokens_per_s"] / 1e3
+            ax.bar(x, v, width * 0.95, color="#2f6db5" if g == 1 else "#64a36b", label=f"{g} GPU{'s' if g > 1 else ''}" if i == 0 else None)
+            note = f"{v:.1f}k" + (f"\n{r['tokens_per_s'] / one['tokens_per_s'] * 100:.0f}%" if g > 1 else "")
+            ax.text(x, v, note, ha="center", va="bottom")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("tokens/s per GPU (thousands)")
+    ax.set_ylim(0, max(r["tokens_per_s"] for m in bench for r in train_bench_rows(m)) / 1e3 * 1.3)
+    ax.legend(loc="upper right")
+    dates = ", ".join(dict.fromkeys(f"{m.meta['date']} {m.meta.get('commit') or ''}".strip() for m in bench))
+    ax.set_title(f"weak scaling, bf16: tokens/s per GPU and % of one GPU ({dates})")
+    _save(fig, out / "scaling.png")
+    plt.close(fig)
+    src = "; ".join(dict.fromkeys(f"{m.meta['date']}, {m.commit_text}, {m.meta['hardware']}" for m in bench))
+    return f"![tokens/s per GPU on one and two GPUs](results/scaling.png)\n\nFrom the tables below ({src})."
+
+
+def plot_loss(m: Measurement, out: Path) -> str | None:
+    metrics = m.metrics()
+    if not metrics:
+        return None
+    import yaml
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for run, rows in metrics.items():
+        label = run
+        cfg = m.folder / run / "config.yaml"
+        if cfg.is_file():
+            gbs = yaml.safe_load(cfg.read_text()).get("schedule", {}).get("global_batch_size")
+            label += f" (global batch {gbs})" if gbs else ""
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker="o", label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.set_title(f"{m.meta['title']}: loss ({m.meta['date']} {m.meta.get('commit') or ''})".replace(" )", ")"))
+    name = f"{m.name}-loss.png"
+    _save(fig, out / name)
+    plt.close(fig)
+    return (f"![loss per step of each run](results/{name})\n\nLoss per logged step from each run's metrics.jsonl "
+            f"(a short benchmark run on mock data; the 2-GPU run takes twice the tokens per step).")
+
+
+def plot_overlap(m: Measurement, out: Path) -> str | None:
+    rows = [r for r in m.results if "error" not in r]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8.5, 3.2))
+    y = list(range(len(rows)))[::-1]
+    hidden = [r["comm_ms"] - r["exposed_ms"] for r in rows]
+    exposed = [r["exposed_ms"] for r in rows]
+    ax.barh(y, exposed, color="#c0504d", label="exposed")
+    ax.barh(y, hidden, left=exposed, color="#9bbb59", label="hidden behind compute")
+    ax.set_yticks(y, [r.get("layout", r["run"]) for r in rows])
+    for yi, r in zip(y, rows):
+        ax.text(r["comm_ms"], yi, f" {r['comm_ms']:.1f} ms of a {r['step_ms']:.0f} ms step", va="center")
+    ax.set_xlim(0, max(r["comm_ms"] for r in rows) * 2.3)
+    ax.set_xlabel("communication kernel time per step on GPU 0 (ms)")
+    ax.set_title(f"communication per step, exposed and hidden ({m.meta['date']})")
+    ax.legend(loc="upper right")
+    _save(fig, out / f"{m.name}.png")
+    plt.close(fig)
+    return f"![communication per step, exposed and hidden](results/{m.name}.png)"
+
+
+def plot_convert(m: Measurement, out: Path) -> str | None:
+    res = m.results
+    d = res["disk"]
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 2.9), gridspec_kw={"width_ratios": [3, 2]})
+    labels = ["disk write (dd)", "disk read (dd)", "disk read+write"] + [r["label"] for r in res["rows"]]
+    values = [d["write_gb_s"], d["read_gb_s"], d["read_write_gb_s"]] + [r["gb_s"] for r in res["rows"]]
+    colors = ["#bbbbbb"] * 3 + ["#9a9a9a" if r["label"].startswith("naive") else "#2f6db5" for r in res["rows"]]
+    y = list(range(len(labels)))[::-1]
+    ax.barh(y, values, color=colors)
+    ax.set_yticks(y, labels)
+    for yi, v in zip(y, values):
+        ax.text(v, yi, f" {v:.2f}", va="center")
+    ax.set_xlim(0, max(values) * 1.2)
+    ax.set_xlabel("GB/s")
+    ax.set_title(f"conversion of a {res['checkpoint_gb']:.2f} GB checkpoint next to the disk ({m.meta['date']})")
+    y2 = list(range(len(res["rows"])))[::-1]
+    ax2.barh(y2, [r["peak_rss_gb"] for r in res["rows"]],
+             color=["#9a9a9a" if r["label"].startswith("naive") else "#2f6db5" for r in res["rows"]])
+    ax2.set_yticks(y2, [r["label"] for r in res["rows"]])
+    for yi, r in zip(y2, res["rows"]):
+        ax2.text(r["peak_rss_gb"], yi, f" {r['peak_rss_gb']:.2f}", va="center")
+    ax2.set_xlim(0, max(r["peak_rss_gb"] for r in res["rows"]) * 1.25)
+    ax2.set_xlabel("peak RSS (GB)")
+    ax2.set_title("peak memory")
+    _save(fig, out / f"{m.name}.png")
+    plt.close(fig)
+    return f"![conversion GB/s next to the disk, and peak memory](results/{m.name}.png)"
+
+
+MEASUREMENT_PLOTS: dict[str, Callable[[Measurement, Path], str | None]] = {
+    "overlap_bench": plot_overlap,
+    "convert_bench": plot_convert,
+}
+SECTION_PLOTS: dict[str, Callable[[list[Measurement], Path], str | None]] = {
+    "train": plot_train_section,
+    "scaling": plot_scaling_section,
+}
+
+
+# ---------------------------------------------------------------- the page
+
+
+def anchor(title: str) -> str:
+    """GitHub's heading anchor."""
+    keep = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return keep.replace(" ", "-")
+
+
+def render(ms: list[Measurement], images: Path) -> str:
+    images.mkdir(parents=True, exist_ok=True)
+    latest = [m for m in ms if not m.meta.get("superseded_by")]
+    by_section = {s: sorted((m for m in latest if m.meta["section"] == s), key=lambda m: (m.meta.get("order", 0), m.name))
+                  for s, _ in SECTIONS}
+    older = {}
+    for m in ms:
+        if m.meta.get("superseded_by"):
+            older.setdefault(m.meta["superseded_by"], []).append(m)
+
+    out = ["# Results", "",
+           "<!-- Generated by tools/results_page.py from docs/results/*/ (meta.json, results.json, metrics.jsonl). "
+           "Do not edit by hand: change the data and run `.venv/bin/python tools/results_page.py`. -->", "",
+           "Every measurement of this project in one place: the latest of each benchmark, each table headed by its date, "
+           "commit, hardware and command. Older measurements of the same thing are named in one line under the newer one. "
+           "The numbers live in [results/](results/), one folder per measurement; this page and its plots are generated "
+           "from them by `tools/results_page.py`, and a test fails when the page is out of date.", "",
+           "Where a figure was copied from an earlier version of the docs and that version gave no commit, the page "
+           "says so and names the commit that added the figure to the docs: the code measured was work in progress "
+           "between that commit's parent and that commit.", "",
+           "## At a glance", ""]
+    rows = []
+    for s, title in SECTIONS:
+        for m in by_section[s]:
+            rows.append([f"[{m.meta['title']}](#{anchor(m.meta['title'])})", KINDS[m.meta["kind"]][1](m), m.meta["date"],
+                         m.commit_text, m.meta["hardware"]])
+    out += [table(["result", "figures", "date", "commit", "hardware"], rows), ""]
+
+    for s, title in SECTIONS:
+        if not by_section[s]:
+            continue
+        out += [f"## {title}", ""]
+        plot = SECTION_PLOTS.get(s)
+        if plot:
+            text = plot(by_section[s], images)
+            if text:
+                out += [text, ""]
+        for m in by_section[s]:
+            out += [f"### {m.meta['title']}", ""]
+            if m.meta["kind"] == "multi_gpu":
+                for i, (sub, tbl, extra) in enumerate(multi_gpu_tables(m)):
+                    out += [f"**{sub}**", "", provenance(m, full=i == 0), "", tbl, ""]
+                    if extra:
+                        out += [notes(extra), ""]
+            else:
+                out += [provenance(m), "", KINDS[m.meta["kind"]][0](m), ""]
+            for plot_m in (MEASUREMENT_PLOTS.get(m.meta["kind"]), plot_loss):
+                text = plot_m(m, images) if plot_m else None
+                if text:
+                    out += [text, ""]
+            if m.meta.get("notes"):
+                out += [notes(m.meta["notes"]), ""]
+            for old in sorted(older.get(m.name, []), key=lambda o: o.meta["date"]):
+                out += [superseded_line(old), ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, default=DATA, help="the results folders (default docs/results)")
+    p.add_argument("--out", type=Path, default=None, help="write OUT/results.md and OUT/results/*.png (default docs/)")
+    p.add_argument("--check", action="store_true", help="generate into a temporary folder; exit 1 if docs/results.md differs")
+    a = p.parse_args(argv)
+    ms = load(a.data)
+    if a.check:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            page = render(ms, Path(tmp) / "results")
+        current = (ROOT / "docs" / "results.md").read_text() if (ROOT / "docs" / "results.md").is_file() else ""
+        if page != current:
+            print("results_page: docs/results.md is out of date: run .venv/bin/python tools/results_page.py", file=sys.stderr)
+            return 1
+        return 0
+    out = a.out or (ROOT / "docs")
+    page = render(ms, out / "results")
+    (out / "results.md").write_text(page)
+    print(f"results_page: wrote {out / 'results.md'} and {len(list((out / 'results').glob('*.png')))} plots "
+          f"from {len(ms)} measurements")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
