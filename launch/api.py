@@ -1,5 +1,7 @@
 """The launcher's public API: prepare (load + validate), then submit one job, a chain, or a sweep array.
 
+Each launch kind has one function that builds its job(s) (`Prepared.job`, `sweep_job`, `chain_jobs`/`stage_job`,
+`smoke_job`, all through `submit.build`); `--dry-run` prints what they build and the submit paths submit it.
 Everything is validated before the first sbatch call, so a bad layout or key never leaves a job behind.
 """
 
@@ -8,15 +10,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError, NotBuiltError
 from mcorekit.launch import config as cfg
 from mcorekit.launch import layout
-from mcorekit.launch.submit import (JobSpec, check_writable, make_executor, record, removed_on_error, render, sbatch_errors,
-                                    scancel)
+from mcorekit.launch.submit import (Built, JobSpec, build, check_writable, record, removed_on_error, scancel, submit_built,
+                                    submit_one)
 from mcorekit.models.spec import ModelSpec
 
 log = logging.getLogger("mcorekit.launch")
@@ -36,8 +38,9 @@ class Prepared:
         (self.spec.run_dir / "config.yaml").write_text(cfg.dump(self.experiment))
         (self.spec.run_dir / "cluster.yaml").write_text(cfg.dump(self.profile))
 
-    def script(self) -> str:
-        return render(self.profile, self.spec)
+    def job(self) -> Built:
+        """The training job (built when asked: a caller may still adjust the profile)."""
+        return build(self.profile, self.spec)
 
 
 def new_run_dir(profile: cfg.ClusterProfile, name: str) -> Path:
@@ -57,6 +60,7 @@ def prepare(experiment: cfg.Experiment, profile: cfg.ClusterProfile, run_dir: Pa
         nodes=experiment.resources.nodes,
         time=experiment.resources.time,
         exclusive=experiment.resources.exclusive,
+        max_restarts=experiment.resources.max_restarts,
     )
     return Prepared(experiment, profile, model, spec, warnings)
 
@@ -126,16 +130,13 @@ def cli_payload(argv: list[str]) -> CliPayload:
 def submit_prepared(p: Prepared, payload: Callable[[], Any] | None = None, kind: str = "train") -> Any:
     if payload is None:
         require_gpus(p.profile)
-    payload = payload or training_payload(p.spec.run_dir)
-    check_writable(p.spec.run_dir.parent)
-    with removed_on_error(p.spec.run_dir):
-        p.save()
-        executor = make_executor(p.profile, p.spec, max_restarts=p.experiment.resources.max_restarts)
-        with sbatch_errors(p.spec.name):
-            job = executor.submit(payload)
-    record(p.spec.run_dir.parent, job_id=job.job_id, name=p.spec.name, kind=kind, run_dir=str(p.spec.run_dir))
+    job = submit_one(p.job(), payload or training_payload(p.spec.run_dir), kind, save=p.save)
     log.info("submitted %s job %s (%s)", kind, job.job_id, p.spec.run_dir)
     return job
+
+
+def smoke_job(profile: cfg.ClusterProfile, nodes: int) -> Built:
+    return build(profile, JobSpec(name="mcorekit-smoke", run_dir=new_run_dir(profile, "smoke"), nodes=nodes, time="00:05:00"))
 
 
 # ---------------------------------------------------------------- chains
@@ -143,39 +144,65 @@ def submit_prepared(p: Prepared, payload: Callable[[], Any] | None = None, kind:
 
 @dataclass
 class Stage:
-    """One job of a chain: its own name, payload, and whether it needs GPUs (convert does not)."""
+    """One job of a chain: its own name, payload, and shape (convert needs no GPUs, training the experiment's nodes)."""
 
     name: str
     payload: Callable[[], Any]
     gpus_per_node: int | None = None  # None: the profile's; 0: a CPU job
     time: str | None = None
     tasks_per_node: int | None = None  # None: one per GPU
+    nodes: int = 1
+    exclusive: bool | None = None  # None: the profile's
+    max_restarts: int = 3
 
 
-def submit_chain(profile: cfg.ClusterProfile, stages: list[Stage], run_dir: Path, kind: str = "chain") -> list[Any]:
+def training_stage(p: Prepared) -> Stage:
+    """A chain's training stage: the experiment's own job shape, under the stage's name."""
+    s = p.spec
+    return Stage(f"{p.experiment.name}-train", training_payload(s.run_dir), time=s.time, nodes=s.nodes,
+                 exclusive=s.exclusive, max_restarts=s.max_restarts)
+
+
+def stage_job(profile: cfg.ClusterProfile, stage: Stage, run_dir: Path, parent: str | None) -> Built:
+    """A stage's job in run_dir/<stage name>; it runs only if job `parent` COMPLETED (afterok)."""
+    spec = JobSpec(name=stage.name, run_dir=run_dir / stage.name, nodes=stage.nodes, time=stage.time,
+                   exclusive=stage.exclusive, gpus_per_node=stage.gpus_per_node, tasks_per_node=stage.tasks_per_node,
+                   max_restarts=stage.max_restarts, dependency=f"afterok:{parent}" if parent else None)
+    return build(profile, spec)
+
+
+# Before submission a stage's parent has no job id; dry runs show this one (Slurm's ids start at 1).
+UNSUBMITTED_PARENT = "0"
+
+
+def chain_jobs(profile: cfg.ClusterProfile, stages: list[Stage], run_dir: Path) -> list[Built]:
+    """Every stage's job as a dry run shows it, each after the one before."""
+    return [stage_job(profile, s, run_dir, UNSUBMITTED_PARENT if i else None) for i, s in enumerate(stages)]
+
+
+def submit_chain(profile: cfg.ClusterProfile, stages: list[Stage], run_dir: Path, kind: str = "chain",
+                 save: Callable[[], None] | None = None) -> list[Any]:
     """Submit stages as dependent jobs: each runs only if the previous one COMPLETED (afterok); a failed parent
-    makes its children end at once (--kill-on-invalid-dep=yes) instead of pending forever."""
-    specs = [JobSpec(name=s.name, run_dir=run_dir / s.name, time=s.time, gpus_per_node=s.gpus_per_node,
-                     tasks_per_node=s.tasks_per_node) for s in stages]
-    for s in specs:
-        render(profile, s)  # validates every stage's parameters before the first submission
+    makes its children end at once (--kill-on-invalid-dep=yes) instead of pending forever. `save` writes the
+    run folder's files first; a failure leaves no run folder."""
+    chain_jobs(profile, stages, run_dir)  # validates every stage's parameters before the first submission
     check_writable(run_dir.parent)
     jobs: list[Any] = []
-    for stage, spec in zip(stages, specs):
-        if jobs:
-            spec.dependency = f"afterok:{jobs[-1].job_id}"
-        try:
-            executor = make_executor(profile, spec)
-            with sbatch_errors(spec.name):
-                job = executor.submit(stage.payload)
-        except LaunchError as e:  # a half-submitted chain would run its first stages for nothing
-            if not jobs:
-                raise
-            cancelled = scancel([j.job_id for j in jobs])
-            raise LaunchError(f"{e}; cancelled the chain's earlier jobs {', '.join(cancelled)}") from None
-        record(run_dir.parent, job_id=job.job_id, name=spec.name, kind=kind, run_dir=str(spec.run_dir),
-               dependency=spec.dependency)
-        jobs.append(job)
+    with removed_on_error(run_dir):
+        if save:
+            save()
+        for stage in stages:
+            built = stage_job(profile, stage, run_dir, jobs[-1].job_id if jobs else None)
+            try:
+                [job] = submit_built(built, [stage.payload])
+            except LaunchError as e:  # a half-submitted chain would run its first stages for nothing
+                if not jobs:
+                    raise
+                cancelled = scancel([j.job_id for j in jobs])
+                raise LaunchError(f"{e}; cancelled the chain's earlier jobs {', '.join(cancelled)}") from None
+            record(run_dir.parent, job_id=job.job_id, name=stage.name, kind=kind, run_dir=str(built.spec.run_dir),
+                   dependency=built.spec.dependency)
+            jobs.append(job)
     return jobs
 
 
@@ -230,9 +257,10 @@ def prepare_sweep(config: str | Path, cluster: str | Path, axes: dict[str, list[
         except (ConfigError, ModelError) as e:
             what = str(e).removeprefix(f"{cfg.shown(config)}: ")  # load_experiment names the file already
             raise type(e)(f"{cfg.shown(config)}: sweep point {i} {point}: {what}") from None
-    resources = {(p.spec.nodes, p.spec.time, p.spec.exclusive) for p in points}
+    resources = {(p.spec.nodes, p.spec.time, p.spec.exclusive, p.spec.max_restarts) for p in points}
     if len(resources) > 1:
-        raise ConfigError("sweep points differ in resources (nodes/time/exclusive); one array job needs the same for all")
+        raise ConfigError("sweep points differ in resources (nodes/time/exclusive/max_restarts); one array job needs "
+                          "the same for all")
     return points, sweep_dir
 
 
@@ -242,27 +270,32 @@ def _yaml_value(v: Any) -> str:
     return json.dumps(v)
 
 
-def submit_sweep(points: list[Prepared], sweep_dir: Path, payloads: list[Callable[[], Any]] | None = None,
-                 max_parallel: int | None = None) -> list[Any]:
-    """One Slurm job array, one task per point, at most max_parallel running at once."""
+def sweep_job(points: list[Prepared], sweep_dir: Path, max_parallel: int | None = None) -> Built:
+    """One Slurm job array, one task per point, at most max_parallel running at once; the points share their
+    resources (prepare_sweep checks), so the array takes the first point's job shape whole.
+    A single point is a plain job: submitit submits one payload without an array."""
     if not points:
         raise ConfigError("a sweep needs at least one point")
+    first = points[0]
+    spec = replace(first.spec, name=first.experiment.name + "-sweep", run_dir=sweep_dir,
+                   array_size=len(points) if len(points) > 1 else None, array_parallelism=max_parallel)
+    return build(first.profile, spec)
+
+
+def submit_sweep(points: list[Prepared], sweep_dir: Path, payloads: list[Callable[[], Any]] | None = None,
+                 max_parallel: int | None = None) -> list[Any]:
+    built = sweep_job(points, sweep_dir, max_parallel)
     if payloads is None:
         for p in points:  # every point, though they share a profile: the rule belongs to each experiment
             require_gpus(p.profile)
         payloads = [training_payload(p.spec.run_dir) for p in points]
     if len(payloads) != len(points):
         raise ConfigError(f"{len(payloads)} payloads for {len(points)} sweep points")
-    first = points[0]
-    spec = JobSpec(name=first.experiment.name + "-sweep", run_dir=sweep_dir, nodes=first.spec.nodes,
-                   time=first.spec.time, exclusive=first.spec.exclusive, array_parallelism=max_parallel)
     check_writable(sweep_dir.parent)
     with removed_on_error(sweep_dir):
         for p in points:
             p.save()
-        executor = make_executor(first.profile, spec, max_restarts=first.experiment.resources.max_restarts)
-        with sbatch_errors(spec.name), executor.batch():
-            jobs = [executor.submit(fn) for fn in payloads]
+        jobs = submit_built(built, payloads)
     for p, job in zip(points, jobs):
         record(sweep_dir.parent, job_id=job.job_id, name=p.spec.name, kind="sweep", run_dir=str(sweep_dir),
                point_dir=str(p.spec.run_dir))

@@ -17,7 +17,7 @@ from mcorekit.errors import ConfigError, ModelError
 from mcorekit.launch import api
 from mcorekit.launch import config as cfg
 from mcorekit.launch.options import count, positive_float
-from mcorekit.launch.submit import JobSpec, render, submit
+from mcorekit.launch.submit import submit_one
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +53,7 @@ def main_train(argv: list[str]) -> int:
     if args.dry_run:
         print(f"# model: {p.model.architecture}, {p.model.num_parameters() / 1e6:,.1f}M parameters")
         print("# resolved experiment\n" + cfg.dump(p.experiment))
-        print("# sbatch script\n" + p.script())
+        print("# sbatch script\n" + p.job().script, end="")
         return 0
     job = api.submit_prepared(p)
     print(f"submitted {job.job_id}: {p.spec.run_dir} (mcorekit logs {job.job_id} --follow)")
@@ -73,9 +73,7 @@ def main_sweep(argv: list[str]) -> int:
     if args.dry_run:
         for i, p in enumerate(points):
             print(f"# point {i}: {p.spec.run_dir}")
-        spec = JobSpec(name=points[0].experiment.name + "-sweep", run_dir=sweep_dir, nodes=points[0].spec.nodes,
-                       time=points[0].spec.time, array_size=len(points), array_parallelism=args.max_parallel)
-        print("# sbatch script\n" + render(points[0].profile, spec))
+        print("# sbatch script\n" + api.sweep_job(points, sweep_dir, args.max_parallel).script, end="")
         return 0
     jobs = api.submit_sweep(points, sweep_dir, max_parallel=args.max_parallel)
     print(f"submitted array {jobs[0].job_id.split('_')[0]} with {len(jobs)} points: {sweep_dir}")
@@ -102,6 +100,20 @@ def _check_chain_outputs(args: argparse.Namespace, ckpt: Path) -> None:
                 raise ConfigError(f"{flag} {path} overlaps {what} {other}; a stage must not write into its own input")
 
 
+def _chain_stages(p: api.Prepared, args: argparse.Namespace, ckpt: str) -> list[api.Stage]:
+    """train -> convert [-> export [-> engine]]; the later stages are CPU jobs, except the engine build."""
+    name = p.experiment.name
+    stages = [api.training_stage(p),
+              api.Stage(f"{name}-convert", api.cli_payload(["convert", "mcore-to-hf", ckpt, args.hf_out]), gpus_per_node=0)]
+    if args.export_out:
+        export = ["export", "trtllm", args.hf_out, args.export_out, "--target", args.export_target]
+        stages.append(api.Stage(f"{name}-export", api.cli_payload(export), gpus_per_node=0))
+        if args.export_target == "engine" and args.engine_out:  # trtllm-build: one process on the profile's GPUs
+            engine = ["export", "engine", args.export_out, args.engine_out]
+            stages.append(api.Stage(f"{name}-engine", api.cli_payload(engine), tasks_per_node=1))
+    return stages
+
+
 def main_chain(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mcorekit launch chain",
                                      description="Submit train -> convert (to HF) -> export (TensorRT-LLM) as dependent jobs "
@@ -117,28 +129,16 @@ def main_chain(argv: list[str]) -> int:
     _warn(p)
     ckpt = p.experiment.checkpoint.dir or str(p.spec.run_dir / "checkpoints")
     _check_chain_outputs(args, Path(ckpt))
-    steps = [("train", None, None), ("convert", ["convert", "mcore-to-hf", ckpt, args.hf_out], 0)]
-    if args.export_out:
-        steps.append(("export", ["export", "trtllm", args.hf_out, args.export_out, "--target", args.export_target], 0))
-        if args.export_target == "engine" and args.engine_out:
-            steps.append(("engine", ["export", "engine", args.export_out, args.engine_out], None))
+    stages = _chain_stages(p, args, ckpt)
     if args.dry_run:
-        for name, argv_stage, gpus in steps:
-            spec = JobSpec(name=f"{p.experiment.name}-{name}", run_dir=p.spec.run_dir / name, nodes=p.spec.nodes if name == "train" else 1,
-                           time=p.spec.time if name == "train" else None, gpus_per_node=gpus,
-                           tasks_per_node=1 if name == "engine" else None,
-                           dependency=None if name == "train" else "afterok:0")
-            print(f"# stage {name}: {'train' if argv_stage is None else 'mcorekit ' + ' '.join(argv_stage)}")
-            print(render(p.profile, spec))
+        print(f"# afterok:{api.UNSUBMITTED_PARENT} stands for the job id of the stage before, known once it is submitted")
+        for stage, job in zip(stages, api.chain_jobs(p.profile, stages, p.spec.run_dir)):
+            command = " ".join(["mcorekit", *stage.payload.argv]) if isinstance(stage.payload, api.CliPayload) else "train"
+            print(f"# stage {stage.name}: {command}")
+            print(job.script, end="")
         return 0
     api.require_gpus(p.profile)
-    stages = [api.Stage(f"{p.experiment.name}-train", api.training_payload(p.spec.run_dir), time=p.spec.time)]
-    for name, argv_stage, gpus in steps[1:]:
-        stages.append(api.Stage(f"{p.experiment.name}-{name}", api.cli_payload(argv_stage), gpus_per_node=gpus,
-                                tasks_per_node=1 if name == "engine" else None))
-    with api.removed_on_error(p.spec.run_dir):
-        p.save()
-        jobs = api.submit_chain(p.profile, stages, p.spec.run_dir)
+    jobs = api.submit_chain(p.profile, stages, p.spec.run_dir, save=p.save)
     print("submitted chain: " + " -> ".join(f"{s.name} {j.job_id}" for s, j in zip(stages, jobs)))
     return 0
 
@@ -179,14 +179,14 @@ def main_smoke(argv: list[str]) -> int:
     parser.add_argument("--nodes", type=count, default=1)
     args = parser.parse_args(argv)
     profile = cfg.load_profile(args.cluster, args.profile_overrides)
-    spec = JobSpec(name="mcorekit-smoke", run_dir=api.new_run_dir(profile, "smoke"), nodes=args.nodes, time="00:05:00")
+    built = api.smoke_job(profile, args.nodes)
     if args.dry_run:
-        print(render(profile, spec))
+        print(built.script, end="")
         return 0
     from mcorekit.launch.smoke import allreduce_check
 
-    job = submit(profile, spec, allreduce_check, kind="smoke")
-    print(f"submitted smoke job {job.job_id}; logs in {spec.run_dir / 'logs'}", flush=True)
+    job = submit_one(built, allreduce_check, kind="smoke")
+    print(f"submitted smoke job {job.job_id}; logs in {built.spec.run_dir / 'logs'}", flush=True)
     results = job.results()
     ok = all(r["sum"] == r["expected"] for r in results)
     first = results[0]

@@ -1,11 +1,14 @@
-"""Render and submit sbatch jobs with submitit: srun-native, one task per GPU, values quoted or rejected.
+"""Build and submit sbatch jobs with submitit: srun-native, one task per GPU, values quoted or rejected.
 
-`render()` gives the exact script `sbatch` will receive (what `--dry-run` prints and the golden tests pin);
-`submit()` hands the same parameters to submitit and records the job in the run root's job registry.
+`build()` is the one place a job is made: it gives submitit's executor parameters and the exact script `sbatch`
+will receive. `--dry-run` prints that script, the golden tests pin it, and `submit_built()` hands the same
+parameters to submitit, so what is shown is what is submitted.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import shlex
 import shutil
@@ -13,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -52,6 +55,7 @@ class JobSpec:
     array_parallelism: int | None = None
     gpus_per_node: int | None = None  # default: the profile's; 0 runs a CPU job on a GPU cluster
     tasks_per_node: int | None = None  # default: one per GPU (a single-process GPU tool such as trtllm-build sets 1)
+    max_restarts: int = 3  # requeues after a time limit or preemption (submitit's max_num_timeout)
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -60,7 +64,8 @@ class JobSpec:
         _checked(str(self.run_dir), "run directory")
         for what, value, low in (("nodes", self.nodes, 1), ("array size", self.array_size, 1),
                                  ("array parallelism (--max-parallel)", self.array_parallelism, 1),
-                                 ("GPUs per node", self.gpus_per_node, 0), ("tasks per node", self.tasks_per_node, 1)):
+                                 ("GPUs per node", self.gpus_per_node, 0), ("tasks per node", self.tasks_per_node, 1),
+                                 ("max restarts", self.max_restarts, 0)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise ConfigError(f"{what} must be a whole number >= {low}, got {value!r}")
         if self.dependency is not None and not all(
@@ -139,28 +144,43 @@ def logs_dir(spec: JobSpec) -> Path:
     return spec.run_dir / "logs"
 
 
-def render(profile: ClusterProfile, spec: JobSpec) -> str:
-    """The exact sbatch script submitit will submit for this job."""
+@dataclass(frozen=True)
+class Built:
+    """One job exactly as it will be submitted: submitit's executor settings and the script sbatch receives."""
+
+    spec: JobSpec
+    python: str  # shell-quoted interpreter on the nodes
+    params: dict[str, Any]  # SlurmExecutor.update_parameters(**params)
+    script: str
+
+
+def build(profile: ClusterProfile, spec: JobSpec) -> Built:
+    """The job builder: dry runs print `.script`, submissions hand `.params` to submitit, which renders the same."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     params = sbatch_parameters(profile, spec)
+    python = shlex.quote(python_for(profile))
     folder = logs_dir(spec).resolve()
-    command = " ".join([shlex.quote(python_for(profile)), "-u -m submitit.core._submit", shlex.quote(str(folder))])
-    if spec.array_size:
-        params["map_count"] = spec.array_size
-    return _make_sbatch_string(command=command, folder=folder, **params)
+    # submitit's own command line (SlurmExecutor._submitit_command_str) and, for arrays, its map_count
+    command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    array = {"map_count": spec.array_size} if spec.array_size else {}
+    return Built(spec, python, params, _make_sbatch_string(command=command, folder=folder, **params, **array))
 
 
-def make_executor(profile: ClusterProfile, spec: JobSpec, max_restarts: int = 3):
+def render(profile: ClusterProfile, spec: JobSpec) -> str:
+    """The exact sbatch script submitit will submit for this job."""
+    return build(profile, spec).script
+
+
+def make_executor(job: Built):
     import submitit
 
     try:
-        executor = submitit.SlurmExecutor(
-            folder=logs_dir(spec).resolve(), max_num_timeout=max_restarts, python=shlex.quote(python_for(profile))
-        )
+        executor = submitit.SlurmExecutor(folder=logs_dir(job.spec).resolve(), max_num_timeout=job.spec.max_restarts,
+                                          python=job.python)
     except RuntimeError as e:
         raise LaunchError(f"{e} (no srun on PATH: run on a Slurm login node, or `make cluster-up` for the dev cluster)") from None
-    executor.update_parameters(**sbatch_parameters(profile, spec))
+    executor.update_parameters(**job.params)
     return executor
 
 
@@ -195,14 +215,17 @@ def removed_on_error(run_dir: Path) -> Iterator[None]:
 
 @contextmanager
 def sbatch_errors(name: str) -> Iterator[None]:
-    """submitit raises plain errors carrying sbatch's message: keep its last line, drop the traceback."""
+    """submitit prints sbatch's stderr, then raises an error carrying it: keep its last line, once, and no traceback."""
+    printed = io.StringIO()
     try:
-        yield
+        with redirect_stderr(printed):
+            yield
     except MCoreKitError:
         raise
     except Exception as e:
         lines = str(e).strip().splitlines() or [type(e).__name__]
         raise LaunchError(f"sbatch refused job {name!r}: {lines[-1]}") from None
+    sys.stderr.write(printed.getvalue())  # a submission that went through keeps its warnings
 
 
 def scancel(job_ids: list[str]) -> list[str]:
@@ -227,13 +250,32 @@ def record(run_root: Path, **entry: Any) -> None:
         f.write((b"\n" if torn else b"") + json.dumps(entry).encode() + b"\n")
 
 
-def submit(profile: ClusterProfile, spec: JobSpec, fn: Callable[..., Any], *args: Any, kind: str = "job",
-           max_restarts: int = 3) -> Any:
+def submit_built(job: Built, payloads: list[Callable[[], Any]]) -> list[Any]:
+    """sbatch `job` once: one payload is one job, several are one array of len(payloads) tasks (the count the
+    builder was given: submitit writes the array size into the script). sbatch's refusals are one LaunchError line."""
+    if len(payloads) != (job.spec.array_size or 1):
+        raise ValueError(f"{len(payloads)} payloads for job {job.spec.name!r} built for {job.spec.array_size or 1}")
+    executor = make_executor(job)
+    with sbatch_errors(job.spec.name):
+        if len(payloads) == 1:
+            return [executor.submit(payloads[0])]
+        with executor.batch():
+            submitted = [executor.submit(fn) for fn in payloads]
+    return submitted
+
+
+def submit_one(job: Built, payload: Callable[[], Any], kind: str, save: Callable[[], None] | None = None) -> Any:
+    """Submit a single job and record it; `save` writes the run folder's files first. A failure leaves no run folder."""
+    run_dir = job.spec.run_dir
+    check_writable(run_dir.parent)
+    with removed_on_error(run_dir):
+        if save:
+            save()
+        [submitted] = submit_built(job, [payload])
+    record(run_dir.parent, job_id=submitted.job_id, name=job.spec.name, kind=kind, run_dir=str(run_dir))
+    return submitted
+
+
+def submit(profile: ClusterProfile, spec: JobSpec, fn: Callable[..., Any], *args: Any, kind: str = "job") -> Any:
     """Submit fn(*args) as one job (every task runs it); returns the submitit Job."""
-    check_writable(spec.run_dir.parent)
-    with removed_on_error(spec.run_dir):
-        executor = make_executor(profile, spec, max_restarts)
-        with sbatch_errors(spec.name):
-            job = executor.submit(fn, *args)
-    record(spec.run_dir.parent, job_id=job.job_id, name=spec.name, kind=kind, run_dir=str(spec.run_dir))
-    return job
+    return submit_one(build(profile, spec), functools.partial(fn, *args) if args else fn, kind)
