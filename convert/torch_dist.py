@@ -203,11 +203,16 @@ def write(path: Path, tensors: list[PlannedTensor], blobs: dict[str, bytes], thr
     writer = _CountingWriter(str(path), single_file_per_rank=True, thread_count=threads, sync_files=True)
     planner = StreamingSavePlanner(tensors, blobs, on_chunk)
     failures: list[BaseException] = []
+    running = set(threading.enumerate())
     with _quiet_dcp(), _thread_errors() as thread_errors:
         try:
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as e:
             failures.append(_cause(e))
+        finally:  # DCP does not join its helper threads when its own part fails: wait, so none writes on
+            for thread in set(threading.enumerate()) - running:
+                if not thread.daemon:
+                    thread.join()
     # Helper threads that failed are not in DCP's exception: their items are missing from .metadata.
     failures += planner.errors + thread_errors
     if failures:

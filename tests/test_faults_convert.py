@@ -295,6 +295,7 @@ def test_checkpoint_tensor_with_an_integer_dtype(base, tmp_path: Path) -> None:
                  "decoder.final_layernorm.weight is stored as torch.int8")
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("failing", [0, 7], ids=["first-chunk", "last-chunk"])
 def test_torch_dist_write_raises_what_failed_on_any_thread(tmp_path: Path, failing: int) -> None:
     """DCP writes some files on helper threads that swallow exceptions; the write must fail all the same."""
@@ -634,6 +635,7 @@ def test_sigkill_mid_write_then_rerun(tmp_path: Path) -> None:
     assert tree_digest(hf) == before
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # a helper thread's traceback
 def test_disk_full(base, tmp_path: Path) -> None:
     with tmpfs(tmp_path / "small", "size=128k") as small:
         for args in (["hf-to-mcore", str(base["llama"]), str(small / "out")],
