@@ -67,7 +67,7 @@ def worker(config: str, run_dir: str, at: int, overrides: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from mcorekit.launch.config import load_experiment
+    from mcorekit.config.experiment import load_experiment
     from mcorekit.train.loop import train
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])

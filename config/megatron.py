@@ -1,12 +1,12 @@
 """Our experiment schema -> Megatron-Core's config objects. Pure functions (no GPU, no process groups), so each
-feature's mapping is tested on CPU and the launcher can ask Megatron-Core itself whether it accepts a config."""
+feature's mapping is tested on CPU, training builds from them, and the rules (rules.problems) ask Megatron-Core
+itself whether it accepts a config, on the login node before queueing as on the ranks."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mcorekit.launch.config import Experiment
-from mcorekit.launch.layout import layout_of
+from mcorekit.config.experiment import Experiment, layout_of
 from mcorekit.models.megatron import DTYPES
 from mcorekit.models.spec import ModelSpec
 
@@ -114,8 +114,8 @@ def scheduler_kwargs(exp: Experiment) -> dict[str, Any]:
 
 
 def megatron_problems(exp: Experiment, spec: ModelSpec, use_te: bool = True) -> list[str]:
-    """What Megatron-Core's own config checks reject (empty when it accepts). The launcher calls this on the
-    login node so a config Megatron would refuse at start-up fails before it queues."""
+    """What Megatron-Core's own config checks reject (empty when it accepts); the last of rules.problems, so a
+    config Megatron would refuse at start-up fails on the login node, before it queues."""
     try:
         transformer_config(exp, spec, use_te, fusions=False)
     except (AssertionError, ValueError) as e:

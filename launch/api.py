@@ -14,9 +14,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from mcorekit.config.cluster import ClusterProfile, load_profile
+from mcorekit.config.experiment import Experiment, load_experiment
+from mcorekit.config.loading import dump, parse_value
+from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError, NotBuiltError
-from mcorekit.launch import config as cfg
-from mcorekit.launch import layout
+from mcorekit.launch.plan import check
 from mcorekit.launch.submit import (Built, JobSpec, build, check_writable, record, removed_on_error, scancel, submit_built,
                                     submit_one)
 from mcorekit.models.spec import ModelSpec
@@ -26,8 +29,8 @@ log = logging.getLogger("mcorekit.launch")
 
 @dataclass
 class Prepared:
-    experiment: cfg.Experiment
-    profile: cfg.ClusterProfile
+    experiment: Experiment
+    profile: ClusterProfile
     model: ModelSpec
     spec: JobSpec
     warnings: list[str] = field(default_factory=list)
@@ -35,15 +38,15 @@ class Prepared:
     def save(self) -> None:
         """Write the resolved experiment and profile into the run directory, next to logs/."""
         self.spec.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.spec.run_dir / "config.yaml").write_text(cfg.dump(self.experiment))
-        (self.spec.run_dir / "cluster.yaml").write_text(cfg.dump(self.profile))
+        (self.spec.run_dir / "config.yaml").write_text(dump(self.experiment))
+        (self.spec.run_dir / "cluster.yaml").write_text(dump(self.profile))
 
     def job(self) -> Built:
         """The training job (built when asked: a caller may still adjust the profile)."""
         return build(self.profile, self.spec)
 
 
-def new_run_dir(profile: cfg.ClusterProfile, name: str) -> Path:
+def new_run_dir(profile: ClusterProfile, name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(profile.run_root).resolve() / f"{name}-{stamp}"
     run_dir, n = base, 1
@@ -52,8 +55,8 @@ def new_run_dir(profile: cfg.ClusterProfile, name: str) -> Path:
     return run_dir
 
 
-def prepare(experiment: cfg.Experiment, profile: cfg.ClusterProfile, run_dir: Path | None = None) -> Prepared:
-    model, warnings = layout.check(experiment, profile)
+def prepare(experiment: Experiment, profile: ClusterProfile, run_dir: Path | None = None) -> Prepared:
+    model, warnings = check(experiment, profile)
     spec = JobSpec(
         name=experiment.name,
         run_dir=run_dir or new_run_dir(profile, experiment.name),
@@ -72,20 +75,20 @@ def _with_nodes(overrides: list[str] | None, nodes: int | None) -> list[str]:
 
 def _naming(config: str | Path, e: ConfigError | ModelError) -> ConfigError | ModelError:
     """The same error, prefixed with the experiment file it came from."""
-    return type(e)(f"{cfg.shown(config)}: {e}")
+    return type(e)(f"{shown(config)}: {e}")
 
 
 def load(config: str | Path, cluster: str | Path = "local", overrides: list[str] | None = None,
          profile_overrides: list[str] | None = None, nodes: int | None = None) -> Prepared:
-    experiment = cfg.load_experiment(config, _with_nodes(overrides, nodes))
-    profile = cfg.load_profile(cluster, profile_overrides)
+    experiment = load_experiment(config, _with_nodes(overrides, nodes))
+    profile = load_profile(cluster, profile_overrides)
     try:
         return prepare(experiment, profile)
     except (LayoutError, ModelError) as e:
         raise _naming(config, e) from None
 
 
-def require_gpus(profile: cfg.ClusterProfile) -> None:
+def require_gpus(profile: ClusterProfile) -> None:
     """Training is refused on a CPU-only profile, whatever the launch kind (single job, sweep, chain)."""
     if profile.gpus_per_node == 0:
         raise LaunchError(f"training runs on GPUs (Megatron-Core has no CPU forward pass) and profile {profile.name!r} "
@@ -135,7 +138,7 @@ def submit_prepared(p: Prepared, payload: Callable[[], Any] | None = None, kind:
     return job
 
 
-def smoke_job(profile: cfg.ClusterProfile, nodes: int) -> Built:
+def smoke_job(profile: ClusterProfile, nodes: int) -> Built:
     return build(profile, JobSpec(name="mcorekit-smoke", run_dir=new_run_dir(profile, "smoke"), nodes=nodes, time="00:05:00"))
 
 
@@ -163,7 +166,7 @@ def training_stage(p: Prepared) -> Stage:
                  exclusive=s.exclusive, max_restarts=s.max_restarts)
 
 
-def stage_job(profile: cfg.ClusterProfile, stage: Stage, run_dir: Path, parent: str | None) -> Built:
+def stage_job(profile: ClusterProfile, stage: Stage, run_dir: Path, parent: str | None) -> Built:
     """A stage's job in run_dir/<stage name>; it runs only if job `parent` COMPLETED (afterok)."""
     spec = JobSpec(name=stage.name, run_dir=run_dir / stage.name, nodes=stage.nodes, time=stage.time,
                    exclusive=stage.exclusive, gpus_per_node=stage.gpus_per_node, tasks_per_node=stage.tasks_per_node,
@@ -175,12 +178,12 @@ def stage_job(profile: cfg.ClusterProfile, stage: Stage, run_dir: Path, parent: 
 UNSUBMITTED_PARENT = "0"
 
 
-def chain_jobs(profile: cfg.ClusterProfile, stages: list[Stage], run_dir: Path) -> list[Built]:
+def chain_jobs(profile: ClusterProfile, stages: list[Stage], run_dir: Path) -> list[Built]:
     """Every stage's job as a dry run shows it, each after the one before."""
     return [stage_job(profile, s, run_dir, UNSUBMITTED_PARENT if i else None) for i, s in enumerate(stages)]
 
 
-def submit_chain(profile: cfg.ClusterProfile, stages: list[Stage], run_dir: Path, kind: str = "chain",
+def submit_chain(profile: ClusterProfile, stages: list[Stage], run_dir: Path, kind: str = "chain",
                  save: Callable[[], None] | None = None) -> list[Any]:
     """Submit stages as dependent jobs: each runs only if the previous one COMPLETED (afterok); a failed parent
     makes its children end at once (--kill-on-invalid-dep=yes) instead of pending forever. `save` writes the
@@ -225,13 +228,13 @@ def parse_axes(items: list[str]) -> dict[str, list[Any]]:
     for item in items:
         if "=" not in item:
             raise ConfigError(f"sweep axis {item!r} is not of the form key.path=v1,v2,...")
-        if cfg.CONTROL_RE.search(item):
+        if CONTROL_RE.search(item):
             raise ConfigError(f"sweep axis {item!r} contains a newline or control character; remove it")
         key, raw = item.split("=", 1)
         key = key.strip()
         if key in axes:
             raise ConfigError(f"sweep axis {key!r} is given twice; list all its values in one --grid {key}=v1,v2,...")
-        axes[key] = [cfg.parse_value(v, f"sweep axis {key!r}") for v in raw.split(",")]
+        axes[key] = [parse_value(v, f"sweep axis {key!r}") for v in raw.split(",")]
     points = 1
     for values in axes.values():
         points *= len(values)
@@ -245,18 +248,18 @@ def prepare_sweep(config: str | Path, cluster: str | Path, axes: dict[str, list[
                   profile_overrides: list[str] | None = None, nodes: int | None = None) -> tuple[list[Prepared], Path]:
     """Resolve and validate every point as a full experiment first (nothing is written or submitted before all
     pass); the points share one array job, so they must share resources."""
-    profile = cfg.load_profile(cluster, profile_overrides)
+    profile = load_profile(cluster, profile_overrides)
     overrides = _with_nodes(overrides, nodes)
-    base = cfg.load_experiment(config, overrides)
+    base = load_experiment(config, overrides)
     sweep_dir = new_run_dir(profile, f"{base.name}-sweep")
     points = []
     for i, point in enumerate(grid(axes)):
         try:
-            exp = cfg.load_experiment(config, overrides + [f"{k}={_yaml_value(v)}" for k, v in point.items()])
+            exp = load_experiment(config, overrides + [f"{k}={_yaml_value(v)}" for k, v in point.items()])
             points.append(prepare(exp, profile, run_dir=sweep_dir / f"point-{i}"))
         except (ConfigError, ModelError) as e:
-            what = str(e).removeprefix(f"{cfg.shown(config)}: ")  # load_experiment names the file already
-            raise type(e)(f"{cfg.shown(config)}: sweep point {i} {point}: {what}") from None
+            what = str(e).removeprefix(f"{shown(config)}: ")  # load_experiment names the file already
+            raise type(e)(f"{shown(config)}: sweep point {i} {point}: {what}") from None
     resources = {(p.spec.nodes, p.spec.time, p.spec.exclusive, p.spec.max_restarts) for p in points}
     if len(resources) > 1:
         raise ConfigError("sweep points differ in resources (nodes/time/exclusive/max_restarts); one array job needs "

@@ -13,9 +13,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from mcorekit.config.cluster import load_profile
+from mcorekit.config.loading import dump
+from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import ConfigError, ModelError
 from mcorekit.launch import api
-from mcorekit.launch import config as cfg
 from mcorekit.launch.options import count, positive_float
 from mcorekit.launch.submit import submit_one
 
@@ -52,7 +54,7 @@ def main_train(argv: list[str]) -> int:
     _warn(p)
     if args.dry_run:
         print(f"# model: {p.model.architecture}, {p.model.num_parameters() / 1e6:,.1f}M parameters")
-        print("# resolved experiment\n" + cfg.dump(p.experiment))
+        print("# resolved experiment\n" + dump(p.experiment))
         print("# sbatch script\n" + p.job().script, end="")
         return 0
     job = api.submit_prepared(p)
@@ -87,8 +89,8 @@ def _check_chain_outputs(args: argparse.Namespace, ckpt: Path) -> None:
     outputs = [("--hf-out", args.hf_out), ("--export-out", args.export_out), ("--engine-out", args.engine_out)]
     named = [(flag, Path(v)) for flag, v in outputs if v is not None]
     for flag, path in named:
-        if cfg.CONTROL_RE.search(str(path)):
-            raise ConfigError(f"{flag} {cfg.shown(path)} contains a newline or control character; choose another path")
+        if CONTROL_RE.search(str(path)):
+            raise ConfigError(f"{flag} {shown(path)} contains a newline or control character; choose another path")
         if path.exists() or path.is_symlink():
             raise ConfigError(f"{flag} {path} exists; the chain's stages do not replace outputs: choose a new path or remove it")
     from mcorekit.outputs import overlaps
@@ -153,12 +155,13 @@ def main_plan(argv: list[str]) -> int:
     parser.add_argument("--mbs", type=count, default=1, help="micro-batch size")
     parser.add_argument("--gpu-memory-gb", type=positive_float, default=80.0)
     args = parser.parse_args(argv)
-    from mcorekit.launch.layout import model_problems, plan, resolve_model
+    from mcorekit.config.model import model_problems, resolve_model
+    from mcorekit.launch.plan import plan
     from mcorekit.models.spec import PRESETS
 
     model = resolve_model(args.model, None, None) if args.model in PRESETS else resolve_model(None, args.model, None)
     if bad := model_problems(model):
-        raise ModelError(f"{cfg.shown(args.model)}: " + "; ".join(bad))
+        raise ModelError(f"{shown(args.model)}: " + "; ".join(bad))
     layouts = plan(model, args.gpus, args.gpus_per_node, args.seq, args.mbs, args.gpu_memory_gb)
     print(f"{model.architecture}, {model.num_parameters() / 1e9:.2f}B parameters, {args.gpus} GPUs, seq {args.seq}, mbs {args.mbs}")
     if not layouts:
@@ -178,7 +181,7 @@ def main_smoke(argv: list[str]) -> int:
     _common(parser)
     parser.add_argument("--nodes", type=count, default=1)
     args = parser.parse_args(argv)
-    profile = cfg.load_profile(args.cluster, args.profile_overrides)
+    profile = load_profile(args.cluster, args.profile_overrides)
     built = api.smoke_job(profile, args.nodes)
     if args.dry_run:
         print(built.script, end="")

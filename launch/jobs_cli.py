@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mcorekit.config.cluster import load_profile
+from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import LaunchError
 from mcorekit.launch import accounting, diagnose
-from mcorekit.launch.config import CONTROL_RE, load_profile, shown
 from mcorekit.launch.options import count, index, positive_float
 from mcorekit.launch.submit import REGISTRY
 

@@ -14,7 +14,7 @@ def allreduce_check() -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from mcorekit.launch.env import init_process_group
+    from mcorekit.runtime.env import init_process_group
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     d = init_process_group(backend)
@@ -75,7 +75,7 @@ class CountingJob:
         import time
         from pathlib import Path
 
-        from mcorekit.launch.requeue import RestartGuard, StopSignal, requeue_and_exit, restart_count
+        from mcorekit.runtime.requeue import RestartGuard, StopSignal, requeue_and_exit, restart_count
 
         stop = StopSignal()
         rank = int(os.environ.get("SLURM_PROCID", "0"))

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from mcorekit.config.cluster import ClusterProfile
+from mcorekit.config.values import ENV_KEY_RE, NAME_RE, no_control, parse_time_minutes, shown
 from mcorekit.errors import ConfigError, LaunchError, MCoreKitError
-from mcorekit.launch.config import ENV_KEY_RE, NAME_RE, ClusterProfile, _no_control, parse_time_minutes, shown
 
 # Environment every Megatron job gets; a profile's env can override any of them.
 GPU_ENV = {
@@ -38,7 +39,7 @@ REGISTRY = "jobs.jsonl"
 
 def _checked(value: str, what: str) -> str:
     try:
-        return _no_control(value, what)
+        return no_control(value, what)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

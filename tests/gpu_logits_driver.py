@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from mcorekit.config.experiment import load_experiment
 from mcorekit.convert.logits import hf_logits
 from mcorekit.convert.verify import compare_logits
-from mcorekit.launch.config import load_experiment
 from mcorekit.train import checkpoint
 from mcorekit.train.build import build
 from mcorekit.train.data import batches

@@ -17,7 +17,7 @@ for key, value in single_rank_env().items():
 
 import torch  # noqa: E402
 
-from mcorekit.launch.config import load_experiment  # noqa: E402
+from mcorekit.config.experiment import load_experiment  # noqa: E402
 from mcorekit.train.build import build  # noqa: E402
 from mcorekit.train.data import build_dataset  # noqa: E402
 

@@ -22,7 +22,7 @@ if "SLURM_PROCID" not in os.environ:  # a single process; under srun (tests/slur
 
 import json  # noqa: E402
 
-from mcorekit.launch.config import load_experiment  # noqa: E402
+from mcorekit.config.experiment import load_experiment  # noqa: E402
 from mcorekit.train import loop  # noqa: E402
 from mcorekit.train.checkpoint import unwrap  # noqa: E402
 

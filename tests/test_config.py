@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from mcorekit.config.cluster import load_profile
+from mcorekit.config.experiment import Experiment, load_experiment
+from mcorekit.config.loading import apply_overrides
+from mcorekit.config.values import parse_time_minutes
 from mcorekit.errors import ConfigError, ModelError
-from mcorekit.launch.config import apply_overrides, load_experiment, load_profile, parse_time_minutes, Experiment
 from mcorekit.models.spec import PRESETS, from_hf_config, resolve
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mcorekit.cli import main
-from mcorekit.launch.config import load_experiment
+from mcorekit.config.experiment import load_experiment
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
 # the dev cluster (CPU-only) for the tiny demo model; the example 8-GPU profile for everything else

@@ -23,9 +23,10 @@ import pytest
 import yaml
 
 from mcorekit.cli import main
+from mcorekit.config.experiment import Experiment
+from mcorekit.config.loading import MAX_YAML_BYTES, YamlLimitError, apply_overrides
 from mcorekit.errors import ConfigError, LaunchError
 from mcorekit.launch import api, jobs_cli
-from mcorekit.launch.config import MAX_YAML_BYTES, YamlLimitError, Experiment, apply_overrides
 from mcorekit.launch.submit import REGISTRY, record
 
 # Payloads defined here travel by value: the job's Python need not import this test module.

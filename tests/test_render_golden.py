@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mcorekit.launch.config import load_profile
+from mcorekit.config.cluster import load_profile
 from mcorekit.launch.submit import JobSpec, render
 
 GOLDEN = Path(__file__).parent / "golden"

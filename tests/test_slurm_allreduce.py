@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from mcorekit.config.cluster import load_profile
 from mcorekit.launch.accounting import wait_final
-from mcorekit.launch.config import load_profile
-from mcorekit.launch.env import port_for_job
 from mcorekit.launch.smoke import allreduce_check
 from mcorekit.launch.submit import REGISTRY, JobSpec, submit
+from mcorekit.runtime.env import port_for_job
 
 pytestmark = pytest.mark.slurm
 

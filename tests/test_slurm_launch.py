@@ -11,10 +11,11 @@ import cloudpickle
 import pytest
 import yaml
 
+from mcorekit.config.cluster import load_profile
+from mcorekit.config.experiment import Experiment
 from mcorekit.errors import ConfigError
 from mcorekit.launch import api
 from mcorekit.launch.accounting import wait_final
-from mcorekit.launch.config import Experiment, load_profile
 from mcorekit.launch.smoke import allreduce_check
 from mcorekit.launch.submit import JobSpec, submit
 

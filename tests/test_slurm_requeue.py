@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from mcorekit.config.cluster import load_profile
 from mcorekit.launch.accounting import wait_final
-from mcorekit.launch.config import load_profile
 from mcorekit.launch.smoke import CountingJob
 from mcorekit.launch.submit import JobSpec, submit
 

@@ -39,20 +39,20 @@ def test_benchmark_shape_matches_the_6n_rule_of_thumb() -> None:
 
 
 def test_train_refuses_options_it_does_not_implement() -> None:
-    from mcorekit.errors import NotBuiltError
-    from mcorekit.launch.config import load_experiment
-    from mcorekit.train.build import refuse_unbuilt
+    from mcorekit.config.experiment import load_experiment
+    from mcorekit.config.rules import Nodes, problems
 
-    refuse_unbuilt(load_experiment("examples/llama-tiny.yaml"))  # the defaults are all built
-    with pytest.raises(NotBuiltError, match="data.dynamic_batching"):
-        refuse_unbuilt(load_experiment("examples/llama-tiny.yaml", ["data.dynamic_batching=true"]))
+    node = Nodes(transformer_engine=True, gpus=False)
+    assert problems(load_experiment("examples/llama-tiny.yaml"), 1, node) == []  # the defaults are all built
+    assert problems(load_experiment("examples/llama-tiny.yaml", ["data.dynamic_batching=true"]), 1, node) == [
+        "data.dynamic_batching is not built yet; use data.packing for variable-length SFT data"]
 
 
 # ---------------------------------------------------------------- experiment -> Megatron-Core config, per feature
 
 
 def exp(*overrides: str) -> Any:
-    from mcorekit.launch.config import load_experiment
+    from mcorekit.config.experiment import load_experiment
 
     return load_experiment("examples/llama-tiny.yaml", list(overrides))
 
@@ -60,7 +60,7 @@ def exp(*overrides: str) -> Any:
 def tcfg(e: Any, use_te: bool = True, moe: bool = False) -> Any:
     """The TransformerConfig train/ builds, constructed on CPU (fusions off: their checks import TE)."""
     from mcorekit.models.spec import resolve
-    from mcorekit.train.megatron_args import transformer_config
+    from mcorekit.config.megatron import transformer_config
 
     spec = resolve("mixtral-tiny" if moe else e.model.preset, None, e.model.overrides)
     return transformer_config(e, spec, use_te, fusions=False)
@@ -68,7 +68,7 @@ def tcfg(e: Any, use_te: bool = True, moe: bool = False) -> Any:
 
 def test_fusions_follow_transformer_engine() -> None:
     from mcorekit.models.spec import resolve
-    from mcorekit.train.megatron_args import transformer_kwargs
+    from mcorekit.config.megatron import transformer_kwargs
 
     spec = resolve("llama-tiny", None, {})
     on, off = transformer_kwargs(exp(), spec, use_te=True), transformer_kwargs(exp(), spec, use_te=False)
@@ -92,7 +92,7 @@ def test_fp8_recipes(recipe: str, fmt: str) -> None:
     assert (c.fp8, c.fp8_recipe, c.fp8_param) == (fmt, recipe, False)
     c = tcfg(exp(f"precision.fp8={recipe}", "precision.fp8_params=true"))
     assert c.fp8_param is True
-    from mcorekit.train.megatron_args import ddp_config
+    from mcorekit.config.megatron import ddp_config
 
     assert ddp_config(exp(f"precision.fp8={recipe}", "precision.fp8_params=true")).fp8_param_gather is True
 
@@ -100,7 +100,7 @@ def test_fp8_recipes(recipe: str, fmt: str) -> None:
 def test_precision_dtypes_and_fp16_loss_scaling() -> None:
     import torch
 
-    from mcorekit.train.megatron_args import optimizer_config
+    from mcorekit.config.megatron import optimizer_config
 
     c = tcfg(exp())
     assert c.bf16 and not c.fp16 and c.params_dtype == torch.bfloat16 and c.fp8 is None
@@ -134,7 +134,7 @@ def test_moe_options() -> None:
 
 def test_expert_gemm_resolution() -> None:
     """auto takes torch._grouped_mm where it applies (bf16, no FP8, TE grouped experts, no a2a overlap), else TE."""
-    from mcorekit.launch.layout import expert_gemm_problems, use_torch_expert_gemm
+    from mcorekit.config.rules import expert_gemm_problems, use_torch_expert_gemm
 
     assert use_torch_expert_gemm(exp(), uses_te=True)
     assert not use_torch_expert_gemm(exp(), uses_te=False)
@@ -176,7 +176,7 @@ def test_recompute_and_offloading() -> None:
 
 
 def test_parallel_and_overlap_options() -> None:
-    from mcorekit.train.megatron_args import ddp_config, optimizer_config
+    from mcorekit.config.megatron import ddp_config, optimizer_config
 
     c = tcfg(exp("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.vpp=2", "parallel.cp=2",
                  "optimizer.tp_comm_overlap=true"))
@@ -196,7 +196,7 @@ def test_schedules(decay: str) -> None:
     import torch
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from mcorekit.train.megatron_args import scheduler_kwargs
+    from mcorekit.config.megatron import scheduler_kwargs
 
     e = exp(f"schedule.decay={decay}", "schedule.train_iters=100", "schedule.warmup_iters=10", "optimizer.lr=1.0",
             "optimizer.min_lr=0.1", "schedule.global_batch_size=8")
@@ -216,8 +216,8 @@ def test_schedules(decay: str) -> None:
 
 def test_launcher_runs_megatron_core_checks() -> None:
     from mcorekit.errors import LayoutError
-    from mcorekit.launch.config import load_profile
-    from mcorekit.launch.layout import check
+    from mcorekit.config.cluster import load_profile
+    from mcorekit.launch.plan import check
 
     h100 = load_profile("example-h100")
     gbs = "schedule.global_batch_size=64"
@@ -258,39 +258,48 @@ def test_entry_rejects_a_bad_config_in_one_line() -> None:
 
 
 def test_fp8_recipes_need_their_gpu_generation() -> None:
-    from mcorekit.errors import ConfigError
-    from mcorekit.train.build import check_fp8_support
+    import re
+
+    from mcorekit.config.rules import Nodes, fp8_support_problems, problems
 
     for recipe in ("delayed", "tensorwise", "blockwise"):
-        check_fp8_support(recipe, (9, 0))  # H100/H200
-    check_fp8_support("mxfp8", (10, 0))
-    check_fp8_support(None, (7, 0))
-    with pytest.raises(ConfigError, match=r"mxfp8 needs Blackwell .* this GPU is 9.0; on Hopper use delayed"):
-        check_fp8_support("mxfp8", (9, 0))
-    with pytest.raises(ConfigError, match=r"tensorwise needs Ada/Hopper .* this GPU is 8.0"):
-        check_fp8_support("tensorwise", (8, 0))  # A100
+        assert fp8_support_problems(recipe, (9, 0)) == []  # H100/H200
+    assert fp8_support_problems("mxfp8", (10, 0)) == []
+    [p] = fp8_support_problems("mxfp8", (9, 0))
+    assert re.search(r"mxfp8 needs Blackwell .* this GPU is 9.0; on Hopper use delayed", p)
+    [p] = fp8_support_problems("tensorwise", (8, 0))  # A100
+    assert re.search(r"tensorwise needs Ada/Hopper .* this GPU is 8.0", p)
+    # on the ranks the node's GPU is known: no FP8, no requirement; mxfp8 on a Hopper node is refused
+    assert problems(exp(), 1, Nodes(transformer_engine=True, gpus=True, capability=(7, 0))) == []
+    hopper = Nodes(transformer_engine=True, gpus=True, capability=(9, 0))
+    assert problems(exp("precision.fp8=mxfp8"), 1, hopper) == fp8_support_problems("mxfp8", (9, 0))
 
 
 def test_train_checks_the_layout_against_the_ranks_started() -> None:
     """torchrun starts skip the launcher, so build() applies its layout rules itself, before any process group."""
+    from mcorekit.config.rules import Nodes
     from mcorekit.errors import ConfigError
     from mcorekit.models.spec import resolve
-    from mcorekit.train.build import check_layout
+    from mcorekit.train.build import check
 
     spec = resolve("llama-tiny", None, {})
-    check_layout(exp("parallel.tp=2", "parallel.sequence_parallel=true"), spec, 4, use_te=True)
-    with pytest.raises(ConfigError, match=r"does not fit 2 ranks:\n  TP\*PP\*CP = 4\*1\*1 = 4 does not divide the world size 2"):
-        check_layout(exp("parallel.tp=4"), spec, 2, use_te=True)
+    te, no_te = Nodes(transformer_engine=True, gpus=True), Nodes(transformer_engine=False, gpus=True)
+    check(exp("parallel.tp=2", "parallel.sequence_parallel=true"), spec, 4, te)
+    with pytest.raises(ConfigError, match=r"cannot train on 2 ranks \(2 problems\):\n  - TP\*PP\*CP = 4\*1\*1 = 4 does not divide the world size 2"):
+        check(exp("parallel.tp=4"), spec, 2, te)
     for bad in (exp("parallel.cp=2", "precision.dtype=fp32"), exp("parallel.cp=2")):
         with pytest.raises(ConfigError, match="parallel.cp > 1 runs Transformer Engine's context-parallel attention"):
-            check_layout(bad, spec, 2, use_te=bad.precision.dtype == "fp32")
-    check_layout(exp("parallel.cp=2"), spec, 2, use_te=True)
+            check(bad, spec, 2, te if bad.precision.dtype == "fp32" else no_te)
+    check(exp("parallel.cp=2"), spec, 2, te)
+    with pytest.raises(ConfigError, match=r"model.backend=te needs Transformer Engine, and Transformer Engine is not "
+                                          r"importable on this node"):
+        check(exp("model.backend=te"), spec, 1, no_te)
 
 
 def test_launcher_refuses_context_parallel_in_fp32() -> None:
     from mcorekit.errors import LayoutError
-    from mcorekit.launch.config import load_profile
-    from mcorekit.launch.layout import check
+    from mcorekit.config.cluster import load_profile
+    from mcorekit.launch.plan import check
 
     h100 = load_profile("example-h100")
     with pytest.raises(LayoutError, match="needs precision.dtype bf16 or fp16"):
@@ -349,7 +358,7 @@ def test_entry_reports_a_layout_that_does_not_fit_the_ranks(tmp_path: Any) -> No
     r = subprocess.run([sys.executable, "-m", "mcorekit.train", "--config", "examples/llama-tiny.yaml", "--run-dir",
                         str(tmp_path), "parallel.tp=2", "parallel.sequence_parallel=true"], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "mcorekit.train: error: the parallel layout does not fit 1 ranks:\n  TP*PP*CP = 2*1*1 = 2 does not divide" in r.stderr
+    assert "mcorekit.train: error: cannot train on 1 ranks: TP*PP*CP = 2*1*1 = 2 does not divide" in r.stderr
     assert "Traceback" not in r.stderr
 
 

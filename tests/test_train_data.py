@@ -160,7 +160,7 @@ def test_validation_data_is_the_held_out_corpus(two_corpora: list[str], tmp_path
     eval_iters global batches, and is the same at every validation; mock data validates on another stream."""
     from types import SimpleNamespace
 
-    from mcorekit.launch.config import load_experiment
+    from mcorekit.config.experiment import load_experiment
     from mcorekit.train.data import build_dataset
 
     web, code = two_corpora

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from mcorekit.config.cluster import load_profile
 from mcorekit.launch import api
 from mcorekit.launch.accounting import wait_final
-from mcorekit.launch.config import load_profile
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mcorekit import quiet
 from mcorekit.errors import MCoreKitError
-from mcorekit.launch.config import load_experiment
+from mcorekit.config.experiment import load_experiment
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,14 +8,13 @@ from typing import Any
 
 import torch
 
-from mcorekit.errors import ConfigError, NotBuiltError
-from mcorekit.launch.config import Experiment
-from mcorekit.launch.env import DistEnv, from_environ, init_process_group
-from mcorekit.launch.layout import (context_parallel_problems, expert_gemm_problems, layout_of, layout_problems,
-                                    use_torch_expert_gemm)
-from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size, te_available
-from mcorekit.models.spec import ModelSpec, resolve
-from mcorekit.train import megatron_args as margs
+from mcorekit.config import megatron as margs
+from mcorekit.config.experiment import Experiment
+from mcorekit.config.rules import Nodes, listed, model_of, problems, use_torch_expert_gemm, uses_te
+from mcorekit.errors import LayoutError
+from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size
+from mcorekit.models.spec import ModelSpec
+from mcorekit.runtime.env import DistEnv, from_environ, init_process_group
 
 
 @dataclass
@@ -49,50 +48,11 @@ def init_distributed(exp: Experiment) -> DistEnv:
     return env
 
 
-def refuse_unbuilt(exp: Experiment) -> None:
-    """Options the schema accepts but this loop does not implement yet fail here instead of being ignored."""
-    unbuilt = []
-    if exp.data.dynamic_batching:
-        unbuilt.append("data.dynamic_batching (use data.packing for variable-length SFT data)")
-    if exp.data.packing and exp.parallel.cp > 1:
-        unbuilt.append("data.packing with parallel.cp > 1 (documents would need padding to 2*CP)")
-    if unbuilt:
-        raise NotBuiltError("not built yet in train/: " + "; ".join(unbuilt))
-
-
-def use_transformer_engine(exp: Experiment) -> bool:
-    backend = exp.model.backend
-    if backend == "auto":
-        backend = "te" if te_available() else "local"
-    needs = [what for what, on in (("precision.fp8", exp.precision.fp8), ("data.packing", exp.data.packing),
-                                   ("recompute.offload_layers", exp.recompute.offload_layers)) if on]
-    if backend == "local" and needs:
-        raise ConfigError(f"{', '.join(needs)} need{'s' if len(needs) == 1 else ''} Transformer Engine, but the model "
-                          f"uses the local backend (model.backend={exp.model.backend}); use model.backend=te")
-    if backend == "te" and not te_available():
-        raise ConfigError("model.backend=te but Transformer Engine is not importable on this node "
-                          "(pip install mcorekit[gpu]); or set model.backend=local")
-    return backend == "te"
-
-
-def check_layout(exp: Experiment, spec: ModelSpec, world: int, use_te: bool) -> None:
-    """The launcher's layout rules against the ranks actually started, before any process group exists."""
-    problems = (layout_problems(spec, layout_of(exp), world) + context_parallel_problems(exp, use_te)
-                + expert_gemm_problems(exp, use_te))
-    if problems:
-        raise ConfigError(f"the parallel layout does not fit {world} ranks:\n  " + "\n  ".join(problems))
-
-
-def check_fp8_support(recipe: str | None, capability: tuple[int, int]) -> None:
-    """FP8 needs Hopper (sm90) or newer; MXFP8 needs Blackwell (sm100). Fail before building anything."""
-    if recipe is None:
-        return
-    need = (10, 0) if recipe == "mxfp8" else (8, 9)
-    if capability < need:
-        gpu = "Blackwell (compute capability 10.0)" if recipe == "mxfp8" else "Ada/Hopper (8.9/9.0)"
-        hint = "; on Hopper use delayed, tensorwise or blockwise" if recipe == "mxfp8" else ""
-        raise ConfigError(f"precision.fp8={recipe} needs {gpu} or newer; this GPU is "
-                          f"{capability[0]}.{capability[1]}{hint}")
+def check(exp: Experiment, spec: ModelSpec, world: int, nodes: Nodes) -> None:
+    """The rules the launcher checked before queueing, against the ranks actually started and what this node has
+    (a torchrun start skips the launcher; a profile can be wrong), before any process group exists."""
+    if bad := problems(exp, world, nodes, spec):
+        raise LayoutError(listed(f"cannot train on {world} ranks", bad))
 
 
 def build(exp: Experiment) -> Trainer:
@@ -102,12 +62,12 @@ def build(exp: Experiment) -> Trainer:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
 
-    refuse_unbuilt(exp)
-    spec = resolve(exp.model.preset, exp.model.hf_config, exp.model.overrides)
-    use_te = use_transformer_engine(exp)
-    check_layout(exp, spec, from_environ().world_size, use_te)  # the launcher's rules, also for torchrun starts
+    spec = model_of(exp)
+    ranks = from_environ()
+    nodes = Nodes.here(ranks.local_rank)
+    check(exp, spec, ranks.world_size, nodes)
+    use_te = uses_te(exp, nodes)
     env = init_distributed(exp)
-    check_fp8_support(exp.precision.fp8, torch.cuda.get_device_capability())
     config = margs.transformer_config(exp, spec, use_te)
     if config.tp_comm_overlap:
         _init_tp_comm_overlap(exp, spec)

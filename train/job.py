@@ -14,7 +14,7 @@ class TrainJob:
 
     def __call__(self) -> dict[str, Any]:
         from mcorekit import quiet
-        from mcorekit.launch.config import load_experiment
+        from mcorekit.config.experiment import load_experiment
         from mcorekit.train.loop import train
 
         quiet.install()

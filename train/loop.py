@@ -13,9 +13,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from mcorekit.launch.config import Experiment
-from mcorekit.launch.layout import layout_of
-from mcorekit.launch.requeue import RestartGuard, StopSignal, requeue_and_exit
+from mcorekit.config.experiment import Experiment, layout_of
+from mcorekit.runtime.requeue import RestartGuard, StopSignal, requeue_and_exit
 from mcorekit.train import checkpoint
 from mcorekit.train.build import Trainer, build
 from mcorekit.train.flops import train_flops_per_token

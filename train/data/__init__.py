@@ -12,7 +12,7 @@ from mcorekit.errors import ConfigError
 if TYPE_CHECKING:  # kept out of import time: preprocessing workers import this package and need no torch
     import torch
 
-    from mcorekit.launch.config import Experiment
+    from mcorekit.config.experiment import Experiment
     from mcorekit.models.spec import ModelSpec
 
 
@@ -51,7 +51,7 @@ def batches(dataset: Any, micro_batch: int, first_sample: int, dp_rank: int, dp_
         rows = [dataset[sample + i] for i in range(micro_batch)]
         batch: dict[str, torch.Tensor] = {}
         for key in rows[0]:
-            if key == "cu_seqlens":  # packed: micro_batch is 1 (checked by the launcher), no batch dimension
+            if key == "cu_seqlens":  # packed: micro_batch is 1 (a rule in config/rules.py), no batch dimension
                 batch[key] = rows[0][key].to(device, non_blocking=True)
             elif key == "max_seqlen":
                 batch[key] = rows[0][key]

@@ -17,7 +17,7 @@ from mcorekit.train.tasks.sft import SupervisedFineTuning
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from mcorekit.launch.config import Experiment
+    from mcorekit.config.experiment import Experiment
     from mcorekit.models.spec import ModelSpec
 
 TASKS: dict[str, type[Task]] = {"lm": LanguageModelling, "sft": SupervisedFineTuning}

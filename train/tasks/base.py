@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 if TYPE_CHECKING:
     import torch
 
-    from mcorekit.launch.config import Experiment
+    from mcorekit.config.experiment import Experiment
     from mcorekit.models.spec import ModelSpec
 
 # What Megatron's pipeline schedule calls per micro-batch: (data iterator, model chunk) -> (output, loss function),

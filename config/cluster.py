@@ -1,0 +1,104 @@
+"""The cluster-profile schema: what a Slurm cluster offers (partition, GPUs per node, time limit, container, the
+nodes' Python and Transformer Engine) and where runs go. Profiles live in slurm/clusters/<name>.yaml or anywhere
+as a path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from mcorekit.config.loading import load
+from mcorekit.config.values import ENV_KEY_RE, NAME_RE, Strict, no_control, parse_time_minutes
+from mcorekit.errors import ConfigError
+
+PROFILES = Path(__file__).resolve().parent.parent / "slurm" / "clusters"  # mcorekit.slurm's data, next to this part
+
+
+class ContainerConfig(Strict):
+    image: str | None = None  # pyxis/enroot image, e.g. nvcr.io#nvidia/pytorch:25.01-py3
+    mounts: list[str] = Field(default_factory=list)  # src:dst[:flags]
+    workdir: str | None = None
+
+    @field_validator("image", "workdir")
+    @classmethod
+    def _plain(cls, v: str | None) -> str | None:
+        return None if v is None else no_control(v, "container setting")
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, v: list[str]) -> list[str]:
+        for m in v:
+            no_control(m, "container mount")
+            if "," in m:
+                raise ValueError(f"container mount {m!r} contains ',', which pyxis uses to separate mounts")
+        return v
+
+
+class ClusterProfile(Strict):
+    name: str
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    gpus_per_node: int = Field(8, ge=0)  # 0: a CPU-only cluster (tests, the dev cluster)
+    tasks_per_node: int | None = Field(None, ge=1)  # only for CPU-only clusters; GPU clusters run one task per GPU
+    cpus_per_task: int = Field(8, ge=1)
+    mem_per_gpu_gb: int | None = Field(None, ge=1)
+    time_limit: str = "04:00:00"
+    exclusive: bool = False
+    signal_seconds: int = Field(120, ge=10)  # USR2 this long before the time limit: enough to save a checkpoint
+    gpu_memory_gb: float = Field(80.0, gt=0)
+    gpu_peak_tflops_bf16: float = Field(989.0, gt=0)
+    transformer_engine: bool = True  # FP8 needs it on the nodes
+    container: ContainerConfig = Field(default_factory=ContainerConfig)
+    env: dict[str, str] = Field(default_factory=dict)
+    setup: list[str] = Field(default_factory=list)  # shell lines run before srun (module load, venv activation)
+    srun_args: list[str] = Field(default_factory=list)
+    python: str | None = None  # the interpreter on the nodes; default: the one running the launcher
+    run_root: str = "runs"  # where run folders (logs, resolved config, checkpoints) go; shared by all nodes
+
+    @field_validator("name", "partition", "account", "qos")
+    @classmethod
+    def _names(cls, v: str | None) -> str | None:
+        if v is not None and not NAME_RE.match(v):
+            raise ValueError(f"{v!r} must be letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("time_limit")
+    @classmethod
+    def _time(cls, v: str) -> str:
+        parse_time_minutes(v)
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not ENV_KEY_RE.match(key):
+                raise ValueError(f"environment variable name {key!r} is not a valid shell identifier")
+        return {k: no_control(str(val), f"environment value of {k}") for k, val in v.items()}
+
+    @field_validator("setup", "srun_args", "python", "run_root")
+    @classmethod
+    def _lines(cls, v: Any) -> Any:
+        for item in [v] if isinstance(v, str) else (v or []):
+            no_control(item, "profile value")
+        return v
+
+
+def load_profile(name_or_path: str | Path, overrides: list[str] | None = None) -> ClusterProfile:
+    """A profile by path, or by name from slurm/clusters/<name>.yaml."""
+    p = Path(name_or_path)
+    if not p.suffix and NAME_RE.match(str(name_or_path)):  # a bare name; anything else is a path
+        p = PROFILES / f"{name_or_path}.yaml"
+        if not p.is_file():
+            known = sorted(q.stem for q in PROFILES.glob("*.yaml"))
+            raise ConfigError(f"no cluster profile named {str(name_or_path)!r}; known: {', '.join(known)} (or give a path)")
+    return load(ClusterProfile, p, overrides)
+
+
+def world_size(profile: ClusterProfile, nodes: int) -> int:
+    """Ranks a job of `nodes` nodes starts: one per GPU, or tasks_per_node on a CPU-only cluster."""
+    per_node = profile.gpus_per_node if profile.gpus_per_node > 0 else (profile.tasks_per_node or 1)
+    return nodes * per_node

@@ -1,0 +1,181 @@
+"""The experiment schema: one YAML file says what to train (model, parallel layout, precision, data, optimizer,
+schedule, checkpoints) and with what resources. `load_experiment` reads it with overrides; rules that involve
+several keys, the model or the GPUs are in rules.py, not here: a schema field checks only its own value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from mcorekit.config.loading import load
+from mcorekit.config.values import NAME_RE, Strict, no_control, parse_time_minutes
+from mcorekit.models.parallel import Layout
+
+
+class ModelConfig(Strict):
+    preset: str | None = None  # a name from mcorekit.models.spec.PRESETS
+    hf_config: str | None = None  # an HF model directory or config.json
+    overrides: dict[str, Any] = Field(default_factory=dict)  # ModelSpec fields, e.g. {num_layers: 2}
+    # te: Transformer Engine layers (needed for FP8 and packing); local: Megatron-Core's own layers with PyTorch's
+    # fused SDPA attention; auto: te where Transformer Engine is importable, else local
+    backend: Literal["auto", "te", "local"] = "auto"
+
+
+class ParallelConfig(Strict):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    vpp: int | None = Field(None, ge=1)  # virtual stages per pipeline rank (interleaved schedule)
+    cp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    etp: int = Field(1, ge=1)  # expert tensor parallel size
+    sequence_parallel: bool = False
+
+
+class PrecisionConfig(Strict):
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    fp8: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] | None = None
+    fp8_params: bool = False
+    loss_scale: float | None = Field(None, gt=0)  # fp16 only: None = dynamic loss scaling, a number = static scale
+
+
+class MoEConfig(Strict):
+    aux_loss_coeff: float = Field(1e-2, ge=0)
+    expert_bias: bool = False  # aux-loss-free load balancing
+    capacity_factor: float | None = Field(None, gt=0)  # tokens beyond factor x (even share) per expert are dropped
+    pad_to_capacity: bool = False  # pad every expert to its capacity: fixed shapes, no host sync per layer
+    grouped_gemm: bool = True
+    # how the grouped experts compute: TE's GroupedLinear (needed for FP8) or torch._grouped_mm (one kernel per
+    # grouped GEMM, far less host work per layer; bf16). auto: torch where it applies (1.7x on one H200), else te
+    expert_gemm: Literal["auto", "te", "torch"] = "auto"
+    dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    shared_expert_ffn: int | None = Field(None, ge=1)  # FFN size of the shared expert(s) every token also passes through
+    shared_expert_overlap: bool = False  # overlap the shared expert with the token dispatch (alltoall/allgather)
+    permute_fusion: bool = True
+    router_fusion: bool = False  # TE's fused top-k + softmax + aux loss
+    a2a_overlap: bool = False  # overlap expert-parallel all-to-all with compute (needs EP > 1)
+
+
+class DataConfig(Strict):
+    kind: Literal["mock", "indexed", "sft"] = "mock"
+    # indexed: path prefixes of .bin/.idx pairs (from `mcorekit data preprocess`); sft: .jsonl files
+    paths: list[str] = Field(default_factory=list)
+    weights: list[Annotated[float, Field(ge=0)]] | None = None  # blend weights, one per path (indexed)
+    # held-out data of the same kind, for the validation loss every schedule.eval_interval steps (mock data
+    # validates on its own stream without it)
+    valid_paths: list[str] = Field(default_factory=list)
+    tokenizer: str | None = None  # an HF tokenizer directory (sft; indexed takes its eod from the .idx side-car)
+    seq_length: int = Field(2048, ge=1)
+    packing: bool = False  # sft: several conversations per sequence, attention kept within each
+    dynamic_batching: bool = False
+    cache_dir: str | None = None  # dataset index caches; default <run dir>/data_cache
+    seed: int = Field(1234, ge=0, le=2**32 - 1)  # numpy seeds are unsigned 32-bit
+
+    @field_validator("paths", "valid_paths", "tokenizer", "cache_dir")
+    @classmethod
+    def _paths(cls, v: Any) -> Any:
+        for item in [v] if isinstance(v, str) else (v or []):
+            no_control(item, "data path")
+        return v
+
+
+class OptimizerConfig(Strict):
+    lr: float = Field(3e-4, ge=0)
+    min_lr: float = Field(3e-5, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, ge=0)  # 0: no clipping
+    distributed: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    bucket_size: int | None = Field(40_000_000, ge=1)  # parameters per gradient bucket; null = one bucket
+    tp_comm_overlap: bool = False
+
+
+class ScheduleConfig(Strict):
+    train_iters: int = Field(1000, ge=1)
+    warmup_iters: int = Field(100, ge=0)
+    decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    micro_batch_size: int = Field(1, ge=1)
+    global_batch_size: int = Field(8, ge=1)
+    eval_interval: int = Field(0, ge=0)  # validation loss every N steps and at the end; 0 = none
+    eval_iters: int = Field(10, ge=1)  # global batches per validation (the same ones every time)
+
+
+class RecomputeConfig(Strict):
+    granularity: Literal["none", "selective", "full"] = "none"
+    method: Literal["uniform", "block"] = "uniform"
+    num_layers: int = Field(1, ge=1)
+    # selective: which submodules to recompute (Megatron-Core names: core_attn, mlp, moe, moe_act, layernorm, ...)
+    modules: list[str] = Field(default_factory=lambda: ["core_attn"])
+    offload_layers: int = Field(0, ge=0)  # layers whose activations go to host memory (Transformer Engine)
+
+
+class CheckpointConfig(Strict):
+    dir: str | None = None  # default: <run dir>/checkpoints
+    save_interval: int = Field(500, ge=1)
+    keep_last: int = Field(3, ge=1)
+    async_save: bool = False  # write in the background while training continues
+    load: str | None = None  # a checkpoint to start from (e.g. converted from HF)
+    finetune: bool = False  # load: weights only, fresh optimizer, step 0 (always so for a converted `release`)
+
+    @field_validator("dir", "load")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        return None if v is None else no_control(v, "checkpoint path")
+
+
+class LoggingConfig(Strict):
+    log_interval: int = Field(10, ge=1)
+    tensorboard: bool = False  # also write <run>/tensorboard (metrics always go to <run>/metrics.jsonl)
+
+
+class ResourcesConfig(Strict):
+    nodes: int = Field(1, ge=1)
+    time: str | None = None  # HH:MM:SS or D-HH:MM:SS; default: the profile's time limit
+    exclusive: bool | None = None  # default: the profile's choice
+    max_restarts: int = Field(5, ge=0)
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_time_minutes(v)
+        return v
+
+
+class Experiment(Strict):
+    name: str
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    recompute: RecomputeConfig = Field(default_factory=RecomputeConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(
+                f"name {v!r} must be 1-64 characters of letters, digits, '.', '_' or '-' (it becomes the Slurm job name)"
+            )
+        return v
+
+
+def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Experiment:
+    return load(Experiment, path, overrides)
+
+
+def layout_of(exp: Experiment) -> Layout:
+    """The experiment's parallel section as the Layout that models/ and the rules take."""
+    p = exp.parallel
+    return Layout(p.tp, p.pp, p.cp, p.ep, p.etp, p.vpp, p.sequence_parallel)

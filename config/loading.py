@@ -1,0 +1,211 @@
+"""YAML in and out for both schemas: files and command-line values read under size and alias limits, dotted
+`a.b.c=value` overrides, validation errors as one line (unknown keys with a did-you-mean), and the resolved YAML
+a run folder keeps."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from mcorekit.config.values import CONTROL_RE, shown
+from mcorekit.errors import ConfigError
+
+Schema = TypeVar("Schema", bound=BaseModel)
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(options)}"
+
+
+def _schema_at(schema: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
+    for part in path:
+        field = schema.model_fields.get(part)
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        schema = ann
+    return schema
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _format_errors(err: ValidationError, schema: type[BaseModel], source: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        where = ".".join(loc)
+        if e["type"] == "extra_forbidden":
+            parent = _schema_at(schema, loc[:-1])
+            options = sorted(parent.model_fields) if parent else []
+            lines.append(f"unknown key {where!r}{_suggest(loc[-1], options)}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg} (got {_short(e.get('input'))})" if where else msg)
+    return ConfigError(f"{shown(source)}: " + "; ".join(lines))
+
+
+# Limits for every YAML we read (files and command-line values): a few anchors can otherwise expand into
+# billions of values ("billion laughs") and exhaust memory long before validation would refuse them.
+MAX_YAML_BYTES = 1_000_000
+MAX_YAML_ALIASES = 100
+MAX_YAML_VALUES = 100_000  # scalars, lists and mappings, counted with every alias expanded
+MAX_YAML_DEPTH = 64
+
+
+class YamlLimitError(ConfigError):
+    """A YAML text is over one of the limits above (never retried as a plain string)."""
+
+
+def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_yaml_graph(root: yaml.Node, source: str) -> None:
+    """Refuse a composed document (aliases still shared, nothing built yet) whose aliases are too many, recursive,
+    or expand to too many values; a walk over the shared graph costs no more than the text itself."""
+    values: dict[int, int] = {}  # id(node) -> values once expanded, for nodes already walked
+    on_path = {id(root)}
+    stack = [(root, iter(_yaml_children(root)))]
+    aliases = 0
+    while stack:
+        node, children = stack[-1]
+        child = next(children, None)
+        if child is None:
+            stack.pop()
+            on_path.discard(id(node))
+            values[id(node)] = 1 + sum(values[id(c)] for c in _yaml_children(node))
+            if values[id(node)] > MAX_YAML_VALUES:
+                raise YamlLimitError(f"{source}: holds more than {MAX_YAML_VALUES:,} values once its aliases (*name) are "
+                                     f"expanded; write the values out instead of nesting aliases")
+            continue
+        if id(child) in on_path:
+            raise YamlLimitError(f"{source}: an alias refers to a value that contains it (recursive); remove the alias")
+        if id(child) in values:  # reached a second time: an alias
+            aliases += 1
+            if aliases > MAX_YAML_ALIASES:
+                raise YamlLimitError(f"{source}: uses more than {MAX_YAML_ALIASES} aliases (*name); write the values out")
+            continue
+        if len(stack) >= MAX_YAML_DEPTH:
+            raise YamlLimitError(f"{source}: nested more than {MAX_YAML_DEPTH} levels deep")
+        on_path.add(id(child))
+        stack.append((child, iter(_yaml_children(child))))
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return " ".join(str(e).split())
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """yaml.safe_load with the limits above; `source` names the text in messages. Invalid YAML -> ConfigError."""
+    if len(text) > MAX_YAML_BYTES:
+        raise YamlLimitError(f"{source}: {len(text):,} characters; YAML above {MAX_YAML_BYTES:,} is refused")
+    loader = yaml.CSafeLoader(text) if yaml.__with_libyaml__ else yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_yaml_graph(node, source)
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {_yaml_problem(e)}") from None
+    except RecursionError:
+        raise YamlLimitError(f"{source}: nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping; anything else is a ConfigError naming the file."""
+    p = Path(path)
+    name = shown(p)
+    if not p.exists():
+        raise ConfigError(f"config file not found: {name}")
+    if not p.is_file():
+        raise ConfigError(f"{name}: not a file; give a YAML file")
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)  # bounded even where stat lies (/proc) or the file grows
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read: {e.strerror}") from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise YamlLimitError(f"{name}: larger than {MAX_YAML_BYTES:,} bytes; YAML files above that are refused")
+    if b"\0" in raw:
+        raise ConfigError(f"{name}: contains NUL bytes, so it is not a text file; give a YAML file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{name}: not UTF-8 text (byte {e.start}); give a YAML file") from None
+    data = parse_yaml(text, name)
+    if data is None:
+        raise ConfigError(f"{name}: is empty; expected `key: value` lines")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}: expected a mapping (`key: value` lines) at the top level, got a {type(data).__name__}")
+    return data
+
+
+def parse_value(raw: str, source: str) -> Any:
+    """A command-line value parsed as YAML (2 -> int, true -> bool, [1,2] -> list); text that is not valid YAML
+    stays a string, but the size and alias limits still apply."""
+    if not raw.strip():
+        return raw
+    try:
+        return parse_yaml(raw, source)
+    except YamlLimitError:
+        raise
+    except ConfigError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[BaseModel]) -> dict[str, Any]:
+    """Apply `a.b.c=value` strings; the value is parsed as YAML (so 2 is an int, true a bool, [1,2] a list)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        if CONTROL_RE.search(item):  # YAML would fold a raw newline into a space and hide it
+            raise ConfigError(f"override {item!r} contains a newline or control character; remove it")
+        key, raw = item.split("=", 1)
+        path = key.strip().split(".")
+        node_schema: type[BaseModel] | None = schema
+        node = data
+        for i, part in enumerate(path):
+            if node_schema is not None:
+                if part not in node_schema.model_fields:
+                    where = ".".join(path[: i + 1])
+                    raise ConfigError(f"override {item!r}: unknown key {where!r}{_suggest(part, sorted(node_schema.model_fields))}")
+                node_schema = _schema_at(node_schema, [part])
+            if i == len(path) - 1:
+                node[part] = parse_value(raw, f"override {key.strip()!r}")
+            else:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a section")
+    return data
+
+
+def load(schema: type[Schema], path: str | Path, overrides: list[str] | None = None) -> Schema:
+    """A YAML file with overrides applied, validated against `schema`; every error as one ConfigError line."""
+    data = apply_overrides(read_yaml(path), overrides or [], schema)
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise _format_errors(e, schema, str(path)) from None
+
+
+def dump(model: BaseModel) -> str:
+    return yaml.safe_dump(model.model_dump(mode="json"), sort_keys=False)

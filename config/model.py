@@ -1,0 +1,70 @@
+"""The model an experiment names (a preset or an HF config, with overrides) read into a ModelSpec, and whether
+that description is sound: a wrong value is a message naming it, not a TypeError deep in the layout arithmetic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mcorekit.config.values import shown
+from mcorekit.errors import ModelError
+from mcorekit.models.spec import ModelSpec, resolve
+
+# ModelSpec is a plain dataclass filled from presets, HF configs and model.overrides, so its types are checked here.
+_MODEL_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                "ffn_hidden_size", "vocab_size", "max_position_embeddings", "moe_router_topk")
+_MODEL_OPTIONAL_SIZES = ("num_experts", "moe_ffn_hidden_size")
+_MODEL_POSITIVE_FLOATS = ("rope_theta", "norm_epsilon")
+_MODEL_FLAGS = ("tie_word_embeddings", "qkv_bias", "qk_layernorm", "moe_norm_topk_prob")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+MAX_HF_CONFIG_BYTES = 10_000_000  # an HF config.json is a few KB
+
+
+def resolve_model(preset: str | None, hf_config: str | None, overrides: dict[str, Any] | None) -> ModelSpec:
+    """models.spec.resolve, with a broken HF config (not JSON, not an object, keys missing, values of the wrong
+    type) reported as one ModelError naming the file instead of the parser's exception."""
+    if hf_config is None:
+        return resolve(preset, hf_config, overrides)
+    path = Path(hf_config) / "config.json" if Path(hf_config).is_dir() else Path(hf_config)
+    where = f"model.hf_config {shown(path)}"
+    if path.is_file() and path.stat().st_size > MAX_HF_CONFIG_BYTES:
+        raise ModelError(f"{where}: larger than {MAX_HF_CONFIG_BYTES:,} bytes, so not an HF config.json")
+    try:
+        return resolve(preset, hf_config, overrides)
+    except UnicodeDecodeError:
+        raise ModelError(f"{where}: not UTF-8 text; name an HF model directory or its config.json") from None
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{where}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except KeyError as e:
+        raise ModelError(f"{where}: has no {e.args[0]!r}, which the model needs") from None
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise ModelError(f"{where}: not an HF model config of the expected shape ({type(e).__name__}: {e})") from None
+
+
+def model_problems(model: ModelSpec) -> list[str]:
+    """Each model field of the wrong type or out of range, named with its value (empty when all are sound)."""
+    out = []
+    for name in _MODEL_SIZES + _MODEL_OPTIONAL_SIZES:
+        v = getattr(model, name)
+        if v is None and name in _MODEL_OPTIONAL_SIZES:
+            continue
+        if not _is_int(v) or v < 1:
+            out.append(f"model {name}={v!r} must be a whole number >= 1")
+    for name in _MODEL_POSITIVE_FLOATS:
+        v = getattr(model, name)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
+            out.append(f"model {name}={v!r} must be a positive number")
+    for name in _MODEL_FLAGS:
+        if not isinstance(getattr(model, name), bool):
+            out.append(f"model {name}={getattr(model, name)!r} must be true or false")
+    if model.rope_scaling is not None and not isinstance(model.rope_scaling, dict):
+        out.append(f"model rope_scaling={model.rope_scaling!r} must be a mapping or null")
+    if not isinstance(model.extra, dict):
+        out.append(f"model extra={model.extra!r} must be a mapping")
+    return out

@@ -1,0 +1,302 @@
+"""Every rule an experiment must follow, in one place: `problems(exp, world, nodes)` lists each one it breaks on
+`world` ranks, each naming the values and a fix.
+
+The launcher calls it before queueing, with what the cluster profile says about the nodes (`Nodes.of`); every
+rank calls it again at start with what its node has (`Nodes.here`), since a torchrun start skips the launcher and
+a profile can be wrong. So a config the launcher accepts is one training accepts, and no rule is written twice.
+The rules are Megatron-Core's (parallel_state.initialize_model_parallel; TransformerConfig's own checks run last,
+through config/megatron.py) and this toolchain's (what train/ builds, what Slurm's requeue needs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcorekit.config.cluster import ClusterProfile
+from mcorekit.config.experiment import Experiment, layout_of
+from mcorekit.config.model import model_problems, resolve_model
+from mcorekit.config.values import parse_time_minutes
+from mcorekit.errors import ModelError
+from mcorekit.models.parallel import Layout
+from mcorekit.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """What the rules need to know about the machines the ranks run on."""
+
+    transformer_engine: bool  # importable there
+    gpus: bool  # CUDA GPUs (the dev cluster's profile has none)
+    where: str = "this node"  # the machines, as messages name them
+    without_te: str = "Transformer Engine is not importable on this node (pip install mcorekit[gpu])"
+    capability: tuple[int, int] | None = None  # the GPU's compute capability: known on the node itself
+    time_limit: str | None = None  # the job's default time limit and the lead of Slurm's pre-timeout signal:
+    signal_seconds: int | None = None  # known before queueing, from the profile
+
+    @classmethod
+    def of(cls, profile: ClusterProfile) -> Nodes:
+        """Before queueing: what the profile says its nodes have."""
+        return cls(profile.transformer_engine, profile.gpus_per_node > 0, f"profile {profile.name!r}",
+                   f"profile {profile.name!r} says transformer_engine: false (use a profile whose nodes have it)",
+                   time_limit=profile.time_limit, signal_seconds=profile.signal_seconds)
+
+    @classmethod
+    def here(cls, device: int = 0) -> Nodes:
+        """On a rank: whether Transformer Engine imports, and the compute capability of its GPU `device`."""
+        import torch
+
+        from mcorekit.models.megatron import te_available
+
+        gpus = torch.cuda.is_available()
+        return cls(te_available(), gpus, capability=torch.cuda.get_device_capability(device) if gpus else None)
+
+
+def uses_te(exp: Experiment, nodes: Nodes) -> bool:
+    """Whether the model runs on Transformer Engine layers there (model.backend auto takes TE where it imports)."""
+    return nodes.transformer_engine and exp.model.backend != "local"
+
+
+def model_of(exp: Experiment) -> ModelSpec:
+    """The experiment's model; a ModelError when it cannot be read or a field is unsound (nothing else is checkable)."""
+    model = resolve_model(exp.model.preset, exp.model.hf_config, exp.model.overrides)
+    if bad := model_problems(model):
+        raise ModelError(listed("invalid model", bad))
+    return model
+
+
+def listed(what: str, problems: list[str]) -> str:
+    """One problem on one line; several as a list, one per line."""
+    if len(problems) == 1:
+        return f"{what}: {problems[0]}"
+    return f"{what} ({len(problems)} problems):\n  - " + "\n  - ".join(problems)
+
+
+def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None = None) -> list[str]:
+    """Every rule `exp` breaks on `world` ranks of `nodes` (empty when it can run). `model` is the experiment's
+    model when the caller has it already (model_of(exp) otherwise); an unreadable model raises ModelError."""
+    model = model or model_of(exp)
+    lay = layout_of(exp)
+    te = uses_te(exp, nodes)
+    out = layout_problems(model, lay, world)
+    out += schedule_problems(exp, None if out else lay.dp(world))
+    out += sequence_problems(exp, model, lay)
+    out += precision_problems(exp, nodes)
+    out += transformer_engine_problems(exp, nodes)
+    out += data_problems(exp, lay)
+    out += context_parallel_problems(exp, te)
+    out += moe_problems(exp, lay, te)
+    out += memory_option_problems(exp, model, lay)
+    out += time_limit_problems(exp, nodes)
+    if not out and nodes.gpus:  # then Megatron-Core's own checks, as the ranks will run them
+        from mcorekit.config.megatron import megatron_problems
+
+        out = megatron_problems(exp, model, use_te=te)
+    return out
+
+
+def layout_problems(model: ModelSpec, lay: Layout, world: int) -> list[str]:
+    """Every rule the parallel layout breaks for this model on `world` ranks (Megatron-Core's)."""
+    out: list[str] = []
+    mp = lay.tp * lay.pp * lay.cp
+    if world % mp:
+        out.append(
+            f"TP*PP*CP = {lay.tp}*{lay.pp}*{lay.cp} = {mp} does not divide the world size {world} "
+            f"(nodes x GPUs per node); choose sizes whose product divides {world}, or change the node count"
+        )
+    if model.num_attention_heads % lay.tp:
+        out.append(f"TP={lay.tp} does not divide num_attention_heads={model.num_attention_heads}; use a TP from {divisors(model.num_attention_heads, 16)}")
+    if model.num_query_groups % lay.tp:
+        out.append(
+            f"TP={lay.tp} does not divide num_query_groups={model.num_query_groups} (KV heads), which Megatron-Core "
+            f"requires; use a TP from {divisors(model.num_query_groups, 16)}"
+        )
+    if model.num_layers % lay.pp:
+        out.append(f"PP={lay.pp} does not divide num_layers={model.num_layers}; use a PP from {divisors(model.num_layers, 64)}")
+    if lay.vpp is not None:
+        if lay.pp < 2:
+            out.append(f"VPP={lay.vpp} (interleaved schedule) needs PP >= 2; set parallel.vpp=null or raise parallel.pp")
+        elif model.num_layers % (lay.pp * lay.vpp):
+            out.append(f"PP*VPP = {lay.pp * lay.vpp} does not divide num_layers={model.num_layers}; each virtual stage needs whole layers")
+    if lay.sequence_parallel and lay.tp == 1:
+        out.append("sequence_parallel needs TP > 1; set parallel.sequence_parallel=false or raise parallel.tp")
+    if model.is_moe:
+        if model.num_experts % lay.ep:
+            out.append(f"num_experts={model.num_experts} is not divisible by EP={lay.ep}; use an EP from {divisors(model.num_experts, 256)}")
+        if world % (lay.pp * lay.ep * lay.etp):
+            out.append(
+                f"PP*EP*ETP = {lay.pp}*{lay.ep}*{lay.etp} does not divide the world size {world} (Megatron forms expert "
+                f"groups as PP x ETP x EP x expert-DP); lower EP or ETP"
+            )
+        if lay.etp > 1 and lay.etp != lay.tp and model.moe_ffn_hidden_size and model.moe_ffn_hidden_size % lay.etp:
+            out.append(f"ETP={lay.etp} does not divide the expert FFN size {model.moe_ffn_hidden_size}")
+    else:
+        if lay.ep > 1 or lay.etp > 1:
+            out.append(f"EP={lay.ep} / ETP={lay.etp} set for a dense model (no experts); set parallel.ep=1 parallel.etp=1")
+    return out
+
+
+def schedule_problems(exp: Experiment, dp: int | None) -> list[str]:
+    """`dp` (the data-parallel size) is None while the layout itself is broken."""
+    s = exp.schedule
+    out = []
+    if dp is not None and s.global_batch_size % (s.micro_batch_size * dp):
+        out.append(
+            f"global_batch_size={s.global_batch_size} is not divisible by micro_batch_size*DP = {s.micro_batch_size}*{dp} "
+            f"= {s.micro_batch_size * dp}; use a multiple of {s.micro_batch_size * dp}"
+        )
+    if s.warmup_iters >= s.train_iters:
+        out.append(f"schedule.warmup_iters={s.warmup_iters} must be below train_iters={s.train_iters}")
+    return out
+
+
+def sequence_problems(exp: Experiment, model: ModelSpec, lay: Layout) -> list[str]:
+    seq = exp.data.seq_length
+    out = []
+    if lay.cp > 1 and seq % (2 * lay.cp):
+        out.append(f"seq_length={seq} must be divisible by 2*CP = {2 * lay.cp} (load-balanced context parallel)")
+    if seq > model.max_position_embeddings and not model.rope_scaling:
+        out.append(f"seq_length={seq} exceeds the model's max_position_embeddings={model.max_position_embeddings}")
+    return out
+
+
+def precision_problems(exp: Experiment, nodes: Nodes) -> list[str]:
+    p = exp.precision
+    out = []
+    if p.fp8 and not nodes.gpus:
+        out.append(f"precision.fp8 needs GPUs, and {nodes.where} has none")
+    if p.fp8 and nodes.capability is not None:
+        out += fp8_support_problems(p.fp8, nodes.capability)
+    if p.fp8_params and not p.fp8:
+        out.append("precision.fp8_params needs precision.fp8 set")
+    if p.loss_scale is not None and p.dtype != "fp16":
+        out.append("precision.loss_scale applies to fp16 only; remove it or set precision.dtype=fp16")
+    return out
+
+
+def fp8_support_problems(recipe: str, capability: tuple[int, int]) -> list[str]:
+    """FP8 needs Ada/Hopper (sm89/sm90) or newer; MXFP8 needs Blackwell (sm100)."""
+    need = (10, 0) if recipe == "mxfp8" else (8, 9)
+    if capability >= need:
+        return []
+    gpu = "Blackwell (compute capability 10.0)" if recipe == "mxfp8" else "Ada/Hopper (8.9/9.0)"
+    hint = "; on Hopper use delayed, tensorwise or blockwise" if recipe == "mxfp8" else ""
+    return [f"precision.fp8={recipe} needs {gpu} or newer; this GPU is {capability[0]}.{capability[1]}{hint}"]
+
+
+def transformer_engine_problems(exp: Experiment, nodes: Nodes) -> list[str]:
+    """FP8, packed sequences and activation offloading exist only in Transformer Engine's layers."""
+    needs = [what for what, on in ((f"precision.fp8={exp.precision.fp8}", exp.precision.fp8),
+                                   ("data.packing", exp.data.packing),
+                                   ("recompute.offload_layers", exp.recompute.offload_layers)) if on]
+    if needs and exp.model.backend == "local":
+        return [f"{_need(needs)} Transformer Engine layers; set model.backend=auto or te"]
+    if exp.model.backend == "te":
+        needs.insert(0, "model.backend=te")
+    if needs and not nodes.transformer_engine:
+        return [f"{_need(needs)} Transformer Engine, and {nodes.without_te}"]
+    return []
+
+
+def _need(what: list[str]) -> str:
+    """['a'] -> 'a needs'; ['a', 'b', 'c'] -> 'a, b and c need'."""
+    if len(what) == 1:
+        return f"{what[0]} needs"
+    return f"{', '.join(what[:-1])} and {what[-1]} need"
+
+
+def context_parallel_problems(exp: Experiment, uses_te: bool) -> list[str]:
+    """CP runs TE's context-parallel attention. Seen on an H200 with TE 2.20: fp32 with CP>1 finds "no dot product
+    attention backend" (TE's fused kernels are 16-bit only, its unfused one has no CP); Megatron's local
+    attention has no CP at all."""
+    if exp.parallel.cp > 1 and (exp.precision.dtype == "fp32" or not uses_te):
+        return ["parallel.cp > 1 runs Transformer Engine's context-parallel attention, which needs precision.dtype "
+                "bf16 or fp16 and model.backend auto or te (on nodes with Transformer Engine)"]
+    return []
+
+
+def data_problems(exp: Experiment, lay: Layout) -> list[str]:
+    d, s = exp.data, exp.schedule
+    out = []
+    if d.dynamic_batching:
+        out.append("data.dynamic_batching is not built yet; use data.packing for variable-length SFT data")
+    if d.packing and d.kind != "sft":
+        out.append(f"data.packing applies to SFT data (data.kind=sft), not data.kind={d.kind}")
+    if d.packing and s.micro_batch_size != 1:
+        out.append("data.packing puts several examples into one sequence: set schedule.micro_batch_size=1 "
+                   "(raise data.seq_length to put more tokens in a micro-batch)")
+    if d.packing and lay.cp > 1:
+        out.append("data.packing with parallel.cp > 1 is not built (examples would need padding to 2*CP); use cp=1")
+    if d.weights is not None and len(d.weights) != len(d.paths):
+        out.append(f"data.weights has {len(d.weights)} entries for {len(d.paths)} data.paths; give one weight per path")
+    if d.kind != "mock" and not d.paths:
+        out.append(f"data.kind={d.kind} needs data.paths")
+    out += validation_problems(exp)
+    return out
+
+
+def validation_problems(exp: Experiment) -> list[str]:
+    d, s = exp.data, exp.schedule
+    if d.valid_paths and d.kind == "mock":
+        return ["data.valid_paths is for indexed or sft data; mock data validates on its own stream (drop valid_paths)"]
+    if d.valid_paths and not s.eval_interval:
+        return ["data.valid_paths is set but schedule.eval_interval=0, so it would never be used: set "
+                "schedule.eval_interval (e.g. 1000) or drop data.valid_paths"]
+    if s.eval_interval and d.kind != "mock" and not d.valid_paths:
+        return [f"schedule.eval_interval={s.eval_interval} needs held-out data: data.valid_paths ("
+                f"{'.bin/.idx prefixes' if d.kind == 'indexed' else '.jsonl files'}, like data.paths)"]
+    return []
+
+
+def use_torch_expert_gemm(exp: Experiment, uses_te: bool) -> bool:
+    """Whether the MoE experts run as torch._grouped_mm (models/grouped_mm_experts.py): asked for, or by default
+    (auto), where it applies: bf16 without FP8, TE's grouped experts, and neither the a2a-overlap schedule (which
+    splits the experts' backward into TE's own steps) nor recompute of the expert activation (TEGroupedMLP's own)."""
+    moe_act_recompute = exp.recompute.granularity == "selective" and "moe_act" in exp.recompute.modules
+    return (exp.moe.expert_gemm != "te" and uses_te and exp.moe.grouped_gemm and exp.precision.dtype == "bf16"
+            and not exp.precision.fp8 and not exp.moe.a2a_overlap and not moe_act_recompute)
+
+
+def expert_gemm_problems(exp: Experiment, uses_te: bool) -> list[str]:
+    if exp.moe.expert_gemm == "torch" and not use_torch_expert_gemm(exp, uses_te):
+        return ["moe.expert_gemm=torch computes TE's grouped experts in bf16 (torch._grouped_mm); with precision.fp8, "
+                "another dtype, moe.grouped_gemm=false, moe.a2a_overlap, recompute of moe_act or without TE use "
+                "moe.expert_gemm=te or auto"]
+    return []
+
+
+def moe_problems(exp: Experiment, lay: Layout, uses_te: bool) -> list[str]:
+    out = []
+    if exp.moe.a2a_overlap and lay.ep == 1:
+        out.append("moe.a2a_overlap overlaps the expert-parallel all-to-all, so it needs parallel.ep > 1")
+    out += expert_gemm_problems(exp, uses_te)
+    if exp.moe.pad_to_capacity and exp.moe.capacity_factor is None:
+        out.append("moe.pad_to_capacity pads each expert to its capacity, so it needs moe.capacity_factor (e.g. 1.0)")
+    return out
+
+
+def memory_option_problems(exp: Experiment, model: ModelSpec, lay: Layout) -> list[str]:
+    o, r = exp.optimizer, exp.recompute
+    out = []
+    if o.tp_comm_overlap and not (lay.tp > 1 and lay.sequence_parallel):
+        out.append("optimizer.tp_comm_overlap needs TP > 1 with parallel.sequence_parallel=true")
+    if o.overlap_param_gather and not o.distributed:
+        out.append("optimizer.overlap_param_gather needs optimizer.distributed=true")
+    if r.granularity == "full" and r.num_layers > model.num_layers // lay.pp:
+        out.append(f"recompute.num_layers={r.num_layers} exceeds the {model.num_layers // lay.pp} layers per pipeline stage")
+    return out
+
+
+def time_limit_problems(exp: Experiment, nodes: Nodes) -> list[str]:
+    """Slurm may send the pre-timeout signal up to 60 s early; the job must outlive it to save and requeue."""
+    limit = exp.resources.time or nodes.time_limit
+    if limit is None or nodes.signal_seconds is None:
+        return []
+    limit_s, lead = parse_time_minutes(limit) * 60, nodes.signal_seconds
+    if limit_s <= lead + 60:
+        return [f"time limit {limit_s}s leaves no room before the pre-timeout signal ({lead}s lead; Slurm may "
+                f"send it up to 60 s early); raise resources.time above {lead + 60}s"]
+    return []
+
+
+def divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]

@@ -1,0 +1,54 @@
+"""What a value may be in either schema (experiment, cluster profile): names, text without control characters,
+Slurm times; and the strict base model both schemas build on.
+
+These values end up in the sbatch script. Names are restricted; other values are quoted by the renderer, but a
+newline or other control character could end a `#SBATCH` line early, so those are rejected.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def no_control(value: str, what: str) -> str:
+    """`value` unchanged; a ValueError naming `what` when it holds a newline or other control character."""
+    if CONTROL_RE.search(value):
+        raise ValueError(f"{what} {value!r} contains a newline or control character; remove it")
+    return value
+
+
+def shown(path: str | Path) -> str:
+    """A path for a one-line message: as typed, or quoted with escapes when it holds a newline or control character."""
+    text = str(path)
+    return repr(text) if CONTROL_RE.search(text) else text
+
+
+class Strict(BaseModel):
+    # NaN or infinity is never a meaningful setting (YAML reads `.nan` and `.inf` as floats)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def parse_time_minutes(value: str) -> int:
+    """Slurm time (MM, HH:MM:SS, D-HH:MM:SS, D-HH) -> whole minutes, rounded up."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", str(value).strip())
+    if not m:
+        raise ValueError(f"time {value!r} is not a Slurm time (use HH:MM:SS or D-HH:MM:SS)")
+    days, a, b, c = m.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        secs = int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    elif c is not None:  # HH:MM:SS
+        secs = int(a) * 3600 + int(b) * 60 + int(c)
+    elif b is not None:  # MM:SS
+        secs = int(a) * 60 + int(b)
+    else:  # MM
+        secs = int(a) * 60
+    if secs <= 0:
+        raise ValueError(f"time {value!r} must be positive")
+    return -(-secs // 60)
