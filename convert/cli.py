@@ -12,7 +12,12 @@ import argparse
 import math
 import sys
 
-from mcorekit.convert import pipeline, verify
+from mcorekit.cli import HelpFormatter, dispatch
+from mcorekit.models import dtypes
+
+# torch (through convert.pipeline) is imported inside each command, once its arguments parse: --help stays fast.
+FORMATS = {"torch_dist": "Megatron-Core's distributed format, loads at any layout",
+           "torch": "Megatron-LM's legacy per-rank files for the layout given"}
 
 
 def positive_int(text: str) -> int:
@@ -38,12 +43,13 @@ def positive_gb(text: str) -> float:
 
 
 def _hf_to_mcore(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mcorekit convert hf-to-mcore",
+    p = argparse.ArgumentParser(prog="mcorekit convert hf-to-mcore", formatter_class=HelpFormatter,
                                 description="HF safetensors -> Megatron-Core checkpoint (torch_dist: any layout loads it; "
                                 "torch: Megatron-LM's per-rank files for the layout given). Streams one tensor at a time.")
-    p.add_argument("hf_dir")
-    p.add_argument("out_dir")
-    p.add_argument("--format", choices=["torch_dist", "torch"], default="torch_dist")
+    p.add_argument("hf_dir", help="HF model directory (config.json and safetensors)")
+    p.add_argument("out_dir", help="output checkpoint root (written aside and renamed when complete)")
+    p.add_argument("--format", choices=list(FORMATS), default="torch_dist",
+                   help="; ".join(f"{k}: {v}" for k, v in FORMATS.items()))
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor parallel (torch: files per rank; torch_dist: checked only); it must divide the heads, "
                    "query groups and padded vocabulary")
@@ -52,13 +58,15 @@ def _hf_to_mcore(argv: list[str]) -> int:
     p.add_argument("--etp", type=positive_int, default=1, help="expert tensor parallel: 1 or equal to --tp")
     p.add_argument("--vpp", type=positive_int, default=None, help="virtual stages per pipeline stage (needs --pp >= 2); "
                    "PP*VPP must divide the layers")
-    p.add_argument("--dtype", choices=sorted(pipeline.DTYPES), default=None,
+    p.add_argument("--dtype", choices=list(dtypes.NAMES), default=None,
                    help="default: keep the HF dtype. Casts float weights only: integer, bool or fp8 weights are an error")
     p.add_argument("--vocab-divisible-by", type=positive_int, default=128, help="pad the vocabulary to a multiple of this (Megatron's default 128)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT_DIR if an earlier mcorekit command wrote it (never an input or an unknown folder)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
+    from mcorekit.convert import pipeline
+
     s = pipeline.hf_to_mcore(a.hf_dir, a.out_dir, fmt=a.format, dtype=a.dtype, vocab_divisible_by=a.vocab_divisible_by,
                              tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, vpp=a.vpp, force=a.force, quiet=a.quiet)
     print(s.line(f"hf-to-mcore -> {a.out_dir}"))
@@ -66,18 +74,20 @@ def _hf_to_mcore(argv: list[str]) -> int:
 
 
 def _mcore_to_hf(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mcorekit convert mcore-to-hf",
+    p = argparse.ArgumentParser(prog="mcorekit convert mcore-to-hf", formatter_class=HelpFormatter,
                                 description="Megatron-Core checkpoint (torch_dist or legacy torch) -> HF safetensors with "
                                 "index, config and tokenizer files. Vocabulary padding is removed.")
     p.add_argument("ckpt_dir", help="checkpoint root (with latest_checkpointed_iteration.txt) or an iteration directory")
-    p.add_argument("out_dir")
+    p.add_argument("out_dir", help="output HF directory (written aside and renamed when complete)")
     p.add_argument("--hf-config", default=None, help="HF directory or config.json (default: the one stored at import)")
-    p.add_argument("--dtype", choices=sorted(pipeline.DTYPES), default=None, help="default: the HF config's dtype")
+    p.add_argument("--dtype", choices=list(dtypes.NAMES), default=None, help="default: the HF config's dtype")
     p.add_argument("--max-shard-gb", type=positive_gb, default=5.0, help="largest output shard, in GB (> 0)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT_DIR if an earlier mcorekit command wrote it (never an input or an unknown folder)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
+    from mcorekit.convert import pipeline
+
     s = pipeline.mcore_to_hf(a.ckpt_dir, a.out_dir, hf_config=a.hf_config, dtype=a.dtype,
                              max_shard_bytes=max(1, int(a.max_shard_gb * 1024**3)), force=a.force, quiet=a.quiet)
     print(s.line(f"mcore-to-hf -> {a.out_dir}"))
@@ -85,14 +95,18 @@ def _mcore_to_hf(argv: list[str]) -> int:
 
 
 def _verify(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mcorekit convert verify",
+    p = argparse.ArgumentParser(prog="mcorekit convert verify", formatter_class=HelpFormatter,
                                 description="Bitwise comparison of two HF checkpoints (exit 1 on any difference), or with "
-                                "--logits, HF vs Megatron logits on a GPU (exit 1 below cosine 0.9999 or top-1 100%%).")
+                                "--logits, HF vs Megatron logits on a GPU (exit 1 below cosine 0.9999 or top-1 100%).")
     p.add_argument("a", help="HF checkpoint (reference)")
     p.add_argument("b", help="HF checkpoint to check, or with --logits a Megatron checkpoint")
-    p.add_argument("--logits", action="store_true")
+    p.add_argument("--logits", action="store_true",
+                   help="compare logits on a GPU instead (HF model vs Megatron model on fixed prompts; needs cosine >= "
+                   "0.9999 and 100%% top-1 agreement)")
     p.add_argument("--all", action="store_true", help="list equal tensors too")
     a = p.parse_args(argv)
+    from mcorekit.convert import verify
+
     if a.logits:
         from mcorekit.convert.logits import verify_logits
 
@@ -108,12 +122,14 @@ def _verify(argv: list[str]) -> int:
 
 
 COMMANDS = {"hf-to-mcore": _hf_to_mcore, "mcore-to-hf": _mcore_to_hf, "verify": _verify}
+HELPS = {"hf-to-mcore": "HF safetensors -> Megatron-Core checkpoint (torch_dist, or legacy per-rank torch files)",
+         "mcore-to-hf": "Megatron-Core checkpoint -> HF safetensors, config and tokenizer files",
+         "verify": "bitwise comparison of two HF checkpoints, or HF vs Megatron logits on a GPU (--logits)"}
 
 
 def main(command: str, argv: list[str]) -> int:
-    from mcorekit.cli import dispatch
+    return dispatch("mcorekit convert", __doc__, COMMANDS, argv, HELPS)
 
-    return dispatch("mcorekit convert", __doc__, COMMANDS, argv)
 
 if __name__ == "__main__":
     sys.exit(main("convert", sys.argv[1:]))

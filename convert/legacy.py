@@ -5,9 +5,10 @@
 
 Names are per layer with local indices (`decoder.layers.3.self_attention.linear_qkv.weight`) and sequential
 experts with local ids (`decoder.layers.3.mlp.experts.local_experts.1.linear_fc1.weight`, global id =
-ep_rank * experts/EP + local id). Tensor parallel splits: QKV by query groups, gated fc1 as [gate_i; up_i],
-linear_proj and fc2 along the input dim, vocabulary rows for embedding and output layer; norms and the router
-are replicated. Expert tensor parallelism is 1 or equal to TP. Load it in Megatron-LM with
+ep_rank * experts/EP + local id). Each tensor is split over tensor parallel ranks the way its weight-map entry
+says (models/mapping.py: QKV by query groups, gated fc1 as [gate_i; up_i], linear_proj and fc2 along the input
+dim, vocabulary rows for embedding and output layer; norms, the router and the shared-expert gate replicated).
+Expert tensor parallelism is 1 or equal to TP. Load it in Megatron-LM with
 `--finetune --no-load-optim --no-load-rng` (it carries weights only).
 """
 
@@ -23,13 +24,11 @@ import torch
 
 from mcorekit.convert import torch_dist
 from mcorekit.convert.files import write_failure
-from mcorekit.convert.mapping import GLOBAL, LAYER, Ctx
 from mcorekit.errors import ConversionError
+from mcorekit.models import gpt_weights as gw
+from mcorekit.models.mapping import GLOBAL, LAYER, REPLICATED, Ctx, WeightMap, shard, unshard
+from mcorekit.models.parallel import MEGATRON, Layout, layout_problems
 from mcorekit.models.spec import ModelSpec
-
-ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")  # split on dim 1
-COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
-GATED = ("linear_fc1.weight",)  # [gate_i; up_i]
 
 
 def rank_dir(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
@@ -39,32 +38,6 @@ def rank_dir(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
     if ep > 1:
         name += f"_{ep_rank:03d}"
     return name
-
-
-def split_for_rank(key: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    if size == 1:
-        return tensor
-    if key.endswith(GATED):
-        gate, up = torch.chunk(tensor, 2, dim=0)
-        return torch.cat([torch.chunk(gate, size, dim=0)[rank], torch.chunk(up, size, dim=0)[rank]], dim=0)
-    if key.endswith(COLUMN_PARALLEL):
-        return torch.chunk(tensor, size, dim=0)[rank].clone()
-    if key.endswith(ROW_PARALLEL):
-        return torch.chunk(tensor, size, dim=1)[rank].contiguous()
-    return tensor
-
-
-def join_ranks(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    if len(parts) == 1:
-        return parts[0]
-    if key.endswith(GATED):
-        gates, ups = zip(*(torch.chunk(p, 2, dim=0) for p in parts))
-        return torch.cat([torch.cat(gates, dim=0), torch.cat(ups, dim=0)], dim=0)
-    if key.endswith(COLUMN_PARALLEL):
-        return torch.cat(parts, dim=0)
-    if key.endswith(ROW_PARALLEL):
-        return torch.cat(parts, dim=1)
-    return parts[0]
 
 
 def local_name(mcore: str, local_layer: int | None, local_expert: int | None = None) -> str:
@@ -83,42 +56,22 @@ def stages(spec: ModelSpec, pp: int, vpp: int | None) -> dict[tuple[int, int], l
     return {(p, c): [c * (spec.num_layers // v) + p * per + i for i in range(per)] for p in range(pp) for c in range(v)}
 
 
-def check_layout(spec: ModelSpec, ctx: Ctx, tp: int, pp: int, ep: int, etp: int, vpp: int | None) -> None:
-    """Every rule the layout breaks for this model, as one ConversionError (the CLI already refused sizes < 1)."""
-    sizes = {"TP": tp, "PP": pp, "EP": ep, "ETP": etp, "VPP": vpp or 1}
-    small = [f"{k}={v}" for k, v in sizes.items() if type(v) is not int or v < 1]
-    if small:
-        raise ConversionError(f"layout sizes must be integers >= 1: {', '.join(small)}")
-    problems = []
-    if spec.num_query_groups % tp:
-        problems.append(f"TP={tp} does not divide num_query_groups={spec.num_query_groups}")
-    if spec.num_attention_heads % tp:
-        problems.append(f"TP={tp} does not divide num_attention_heads={spec.num_attention_heads}")
-    if ctx.padded_vocab % tp:
-        problems.append(f"TP={tp} does not divide the padded vocab {ctx.padded_vocab} (raise --vocab-divisible-by)")
-    if spec.ffn_hidden_size % tp and not spec.is_moe:
-        problems.append(f"TP={tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
-    if spec.num_layers % (pp * (vpp or 1)):
-        problems.append(f"PP*VPP={pp * (vpp or 1)} does not divide num_layers={spec.num_layers}")
-    if vpp and pp < 2:
-        problems.append("--vpp needs --pp >= 2")
-    if spec.is_moe:
-        if spec.num_experts % ep:
-            problems.append(f"EP={ep} does not divide num_experts={spec.num_experts}")
-        if etp not in (1, tp):
-            problems.append(f"ETP={etp}: the legacy format supports expert TP of 1 or equal to TP={tp}")
-        expert_ffn = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
-        if expert_ffn % etp:
-            problems.append(f"ETP={etp} does not divide the expert FFN size {expert_ffn}")
-    elif ep > 1 or etp > 1:
-        problems.append(f"EP={ep}/ETP={etp} given for a dense model")
+def check_layout(spec: ModelSpec, ctx: Ctx, layout: Layout) -> None:
+    """Every rule the layout breaks for this model (models/parallel.py's, for Megatron-Core), and this format's
+    own limit on expert TP, as one ConversionError (the CLI already refused sizes < 1)."""
+    problems = layout_problems(spec, layout, MEGATRON, ctx.padded_vocab)
+    if spec.is_moe and layout.etp not in (1, layout.tp):
+        problems.append(f"ETP={layout.etp}: the legacy format supports expert TP of 1 or equal to TP={layout.tp}")
     if problems:
         raise ConversionError("layout does not fit the model: " + "; ".join(problems))
 
 
-def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], spec: ModelSpec, ctx: Ctx, tp: int, pp: int, ep: int,
-          etp: int, vpp: int | None, te_modules: list[tuple[str, str]], on_tensor: Callable[[int], None] | None = None) -> None:
-    check_layout(spec, ctx, tp, pp, ep, etp, vpp)
+def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], amap: WeightMap, ctx: Ctx, layout: Layout,
+          on_tensor: Callable[[int], None] | None = None) -> None:
+    spec = ctx.spec
+    check_layout(spec, ctx, layout)
+    tp, pp, ep, etp, vpp = layout.tp, layout.pp, layout.ep, layout.etp, layout.vpp
+    splits = {m.mcore: m.split for m in amap.mappings}
     by_key = {t.fqn: t for t in planned}
     local_experts = (spec.num_experts or 1) // ep
     iter_dir.mkdir(parents=True)
@@ -137,14 +90,14 @@ def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], spec: ModelSp
                         continue
                     full = _produce(planned_tensor, ())
                     for (t, e), chunks in files.items():
-                        chunks[c][key] = split_for_rank(key, full, t, tp)
+                        chunks[c][key] = shard(splits[key], full, t, tp)
                     _tick(on_tensor, full)
                     continue
                 for i, layer in enumerate(layout[(p, c)]):
                     if scope == LAYER:
                         full = _produce(planned_tensor, (layer,))
                         for (t, e), chunks in files.items():
-                            chunks[c][local_name(key, i)] = split_for_rank(key, full, t, tp)
+                            chunks[c][local_name(key, i)] = shard(splits[key], full, t, tp)
                         _tick(on_tensor, full)
                     else:
                         for g in range(spec.num_experts):
@@ -152,15 +105,15 @@ def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], spec: ModelSp
                             full = _produce(planned_tensor, (layer, g))
                             for t in range(tp):
                                 r, size = (t, tp) if etp == tp else (0, 1)
-                                files[(t, e)][c][local_name(key, i, j)] = split_for_rank(key, full, r, size)
+                                files[(t, e)][c][local_name(key, i, j)] = shard(splits[key], full, r, size)
                             _tick(on_tensor, full)
             if spec.tie_word_embeddings and last and pp > 1:
                 # Megatron keeps a synchronized copy of the embedding as the last stage's output layer.
-                full = _produce(by_key["embedding.word_embeddings.weight"], ())
+                full = _produce(by_key[gw.EMBEDDING], ())
                 for (t, e), chunks in files.items():
-                    chunks[c]["output_layer.weight"] = split_for_rank("output_layer.weight", full, t, tp)
+                    chunks[c][gw.OUTPUT] = shard(splits[gw.EMBEDDING], full, t, tp)
             for (t, e), chunks in files.items():
-                for module, scope in te_modules:
+                for module, scope in ((te.name, te.scope) for te in amap.te_modules):
                     if scope == GLOBAL:
                         if last:
                             chunks[c][f"{module}._extra_state"] = None
@@ -205,8 +158,9 @@ class LegacyReader:
     """Reassembles global layer-stacked tensors from per-rank files. Loads every rank file once (weights_only):
     unlike the torch_dist path this is not streaming, which the legacy format's per-rank files make costly."""
 
-    def __init__(self, iter_dir: Path, spec: ModelSpec) -> None:
+    def __init__(self, iter_dir: Path, spec: ModelSpec, amap: WeightMap) -> None:
         self.spec = spec
+        self.entries = amap.by_mcore()
         self.iter_dir = iter_dir
         dirs = sorted(d for d in iter_dir.glob("mp_rank_*") if d.is_dir())
         if not dirs:
@@ -260,7 +214,7 @@ class LegacyReader:
         if len(parts) == 1:
             return parts[0], 0, 0
         # One suffix is PP or EP: with PP only the first stage holds the embedding; with EP every file does.
-        all_have_embedding = all("embedding.word_embeddings.weight" in _models(st)[min(_models(st))] for st in states.values())
+        all_have_embedding = all(gw.EMBEDDING in _models(st)[min(_models(st))] for st in states.values())
         return (parts[0], 0, parts[1]) if all_have_embedding else (parts[0], parts[1], 0)
 
     def _sd(self, t: int, p: int, e: int, c: int) -> dict[str, Any]:
@@ -291,7 +245,7 @@ class LegacyReader:
                     if stacked not in sizes:
                         t = self.read(stacked, (0,))
                         sizes[stacked] = _Sized((L,) + tuple(t.shape), _Properties(t.dtype))
-            elif not (key == "output_layer.weight" and self.spec.tie_word_embeddings) and key not in sizes:
+            elif not (key == gw.OUTPUT and self.spec.tie_word_embeddings) and key not in sizes:
                 t = self.read(key)
                 sizes[key] = _Sized(tuple(t.shape), _Properties(t.dtype))
         return sizes
@@ -300,19 +254,20 @@ class LegacyReader:
         return dict(self._sizes)
 
     def read(self, key: str, index: tuple[int, ...] = ()) -> torch.Tensor:
+        entry = self.entries.get(key)  # a key the map lacks is reported by the caller; read it as rank 0 holds it
+        split = entry.split if entry else REPLICATED
         if not index:
             p, c = (0, 0) if key.startswith("embedding.") else (self.pp - 1, self.vpp - 1)
-            return join_ranks(key, [self._get(t, p, 0, c, key) for t in range(self.tp)])
+            return unshard(split, [self._get(t, p, 0, c, key) for t in range(self.tp)])
         p, c, i = self.layer_home[index[0]]
         if len(index) == 1:
             name = local_name(key, i)
-            return join_ranks(key, [self._get(t, p, 0, c, name) for t in range(self.tp)])
+            return unshard(split, [self._get(t, p, 0, c, name) for t in range(self.tp)])
         e, j = divmod(index[1], self.local_experts)
         name = local_name(key, i, j)
         parts = [self._get(t, p, e, c, name) for t in range(self.tp)]
-        f = self.spec.moe_ffn_hidden_size or self.spec.ffn_hidden_size
-        full = (2 * f, self.spec.hidden_size) if key.endswith("linear_fc1.weight") else (self.spec.hidden_size, f)
-        return parts[0] if tuple(parts[0].shape) == full else join_ranks(key, parts)  # expert TP 1 or = TP
+        whole = entry is None or tuple(parts[0].shape) == entry.shape
+        return parts[0] if whole else unshard(split, parts)  # expert TP 1 or = TP
 
 
 @dataclass(frozen=True)

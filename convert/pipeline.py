@@ -10,7 +10,6 @@ checkpoint (layers, hidden size, heads, experts, vocabulary) and that every elem
 from __future__ import annotations
 
 import json
-import re
 import resource
 import time
 from dataclasses import dataclass
@@ -21,13 +20,15 @@ import torch
 from tqdm import tqdm
 
 from mcorekit.convert import torch_dist
-from mcorekit.convert.architectures import ArchitectureMap, architecture_map, check_supported
 from mcorekit.convert.files import model_file, read_json, tracked_iteration
 from mcorekit.convert.hf_io import HFReader, HFWriter, copy_assets
-from mcorekit.convert.mapping import EXPERT, GLOBAL, LAYER, Ctx, Mapping
 from mcorekit.errors import ConversionError, ModelError
-from mcorekit.models.megatron import DTYPES, padded_vocab_size  # noqa: F401  (DTYPES: the CLI's --dtype choices)
-from mcorekit.models.spec import ModelSpec, from_hf_config
+from mcorekit.models import dtypes, registry
+from mcorekit.models import gpt_weights as gw
+from mcorekit.models.mapping import EXPERT, GLOBAL, LAYER, Ctx, Mapping, WeightMap
+from mcorekit.models.megatron import padded_vocab_size
+from mcorekit.models.parallel import Layout
+from mcorekit.models.spec import ModelSpec
 from mcorekit.outputs import staged_output
 from mcorekit.train.checkpoint import RELEASE, TRACKER  # Megatron-LM's checkpoint directory layout
 
@@ -62,92 +63,43 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
-SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "num_local_experts", "num_experts",
-                  "moe_intermediate_size")
-
-
-def _positive(v: object) -> bool:
-    return type(v) is int and v > 0
-
-
 def config_problems(config: dict[str, Any]) -> list[str]:
-    """What makes an HF config unusable before any tensor is looked at (types, sizes, divisibility)."""
-    if not isinstance(config.get("model_type"), str):
-        return [f"model_type={config.get('model_type')!r} is not a name"]
-    out = [f"{k}={config.get(k)!r} (needs a positive integer)" for k in SIZES if not _positive(config.get(k))]
-    out += [f"{k}={config[k]!r} (needs a positive integer or null)" for k in OPTIONAL_SIZES
-            if config.get(k) is not None and not _positive(config[k])]
-    if out:
-        return out
-    heads, groups = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    if heads % groups:
-        out.append(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
-    if not config.get("head_dim") and config["hidden_size"] % heads:
-        out.append(f"hidden_size={config['hidden_size']} is not a multiple of num_attention_heads={heads} (and no head_dim)")
-    if config["model_type"] in ("mixtral", "qwen3_moe") and not (config.get("num_local_experts") or config.get("num_experts")):
-        out.append(f"num_local_experts (or num_experts) is missing (a {config['model_type']} model has experts)")
-    if config["model_type"] == "qwen3_moe" and not config.get("moe_intermediate_size"):
-        out.append("moe_intermediate_size is missing")
-    return out
+    """What makes an HF config unusable before any tensor is looked at (types, sizes, divisibility, features its
+    family's map does not cover); the model registry knows them."""
+    return registry.config_problems(config)
 
 
 def spec_for(config: dict[str, Any], where: str | Path = "config.json") -> ModelSpec:
     """The model an HF config describes, or a ConversionError naming the file and every problem in it."""
-    problems = config_problems(config) if isinstance(config, dict) else ["not a JSON object"]
-    if problems:
-        raise ConversionError(f"{where}: " + "; ".join(problems))
-    check_supported(config)
     try:
-        return from_hf_config(config)
+        problems = config_problems(config) if isinstance(config, dict) else ["not a JSON object"]
+        if problems:
+            raise ConversionError(f"{where}: " + "; ".join(problems))
+        return registry.for_config(config).read(config)
     except ModelError as e:
         raise ConversionError(str(e)) from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # e.g. rope_parameters that is not an object
         raise ConversionError(f"{where}: unusable config ({type(e).__name__}: {e})") from None
 
 
-def expected_shapes(spec: ModelSpec, padded_vocab: int) -> dict[str, tuple[int, ...]]:
-    """Per-slice shapes the config implies; the weights must agree before anything is written."""
-    h, d, H = spec.num_attention_heads, spec.kv_channels, spec.hidden_size
-    g = spec.num_query_groups
-    qkv = (h + 2 * g) * d
-    shapes = {
-        "embedding.word_embeddings.weight": (padded_vocab, H),
-        "output_layer.weight": (padded_vocab, H),
-        "decoder.final_layernorm.weight": (H,),
-        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (H,),
-        "decoder.layers.self_attention.linear_qkv.weight": (qkv, H),
-        "decoder.layers.self_attention.linear_qkv.bias": (qkv,),
-        "decoder.layers.self_attention.linear_proj.weight": (H, h * d),
-        "decoder.layers.self_attention.q_layernorm.weight": (d,),
-        "decoder.layers.self_attention.k_layernorm.weight": (d,),
-        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (H,),
-        "decoder.layers.mlp.linear_fc1.weight": (2 * spec.ffn_hidden_size, H),
-        "decoder.layers.mlp.linear_fc2.weight": (H, spec.ffn_hidden_size),
-        "decoder.layers.pre_mlp_layernorm.weight": (H,),
-    }
-    if spec.is_moe:
-        f = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
-        shapes.update({
-            "decoder.layers.mlp.router.weight": (spec.num_experts, H),
-            "decoder.layers.mlp.experts.experts.linear_fc1.weight": (2 * f, H),
-            "decoder.layers.mlp.experts.experts.linear_fc2.weight": (H, f),
-        })
-    return shapes
+def weight_map(spec: ModelSpec) -> WeightMap:
+    try:
+        return registry.weight_map(spec)
+    except ModelError as e:
+        raise ConversionError(str(e)) from None
+
+
+def expected_shapes(amap: WeightMap, ctx: Ctx) -> dict[str, tuple[int, ...]]:
+    """Per-slice Megatron shapes the config implies (from the map); the weights must agree before anything is written."""
+    return {m.mcore: m.mcore_shape(ctx) for m in amap.mappings}
 
 
 def slice_indices(m: Mapping, spec: ModelSpec) -> list[tuple[int, ...]]:
-    if m.scope == GLOBAL:
-        return [()]
-    if m.scope == LAYER:
-        return [(layer,) for layer in range(spec.num_layers)]
-    return [(layer, e) for layer in range(spec.num_layers) for e in range(spec.num_experts)]
+    return m.slices(spec)
 
 
 def hf_names_at(m: Mapping, index: tuple[int, ...]) -> list[str]:
-    layer = index[0] if index else None
-    expert = index[1] if len(index) > 1 else None
-    return m.hf_names(layer, expert)
+    return m.hf_names_at(index)
 
 
 def _progress(total: int, desc: str, quiet: bool) -> tqdm:
@@ -183,16 +135,14 @@ def _is_range(ids: set[int], n: int) -> bool:
     return len(ids) == n and all(0 <= i < n for i in ids)
 
 
-def check_counts(reader: HFReader, spec: ModelSpec) -> None:
-    """The config's layer and expert counts must be what the weights hold; checked first, so that a config
-    claiming a billion layers fails at once instead of planning them."""
-    names = reader.names()
-    layers = {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+def check_counts(reader: HFReader, spec: ModelSpec, amap: WeightMap) -> None:
+    """The config's layer and expert counts must be what the weights hold (read with the map's HF names); checked
+    first, so that a config claiming a billion layers fails at once instead of planning them."""
+    layers, experts = amap.stacked_ids(reader.names())
     if not _is_range(layers, spec.num_layers):
         raise ConversionError(f"{reader.path / 'config.json'}: num_hidden_layers={spec.num_layers}, but the weights hold "
                               f"layers {_listed(layers)}; the config disagrees with the weights")
     if spec.is_moe:
-        experts = {int(m.group(1)) for n in names if (m := re.search(r"\.experts\.(\d+)\.", n))}
         if not _is_range(experts, spec.num_experts):
             raise ConversionError(f"{reader.path / 'config.json'}: {spec.num_experts} experts per layer, but the weights "
                                   f"hold experts {_listed(experts)}; the config disagrees with the weights")
@@ -213,12 +163,12 @@ def check_hf_tensor(reader: HFReader, name: str, want: tuple[int, ...], m: Mappi
     return entry.dtype
 
 
-def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: ArchitectureMap, ctx: Ctx, dtype: torch.dtype | None
+def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: WeightMap, ctx: Ctx, dtype: torch.dtype | None
                  ) -> tuple[list[torch_dist.PlannedTensor], int]:
     """Check every HF tensor from the shard headers (presence, shape, dtype) and return the streaming plan and
     its bytes; nothing is read or written before every slice of every Megatron tensor is known to fit."""
-    check_counts(reader, spec)
-    shapes = expected_shapes(spec, ctx.padded_vocab)
+    check_counts(reader, spec, amap)
+    shapes = expected_shapes(amap, ctx)
     used: set[str] = set()
     planned = []
     total = 0
@@ -245,8 +195,11 @@ def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: ArchitectureMap, ctx: 
         planned.append(torch_dist.PlannedTensor(m.mcore, lead + shape, out_dtype, chunks, m.scope))
         total += int(torch.Size(shape).numel()) * out_dtype.itemsize * len(indices)
     unmapped = sorted(n for n in reader.names() if n not in used and not n.endswith(IGNORED_HF))
-    if spec.tie_word_embeddings and "lm_head.weight" in unmapped:
-        unmapped.remove("lm_head.weight")  # a tied copy; Megatron reuses the embedding
+    if spec.tie_word_embeddings:  # a tied copy of the embedding (the head the family names); Megatron reuses it
+        head = registry.weight_map(_untied(spec)).get(gw.OUTPUT)
+        for name in head.hf_names() if head else ():
+            if name in unmapped:
+                unmapped.remove(name)
     if unmapped:
         raise ConversionError(
             f"{len(unmapped)} HF tensors have no Megatron counterpart (e.g. {unmapped[:3]}): the checkpoint has features "
@@ -255,7 +208,13 @@ def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: ArchitectureMap, ctx: 
     return planned, total
 
 
-def extra_state_blobs(amap: ArchitectureMap, spec: ModelSpec) -> dict[str, bytes]:
+def _untied(spec: ModelSpec) -> ModelSpec:
+    from dataclasses import replace
+
+    return replace(spec, tie_word_embeddings=False)
+
+
+def extra_state_blobs(amap: WeightMap, spec: ModelSpec) -> dict[str, bytes]:
     empty = torch_dist.empty_extra_state()
     blobs = {"common_state/shard_0_1": torch_dist.common_state()}
     L, E = spec.num_layers, spec.num_experts
@@ -283,15 +242,18 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, fmt: str = "torch_dist"
     start = time.monotonic()
     if fmt not in FORMATS:
         raise ConversionError(f"unknown format {fmt!r}; supported: {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in dtypes.NAMES:
+        raise ConversionError(f"unknown dtype {dtype!r}; supported: {', '.join(dtypes.NAMES)}")
     if vocab_divisible_by < 1:
         raise ConversionError(f"--vocab-divisible-by {vocab_divisible_by}: must be at least 1")
     reader = HFReader(hf_dir)
     try:
         spec = spec_for(reader.config, reader.path / "config.json")
         ctx = Ctx(spec, padded_vocab_size(spec.vocab_size, vocab_divisible_by))
-        legacy.check_layout(spec, ctx, tp, pp, ep, etp, vpp)  # torch_dist has no layout, but it must load at this one
-        amap = architecture_map(spec)
-        planned, total = plan_from_hf(reader, spec, amap, ctx, DTYPES[dtype] if dtype else None)
+        layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)
+        legacy.check_layout(spec, ctx, layout)  # torch_dist has no layout, but it must load at this one
+        amap = weight_map(spec)
+        planned, total = plan_from_hf(reader, spec, amap, ctx, dtypes.to_torch(dtype) if dtype else None)
         summary = Summary()
         with staged_output(Path(out_dir), force, inputs=(reader.path,), command="mcorekit convert hf-to-mcore") as tmp:
             bar = _progress(total, f"hf -> mcore ({fmt})", quiet)
@@ -304,8 +266,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, fmt: str = "torch_dist"
             if fmt == "torch_dist":
                 torch_dist.write(tmp / RELEASE, planned, extra_state_blobs(amap, spec), on_chunk=tick)
             else:
-                legacy.write(tmp / RELEASE, planned, spec, ctx, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp,
-                             te_modules=[(te.name, te.scope) for te in amap.te_modules], on_tensor=tick)
+                legacy.write(tmp / RELEASE, planned, amap, ctx, layout, on_tensor=tick)
             bar.close()
             (tmp / TRACKER).write_text(RELEASE)
             (tmp / "hf").mkdir()
@@ -352,7 +313,7 @@ def hf_config_for(ckpt_root: Path, hf_config: str | None) -> tuple[dict[str, Any
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
-def config_mismatches(spec: ModelSpec, amap: ArchitectureMap, sizes: dict[str, tuple[int, ...]],
+def config_mismatches(spec: ModelSpec, amap: WeightMap, sizes: dict[str, tuple[int, ...]],
                       shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """Where the HF config and the stored tensors disagree: model dimensions first, then each tensor."""
     out = []
@@ -362,11 +323,11 @@ def config_mismatches(spec: ModelSpec, amap: ArchitectureMap, sizes: dict[str, t
         if len(size) > dim and size[dim] != value:
             out.append(f"{field} {value} in the config, {size[dim]} in the checkpoint")
 
-    compare("num_hidden_layers", spec.num_layers, "decoder.layers.self_attention.linear_proj.weight", 0)
-    compare("hidden_size", spec.hidden_size, "decoder.final_layernorm.weight", 0)
+    compare("num_hidden_layers", spec.num_layers, gw.PROJ, 0)
+    compare("hidden_size", spec.hidden_size, gw.FINAL_NORM, 0)
     if spec.is_moe:
-        compare("num_experts", spec.num_experts, "decoder.layers.mlp.router.weight", 1)
-    rows = sizes["embedding.word_embeddings.weight"][:1]
+        compare("num_experts", spec.num_experts, gw.ROUTER, 1)
+    rows = sizes[gw.EMBEDDING][:1]
     if rows and rows[0] < spec.vocab_size:
         out.append(f"vocab_size {spec.vocab_size} in the config, {rows[0]} embedding rows in the checkpoint")
     lead = {GLOBAL: (), LAYER: (spec.num_layers,), EXPERT: (spec.num_layers, spec.num_experts or 0)}
@@ -377,11 +338,11 @@ def config_mismatches(spec: ModelSpec, amap: ArchitectureMap, sizes: dict[str, t
     return out
 
 
-def open_checkpoint(iter_dir: Path, spec: ModelSpec) -> Any:
+def open_checkpoint(iter_dir: Path, spec: ModelSpec, amap: WeightMap) -> Any:
     if any(iter_dir.glob("mp_rank_*")):
         from mcorekit.convert import legacy
 
-        return legacy.LegacyReader(iter_dir, spec)
+        return legacy.LegacyReader(iter_dir, spec, amap)
     return torch_dist.TorchDistReader(iter_dir)
 
 
@@ -391,21 +352,28 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
     root = Path(ckpt)
     iter_dir = find_iteration_dir(root)
     config, config_file, assets = hf_config_for(root if iter_dir != root else root.parent, hf_config)
+    if dtype is not None and dtype not in dtypes.NAMES:
+        raise ConversionError(f"unknown dtype {dtype!r}; supported: {', '.join(dtypes.NAMES)}")
     spec = spec_for(config, config_file)
-    amap = architecture_map(spec)
-    source = open_checkpoint(iter_dir, spec)
+    amap = weight_map(spec)
+    source = open_checkpoint(iter_dir, spec, amap)
     stored = {k: v for k, v in source.tensor_keys().items() if k.startswith(MODEL_PREFIXES)}
     wanted = {m.mcore for m in amap.mappings}
     missing, extra = sorted(wanted - set(stored)), sorted(set(stored) - wanted)
+    if any(".shared_experts." in k for k in extra):
+        raise ConversionError(
+            f"{iter_dir}: the checkpoint has shared-expert weights (moe_shared_expert_intermediate_size, "
+            f"moe.shared_expert_ffn), but {config_file} describes a {spec.architecture} model, which has no shared "
+            f"expert, so they have no HF counterpart; pass the --hf-config of a model with a shared expert")
     if missing or extra:
         raise ConversionError(
             f"{iter_dir}: checkpoint and {config_file} disagree: missing {missing[:4]}, unexpected {extra[:4]} "
             f"(wrong --hf-config, or tied embeddings differ?)"
         )
     sizes = {k: tuple(v.size) for k, v in stored.items()}
-    rows = sizes["embedding.word_embeddings.weight"][:1]
+    rows = sizes[gw.EMBEDDING][:1]
     ctx = Ctx(spec, rows[0] if rows else 0)
-    shapes = expected_shapes(spec, ctx.padded_vocab)
+    shapes = expected_shapes(amap, ctx)
     problems = config_mismatches(spec, amap, sizes, shapes)
     if problems:
         raise ConversionError(f"{iter_dir}: the checkpoint and {config_file} disagree: {'; '.join(problems[:6])}"
@@ -415,7 +383,7 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
         if problem:
             raise ConversionError(f"{iter_dir}: {key} {problem}")
     hf_shapes = {m.mcore: hf_slice_shapes(m, shapes[m.mcore], ctx) for m in amap.mappings}
-    out_dtype = DTYPES.get(dtype) if dtype else _config_dtype(config)
+    out_dtype = dtypes.to_torch(dtype) if dtype else _config_dtype(config)
     summary = Summary()
     total = sum(int(torch.Size(s).numel()) for s in sizes.values()) * (out_dtype or torch.float32).itemsize
     given_file = hf_config is not None and not Path(hf_config).is_dir()
@@ -424,9 +392,9 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
           HFWriter(tmp, max_shard_bytes) as writer):
         bar = _progress(total, "mcore -> hf", quiet)
         # Layer by layer, so HF shards come out in the usual order (embeddings, layer 0, 1, ..., norm, head).
-        order = ([m for m in amap.mappings if m.scope == GLOBAL and m.mcore.startswith("embedding")]
+        order = ([m for m in amap.mappings if m.scope == GLOBAL and m.mcore == gw.EMBEDDING]
                  + [(m, layer) for layer in range(spec.num_layers) for m in amap.mappings if m.scope != GLOBAL]
-                 + [m for m in amap.mappings if m.scope == GLOBAL and not m.mcore.startswith("embedding")])
+                 + [m for m in amap.mappings if m.scope == GLOBAL and m.mcore != gw.EMBEDDING])
         for item in order:
             m, layer = item if isinstance(item, tuple) else (item, None)
             indices = [()] if layer is None else [(layer,)] if m.scope == LAYER else [(layer, e) for e in range(spec.num_experts)]
@@ -452,5 +420,5 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
 
 
 def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:
-    name = config.get("dtype") or config.get("torch_dtype")
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(name) if isinstance(name, str) else None
+    short = dtypes.from_config(config.get("dtype") or config.get("torch_dtype"))
+    return dtypes.to_torch(short) if short else None

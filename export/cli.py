@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 from mcorekit.cli import HelpFormatter, dispatch
+from mcorekit.export import targets
+from mcorekit.models import dtypes
 
 
 def positive_int(text: str) -> int:
@@ -27,18 +29,17 @@ def positive_int(text: str) -> int:
 def _trtllm(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mcorekit export trtllm", formatter_class=HelpFormatter,
                                 description=(
-        "SRC is an HF directory or a Megatron checkpoint (converted through convert/ first). Target pytorch: HF "
-        "weights + config (+ FP8 ModelOpt checkpoint) for today's TensorRT-LLM. Target engine: config.json + "
-        "rank{N}.safetensors for trtllm-build (TensorRT-LLM <= 1.2)."))
+        "SRC is an HF directory or a Megatron checkpoint (converted through convert/ first). "
+        + " ".join(f"Target {t.name}: {t.description}." for t in targets.TARGETS.values())))
     p.add_argument("src", help="HF model directory or Megatron checkpoint")
     p.add_argument("out", help="output directory (written aside and renamed when complete)")
-    p.add_argument("--target", choices=["pytorch", "engine"], required=True,
-                   help="pytorch: today's TensorRT-LLM (HF + quantization config); engine: rank files for <= 1.2")
+    p.add_argument("--target", choices=list(targets.NAMES), required=True,
+                   help="; ".join(f"{t.name}: {t.description}" for t in targets.TARGETS.values()))
     p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel size of the served model")
     p.add_argument("--pp", type=positive_int, default=1, help="pipeline parallel size of the served model")
     p.add_argument("--ep", type=positive_int, default=1,
                    help="expert parallel, MoE only (inside the TP group: divides --tp and the expert count)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weight dtype (non-FP8 weights)")
+    p.add_argument("--dtype", choices=list(dtypes.NAMES), default="bf16", help="weight dtype (non-FP8 weights)")
     p.add_argument("--fp8", action="store_true", help="per-tensor FP8 weights and activation scales (needs --calib)")
     p.add_argument("--calib", default=None, help="calibration data: JSON lines with input_ids or text")
     p.add_argument("--hf-config", default=None, help="for a Megatron SRC without a stored HF config")

@@ -3,11 +3,13 @@ of `trtllm-build`.
 
 Ranks: rank = pp_rank * tp + tp_rank; experts are parallel inside the TP group (moe_tp * moe_ep = tp,
 moe_tp_rank = tp_rank // moe_ep, moe_ep_rank = tp_rank % moe_ep). Per rank, layer names use local indices
-(`transformer.layers.0` is the stage's first layer). Splits:
+(`transformer.layers.0` is the stage's first layer). The HF tensors of each GPTModel tensor and how TP splits
+them (column: dim 0, row: dim 1, replicated) come from the family's weight map (models/families/); what
+TensorRT-LLM calls each is below. Besides those splits:
   attention.qkv    [Q_r; K_r; V_r] (not interleaved); KV heads duplicated when there are fewer than TP
-  attention.dense  o_proj split on its input dim
-  mlp.fc = gate, mlp.gate = up (split on output dim), mlp.proj = down (split on input dim)
-  MoE: mlp.router fp32 replicated; mlp.fc = [up; gate] per local expert, mlp.proj = down, split by moe_tp
+  mlp.fc = gate, mlp.gate = up (dense MLP)
+  MoE: mlp.router fp32 replicated; mlp.fc = [up; gate] per local expert, mlp.proj = down, split by moe_tp;
+       the shared expert's mlp.shared_expert.fc = [up; gate], split by TP
   lm_head padded to a multiple of TP and split by rows; vocab_embedding replicated on the first stage.
 """
 
@@ -20,57 +22,61 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from mcorekit.convert.hf_io import HFReader
-from mcorekit.errors import ExportError
+from mcorekit.convert.hf_io import HFReader, copy_assets
+from mcorekit.errors import ExportError, ModelError
 from mcorekit.export import fp8
+from mcorekit.export.targets import check_layout
+from mcorekit.models import dtypes, registry
+from mcorekit.models import gpt_weights as gw
+from mcorekit.models.mapping import EXPERT, GLOBAL, HF_SPLIT_DIM, REPLICATED, Mapping
+from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec
 
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", None),
-    "mixtral": ("MixtralForCausalLM", None),
-    "qwen2": ("QWenForCausalLM", "qwen2"),
-    "qwen3": ("QWenForCausalLM", "qwen3"),
-    "qwen3_moe": ("QWenForCausalLM", "qwen3_moe"),
-}
 RENORMALIZE, NO_NORMALIZATION = 1, 0  # TensorRT-LLM MoeConfig.ExpertScaleNormalizationMode
+# GPTModel tensor -> TensorRT-LLM's name for it in transformer.layers.N (one HF tensor each, split as the map says).
+LAYER_NAMES = {
+    gw.INPUT_NORM: "input_layernorm",
+    gw.PROJ: "attention.dense",
+    gw.Q_NORM: "attention.q_layernorm",
+    gw.K_NORM: "attention.k_layernorm",
+    gw.FC1_NORM: "post_layernorm",
+    gw.PRE_MLP_NORM: "post_layernorm",
+    gw.FC2: "mlp.proj",
+    gw.SHARED_FC2: "mlp.shared_expert.proj",
+    gw.SHARED_GATE: "mlp.shared_expert_gate",
+}
 
 
-def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int) -> None:
-    """TP/PP/EP must be >= 1 and split the model evenly (both targets: TensorRT-LLM splits it this way)."""
-    bad = [f"--{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if not isinstance(v, int) or v < 1]
-    if bad:
-        raise ExportError(f"{', '.join(bad)}: parallel sizes must be integers >= 1")
-    problems = []
-    if spec.num_attention_heads % tp:
-        problems.append(f"TP={tp} does not divide num_attention_heads={spec.num_attention_heads}")
-    g = spec.num_query_groups
-    if (g % tp) and (tp % g):
-        problems.append(f"TP={tp} and num_key_value_heads={g}: one must divide the other (KV heads are split or duplicated)")
-    if spec.num_layers % pp:
-        problems.append(f"PP={pp} does not divide num_hidden_layers={spec.num_layers}")
-    if spec.is_moe:
-        if tp % ep:
-            problems.append(f"EP={ep} must divide TP={tp} (TensorRT-LLM places experts inside the TP group: moe_tp * moe_ep = tp)")
-        elif spec.num_experts % ep:
-            problems.append(f"EP={ep} does not divide num_experts={spec.num_experts}")
-        elif (spec.moe_ffn_hidden_size or spec.ffn_hidden_size) % (tp // ep):
-            problems.append(f"moe_tp={tp // ep} does not divide the expert FFN size")
-    else:
-        if ep != 1:
-            problems.append(f"EP={ep} given for a dense model")
-        if spec.ffn_hidden_size % tp:
-            problems.append(f"TP={tp} does not divide intermediate_size={spec.ffn_hidden_size}")
-    if problems:
-        raise ExportError("layout does not fit the model: " + "; ".join(problems))
+def check(spec: ModelSpec, layout: Layout) -> None:
+    """What this target needs beyond the layout: a TensorRT-LLM architecture for the family, and a writer for
+    every tensor of its map (checked before anything is written)."""
+    trtllm_names(spec)
+    amap = registry.weight_map(spec)
+    known = set(LAYER_NAMES) | {gw.EMBEDDING, gw.OUTPUT, gw.FINAL_NORM, gw.QKV_WEIGHT, gw.QKV_BIAS, gw.FC1, gw.SHARED_FC1,
+                                gw.ROUTER, gw.EXPERT_FC1, gw.EXPERT_FC2}
+    unknown = [m.mcore for m in amap.mappings if m.mcore not in known]
+    if unknown:
+        raise ExportError(f"the engine target does not write {', '.join(unknown)} ({spec.architecture}); use --target pytorch")
 
 
-def trtllm_config(spec: ModelSpec, dtype: str, tp: int, pp: int, ep: int, quant_algo: str | None) -> dict[str, Any]:
-    arch, qwen_type = ARCHITECTURES[spec.architecture]
+def trtllm_names(spec: ModelSpec) -> registry.TensorRTLLM:
+    try:
+        names = registry.family(spec.architecture).trtllm
+    except ModelError as e:
+        raise ExportError(str(e)) from None
+    if names is None:
+        raise ExportError(f"the engine target has no TensorRT-LLM architecture for {spec.architecture}; use --target pytorch")
+    return names
+
+
+def trtllm_config(spec: ModelSpec, dtype: str, layout: Layout, quant_algo: str | None) -> dict[str, Any]:
+    names = trtllm_names(spec)
+    tp, pp, ep = layout.tp, layout.pp, layout.ep
     rope_scaling = None
     if spec.rope_scaling:
         rope_scaling = {"type": "llama3", **{k: v for k, v in spec.rope_scaling.items() if k not in ("rope_type", "type")}}
     cfg: dict[str, Any] = {
-        "architecture": arch,
+        "architecture": names.architecture,
         "dtype": dtype,
         "logits_dtype": "float32",
         "num_hidden_layers": spec.num_layers,
@@ -97,17 +103,20 @@ def trtllm_config(spec: ModelSpec, dtype: str, tp: int, pp: int, ep: int, quant_
         "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": None,
                          "exclude_modules": ["lm_head", "*router"] if quant_algo else None},
     }
-    if qwen_type:
-        cfg["qwen_type"] = qwen_type
+    if names.qwen_type:
+        cfg["qwen_type"] = names.qwen_type
     if spec.is_moe:
-        cfg["moe"] = {"num_experts": spec.num_experts, "top_k": spec.moe_router_topk, "shared_expert_intermediate_size": 0,
+        shared = spec.moe_shared_expert_ffn_hidden_size or 0
+        cfg["moe"] = {"num_experts": spec.num_experts, "top_k": spec.moe_router_topk, "shared_expert_intermediate_size": shared,
                       "normalization_mode": RENORMALIZE if spec.moe_norm_topk_prob else NO_NORMALIZATION}
         cfg["moe_intermediate_size"] = spec.moe_ffn_hidden_size
+        if shared:
+            cfg["moe_shared_expert_intermediate_size"] = shared
     return cfg
 
 
-def _chunk(t: torch.Tensor, parts: int, rank: int, dim: int) -> torch.Tensor:
-    return t if parts == 1 else torch.chunk(t, parts, dim=dim)[rank].contiguous()
+def _chunk(t: torch.Tensor, parts: int, rank: int, dim: int | None) -> torch.Tensor:
+    return t if parts == 1 or dim is None else torch.chunk(t, parts, dim=dim)[rank].contiguous()
 
 
 def _kv_for_rank(t: torch.Tensor, spec: ModelSpec, tp: int, rank: int) -> torch.Tensor:
@@ -119,27 +128,37 @@ def _kv_for_rank(t: torch.Tensor, spec: ModelSpec, tp: int, rank: int) -> torch.
     return t[head * d:(head + 1) * d].contiguous()
 
 
-def write(reader: HFReader, spec: ModelSpec, out: Path, tp: int, pp: int, ep: int, dtype: torch.dtype,
-          dtype_name: str, scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> int:
-    check_layout(spec, tp, pp, ep)
+def write(reader: HFReader, spec: ModelSpec, out: Path, layout: Layout, dtype: str,
+          scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> int:
+    check_layout(spec, layout)
+    check(spec, layout)
+    tp, pp, ep = layout.tp, layout.pp, layout.ep
     quant = "FP8" if scales else None
-    (out / "config.json").write_text(json.dumps(trtllm_config(spec, dtype_name, tp, pp, ep, quant), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(trtllm_config(spec, dtypes.NAMES[dtype], layout, quant), indent=2) + "\n")
+    amap = registry.weight_map(spec)
+    entries = amap.by_mcore()
+    torch_dtype = dtypes.to_torch(dtype)
     per_stage = spec.num_layers // pp
     moe_ep = ep if spec.is_moe else 1
     moe_tp = tp // moe_ep
     total = 0
 
     def get(name: str) -> torch.Tensor:
-        return reader.get(name).to(dtype)
+        return reader.get(name).to(torch_dtype)
+
+    def split(name: str, m: Mapping, parts: int, rank: int) -> torch.Tensor:
+        """HF tensor `name` of entry m, this rank's part of it (split on the dim the entry's TP split implies)."""
+        return _chunk(get(name), parts, rank, HF_SPLIT_DIM[m.split])
 
     for p in range(pp):
         for t in range(tp):
             w: dict[str, torch.Tensor] = {}
 
-            def linear(prefix: str, weight: torch.Tensor, hf_modules: list[str]) -> None:
+            def linear(prefix: str, weight: torch.Tensor, hf_names: list[str]) -> None:
                 """Store a (possibly fused) linear, FP8-quantized with the modules' shared scales when asked."""
-                if scales and hf_modules[0] in scales:
-                    w_scale, a_scale = scales[hf_modules[0]]
+                module = hf_names[0].removesuffix(".weight")
+                if scales and module in scales:
+                    w_scale, a_scale = scales[module]
                     w[f"{prefix}.weight"] = fp8.quantize(weight, w_scale)
                     w[f"{prefix}.weights_scaling_factor"] = w_scale.reshape(1).clone()
                     w[f"{prefix}.activation_scaling_factor"] = a_scale.reshape(1).clone()
@@ -147,51 +166,57 @@ def write(reader: HFReader, spec: ModelSpec, out: Path, tp: int, pp: int, ep: in
                     w[f"{prefix}.weight"] = weight
 
             if p == 0:
-                w["transformer.vocab_embedding.weight"] = get("model.embed_tokens.weight")
+                w["transformer.vocab_embedding.weight"] = get(amap.hf(gw.EMBEDDING)[0])
             for i in range(per_stage):
                 layer = p * per_stage + i
-                hf, tl = f"model.layers.{layer}", f"transformer.layers.{i}"
-                a = f"{hf}.self_attn"
-                q = _chunk(get(f"{a}.q_proj.weight"), tp, t, 0)
-                k = _kv_for_rank(get(f"{a}.k_proj.weight"), spec, tp, t)
-                v = _kv_for_rank(get(f"{a}.v_proj.weight"), spec, tp, t)
-                linear(f"{tl}.attention.qkv", torch.cat([q, k, v]), [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"])
-                if spec.qkv_bias:
-                    w[f"{tl}.attention.qkv.bias"] = torch.cat([
-                        _chunk(get(f"{a}.q_proj.bias"), tp, t, 0), _kv_for_rank(get(f"{a}.k_proj.bias"), spec, tp, t),
-                        _kv_for_rank(get(f"{a}.v_proj.bias"), spec, tp, t)])
-                linear(f"{tl}.attention.dense", _chunk(get(f"{a}.o_proj.weight"), tp, t, 1), [f"{a}.o_proj"])
-                if spec.qk_layernorm:
-                    w[f"{tl}.attention.q_layernorm.weight"] = get(f"{a}.q_norm.weight")
-                    w[f"{tl}.attention.k_layernorm.weight"] = get(f"{a}.k_norm.weight")
-                w[f"{tl}.input_layernorm.weight"] = get(f"{hf}.input_layernorm.weight")
-                w[f"{tl}.post_layernorm.weight"] = get(f"{hf}.post_attention_layernorm.weight")
-                if spec.is_moe:
-                    if spec.architecture == "mixtral":
-                        e, gate, up, down = f"{hf}.block_sparse_moe", "w1", "w3", "w2"
+                tl = f"transformer.layers.{i}"
+                for m in amap.mappings:
+                    if m.scope in (GLOBAL, EXPERT):
+                        continue
+                    names = m.hf_names(layer)
+                    if m.mcore in (gw.QKV_WEIGHT, gw.QKV_BIAS):
+                        q, k, v = names
+                        fused = torch.cat([_chunk(get(q), tp, t, 0), _kv_for_rank(get(k), spec, tp, t),
+                                           _kv_for_rank(get(v), spec, tp, t)])
+                        if m.mcore == gw.QKV_WEIGHT:
+                            linear(f"{tl}.attention.qkv", fused, names)
+                        else:
+                            w[f"{tl}.attention.qkv.bias"] = fused
+                    elif m.mcore == gw.FC1:
+                        gate, up = names
+                        linear(f"{tl}.mlp.fc", split(gate, m, tp, t), [gate])
+                        linear(f"{tl}.mlp.gate", split(up, m, tp, t), [up])
+                    elif m.mcore == gw.SHARED_FC1:
+                        gate, up = names
+                        linear(f"{tl}.mlp.shared_expert.fc", torch.cat([split(up, m, tp, t), split(gate, m, tp, t)]), [up])
+                    elif m.mcore == gw.ROUTER:
+                        w[f"{tl}.mlp.router.weight"] = reader.get(names[0]).float()
                     else:
-                        e, gate, up, down = f"{hf}.mlp", "gate_proj", "up_proj", "down_proj"
-                    w[f"{tl}.mlp.router.weight"] = reader.get(f"{e}.gate.weight").float()
+                        part = split(names[0], m, tp, t)
+                        if m.split == REPLICATED:
+                            w[f"{tl}.{LAYER_NAMES[m.mcore]}.weight"] = part
+                        else:
+                            linear(f"{tl}.{LAYER_NAMES[m.mcore]}", part, names)
+                if spec.is_moe:
+                    fc1, fc2 = entries[gw.EXPERT_FC1], entries[gw.EXPERT_FC2]
                     local = spec.num_experts // moe_ep
                     experts = range((t % moe_ep) * local, (t % moe_ep + 1) * local)
                     r = t // moe_ep
-                    fc = [torch.cat([_chunk(get(f"{e}.experts.{x}.{up}.weight"), moe_tp, r, 0),
-                                     _chunk(get(f"{e}.experts.{x}.{gate}.weight"), moe_tp, r, 0)]) for x in experts]
+                    fc = []
+                    for x in experts:
+                        gate, up = fc1.hf_names(layer, x)
+                        fc.append(torch.cat([split(up, fc1, moe_tp, r), split(gate, fc1, moe_tp, r)]))
                     w[f"{tl}.mlp.fc.weight"] = torch.stack(fc)
-                    w[f"{tl}.mlp.proj.weight"] = torch.stack(
-                        [_chunk(get(f"{e}.experts.{x}.{down}.weight"), moe_tp, r, 1) for x in experts])
-                else:
-                    m = f"{hf}.mlp"
-                    linear(f"{tl}.mlp.fc", _chunk(get(f"{m}.gate_proj.weight"), tp, t, 0), [f"{m}.gate_proj"])
-                    linear(f"{tl}.mlp.gate", _chunk(get(f"{m}.up_proj.weight"), tp, t, 0), [f"{m}.up_proj"])
-                    linear(f"{tl}.mlp.proj", _chunk(get(f"{m}.down_proj.weight"), tp, t, 1), [f"{m}.down_proj"])
+                    w[f"{tl}.mlp.proj.weight"] = torch.stack([split(fc2.hf_names(layer, x)[0], fc2, moe_tp, r) for x in experts])
             if p == pp - 1:
-                w["transformer.ln_f.weight"] = get("model.norm.weight")
-                head = get("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight")
+                w["transformer.ln_f.weight"] = get(amap.hf(gw.FINAL_NORM)[0])
+                head = get(amap.hf(gw.EMBEDDING if spec.tie_word_embeddings else gw.OUTPUT)[0])
                 padded = -(-head.shape[0] // tp) * tp
                 if padded != head.shape[0]:
                     head = torch.cat([head, head.new_zeros(padded - head.shape[0], head.shape[1])])
                 w["lm_head.weight"] = _chunk(head, tp, t, 0)
             save_file({k: v.contiguous() for k, v in w.items()}, str(out / f"rank{p * tp + t}.safetensors"))
             total += sum(v.numel() * v.element_size() for v in w.values())
+    (out / "hf").mkdir()
+    copy_assets(reader.path, out / "hf")  # tokenizer for serving the engine
     return total

@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
+from mcorekit.convert.hf_io import HFReader
 from mcorekit.errors import ExportError
+from mcorekit.models import registry
+from mcorekit.models.spec import ModelSpec
 
 E4M3_MAX = 448.0
-# HF linear names that TensorRT-LLM fuses into one GEMM: they must share scales.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def linear_modules(reader: HFReader, spec: ModelSpec) -> list[str]:
+    """HF modules whose weights get quantized: the decoder's linear layers as the family's weight map names them
+    (not norms, routers or gates, embeddings or the head), where the checkpoint has them."""
+    present = set(reader.names())
+    return [m for m in registry.weight_map(spec).linear_hf_modules(spec) if f"{m}.weight" in present]
 
 
 def weight_scale(*weights: torch.Tensor) -> torch.Tensor:
@@ -143,15 +151,16 @@ def calibrate(hf_dir: str | Path, samples: list[torch.Tensor]) -> dict[str, floa
     return amax
 
 
-def linear_scales(amax: dict[str, float], weights: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """HF linear module name -> (weight scale, input scale), fused groups sharing both."""
+def linear_scales(amax: dict[str, float], weights: dict[str, torch.Tensor],
+                  fused: Iterable[tuple[str, ...]] = ()) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF linear module name -> (weight scale, input scale); the modules of a `fused` group (those TensorRT-LLM
+    runs as one GEMM, from the weight map: q/k/v, gate/up) share both."""
+    group_of = {m: group for group in fused for m in group}
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module, w in weights.items():
         if module in out:
             continue
-        parent, _, leaf = module.rpartition(".")
-        group = next((g for g in FUSED_GROUPS if leaf in g), (leaf,))
-        members = [f"{parent}.{m}" for m in group if f"{parent}.{m}" in weights]
+        members = [m for m in group_of.get(module, (module,)) if m in weights]
         missing = [m for m in members if m not in amax]
         if missing:
             raise ExportError(f"no calibration statistics for {missing[0]} (was it reached by the calibration pass?)")

@@ -13,27 +13,17 @@ import yaml
 
 from mcorekit.convert.hf_io import HFReader, HFWriter, copy_assets
 from mcorekit.export import fp8
+from mcorekit.models import dtypes
+from mcorekit.models.parallel import Layout
+from mcorekit.models.spec import ModelSpec
 
 EXCLUDED = ("lm_head",)  # kept in the model dtype, as ModelOpt does
 
 
-def linear_modules(reader: HFReader) -> list[str]:
-    """HF modules whose weights get quantized: every 2-D `*.weight` under model.layers except norms and routers."""
-    out = []
-    for name in reader.names():
-        if not name.endswith(".weight") or ".layers." not in name:
-            continue
-        module = name[: -len(".weight")]
-        leaf = module.rsplit(".", 1)[-1]
-        is_router = leaf == "gate" and ("mlp" in module or "block_sparse_moe" in module)
-        if "norm" in leaf or is_router:
-            continue
-        out.append(module)
-    return out
-
-
-def write(reader: HFReader, out: Path, tp: int, pp: int, ep: int, dtype: torch.dtype | None,
+def write(reader: HFReader, spec: ModelSpec, out: Path, layout: Layout, dtype: str,
           scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> int:
+    tp, pp, ep = layout.tp, layout.pp, layout.ep
+    torch_dtype = dtypes.to_torch(dtype)
     writer = HFWriter(out)
     quantized = set(scales or {})
     for name in reader.names():
@@ -45,12 +35,11 @@ def write(reader: HFReader, out: Path, tp: int, pp: int, ep: int, dtype: torch.d
             writer.add(f"{module}.weight_scale", w_scale.clone())
             writer.add(f"{module}.input_scale", a_scale.clone())
         else:
-            writer.add(name, t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+            writer.add(name, t.to(torch_dtype) if t.is_floating_point() else t)
     writer.finish()
     copy_assets(reader.path, out)
     config = dict(reader.config)
-    if dtype is not None:
-        config["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+    config["dtype"] = dtypes.NAMES[dtype]
     if scales:
         quant = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": list(EXCLUDED)}
         (out / "hf_quant_config.json").write_text(json.dumps(

@@ -14,15 +14,14 @@ from typing import Any
 
 from safetensors import SafetensorError
 
-from mcorekit.convert.hf_io import HFReader, copy_assets
-from mcorekit.convert.pipeline import (DTYPES, Summary, find_iteration_dir, hf_config_for, mcore_to_hf,
-                                       spec_for)
+from mcorekit.convert.hf_io import HFReader
+from mcorekit.convert.pipeline import Summary, find_iteration_dir, hf_config_for, mcore_to_hf, spec_for
 from mcorekit.errors import ExportError, OutputError
-from mcorekit.export import engine, fp8, hf_target
+from mcorekit.export import fp8, targets
+from mcorekit.models import dtypes, registry
+from mcorekit.models.parallel import Layout
 from mcorekit.outputs import check_output, staged_output
 
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-TARGETS = ("pytorch", "engine")
 # A Megatron source is converted to HF inside the staged output: same filesystem as OUT (never a small /tmp),
 # removed with the stage on failure, and a killed run's stage is removed by the next run.
 SOURCE_HF = ".source-hf"
@@ -44,17 +43,19 @@ def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int =
            quiet: bool = False) -> Summary:
     start = time.monotonic()
     src, out = Path(src), Path(out)
-    if target not in TARGETS:
-        raise ExportError(f"unknown target {target!r}; use pytorch (today's TensorRT-LLM) or engine (<= 1.2)")
-    if dtype not in DTYPE_NAMES:
-        raise ExportError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+    writer = targets.writer(target)  # an unknown target is an ExportError naming the known ones
+    if dtype not in dtypes.NAMES:
+        raise ExportError(f"unknown dtype {dtype!r}; use one of {', '.join(dtypes.NAMES)}")
     inputs = [Path(p) for p in (src, hf_config, calib) if p]
     check_output(out, inputs, force)  # before a long conversion, not after it
     megatron = not is_hf_dir(src)
     reader = None if megatron else HFReader(src)
     config, tokenizer_dir = megatron_config(src, hf_config) if megatron else (reader.config, src)
     spec = spec_for(config)
-    engine.check_layout(spec, tp, pp, ep)  # both targets: TensorRT-LLM splits the same way
+    layout = Layout(tp=tp, pp=pp, ep=ep)
+    targets.check_layout(spec, layout)  # every target: TensorRT-LLM splits the model the same way
+    if hasattr(writer, "check"):
+        writer.check(spec, layout)
     samples = None
     if use_fp8:
         if spec.is_moe:
@@ -70,7 +71,7 @@ def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int =
             if megatron:  # through convert/ first (streaming, verified mappings)
                 mcore_to_hf(src, stage / SOURCE_HF, hf_config=hf_config, quiet=quiet)
                 reader = HFReader(stage / SOURCE_HF)
-            summary.bytes = _write(reader, spec, stage, target, tp, pp, ep, dtype, samples, out)
+            summary.bytes = _write(writer, reader, spec, stage, layout, dtype, samples, out)
         finally:
             if reader is not None:
                 reader.close()
@@ -79,19 +80,15 @@ def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int =
     return summary
 
 
-def _write(reader: HFReader, spec: Any, stage: Path, target: str, tp: int, pp: int, ep: int, dtype: str,
-           samples: list | None, out: Path) -> int:
+def _write(writer: Any, reader: HFReader, spec: Any, stage: Path, layout: Layout, dtype: str, samples: list | None,
+           out: Path) -> int:
     scales = None
     if samples is not None:
         amax = fp8.calibrate(reader.path, samples)
-        scales = fp8.linear_scales(amax, {m: reader.get(f"{m}.weight") for m in hf_target.linear_modules(reader)})
+        weights = {m: reader.get(f"{m}.weight") for m in fp8.linear_modules(reader, spec)}
+        scales = fp8.linear_scales(amax, weights, registry.weight_map(spec).fused_hf_modules(spec))
     try:
-        if target == "pytorch":
-            return hf_target.write(reader, stage, tp, pp, ep, DTYPES[dtype], scales)
-        written = engine.write(reader, spec, stage, tp, pp, ep, DTYPES[dtype], DTYPE_NAMES[dtype], scales)
-        (stage / "hf").mkdir()
-        copy_assets(reader.path, stage / "hf")  # tokenizer for serving the engine
-        return written
+        return writer.write(reader, spec, stage, layout, dtype, scales)
     except SafetensorError as e:  # safetensors reports a full or read-only disk as its own error type
         raise OutputError(f"cannot write {out}: {e}; nothing was written there") from None
     except OSError as e:  # a full disk, or a file that vanished under us: what and where, OUT left untouched

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from mcorekit.errors import ModelError
+from mcorekit.models import dtypes
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {name: dtypes.to_torch(name) for name in dtypes.NAMES}  # "bf16" -> torch.bfloat16 (models/dtypes.py)
 LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
@@ -94,6 +95,9 @@ def transformer_config(spec: ModelSpec, par: Layout = Layout(), params_dtype: to
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=0.0,
         )
+        if spec.moe_shared_expert_ffn_hidden_size:  # Qwen2-MoE: a gated shared expert beside the routed ones
+            kwargs.update(moe_shared_expert_intermediate_size=spec.moe_shared_expert_ffn_hidden_size,
+                          moe_shared_expert_gate=spec.moe_shared_expert_gate)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -1,4 +1,7 @@
-"""One description of a model, read from an HF config or a named preset; train/, convert/ and launch/ all use it."""
+"""One description of a model, read from an HF config or a named preset; train/, convert/ and launch/ all use it.
+
+Which HF model types exist and which config fields each reads is said by its family (models/families/, one file
+each); this file holds the description itself and the fields every decoder family reads the same way."""
 
 from __future__ import annotations
 
@@ -9,19 +12,10 @@ from typing import Any
 
 from mcorekit.errors import ModelError
 
-# HF model_type -> our architecture name. Each has one mapping in convert/.
-SUPPORTED_ARCHITECTURES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "mixtral": "mixtral",
-    "qwen3_moe": "qwen3_moe",
-}
-
 
 @dataclass(frozen=True)
 class ModelSpec:
-    architecture: str
+    architecture: str  # the family (models/families/<architecture>.py)
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -40,6 +34,8 @@ class ModelSpec:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
     moe_norm_topk_prob: bool = True  # Mixtral always renormalises the top-k; Qwen3-MoE says in its config
+    moe_shared_expert_ffn_hidden_size: int | None = None  # a shared expert every token passes through (Qwen2-MoE)
+    moe_shared_expert_gate: bool = False  # its output scaled by sigmoid(x @ gate), a [1, hidden] weight
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -57,6 +53,7 @@ class ModelSpec:
             attn += (self.num_attention_heads + 2 * self.num_query_groups) * kv
         if self.is_moe:
             ffn = self.num_experts * 3 * h * (self.moe_ffn_hidden_size or self.ffn_hidden_size) + h * self.num_experts
+            ffn += 3 * h * (self.moe_shared_expert_ffn_hidden_size or 0) + (h if self.moe_shared_expert_gate else 0)
         else:
             ffn = 3 * h * self.ffn_hidden_size
         per_layer = attn + ffn + 2 * h
@@ -65,12 +62,15 @@ class ModelSpec:
 
 
 def from_hf_config(config: dict[str, Any]) -> ModelSpec:
-    """Build a spec from an HF config.json dict; unknown architectures fail with the supported list."""
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(
-            f"unsupported architecture model_type={model_type!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
+    """Build a spec from an HF config.json dict with the family of its model_type; unknown model types fail with
+    the supported list."""
+    from mcorekit.models import registry
+
+    return registry.for_config(config).read(config)
+
+
+def decoder_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The ModelSpec fields every decoder family reads from the same HF config fields (a family adds its own)."""
     heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope = config.get("rope_parameters") or {}
@@ -80,10 +80,7 @@ def from_hf_config(config: dict[str, Any]) -> ModelSpec:
         rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in ("llama3", "default", None):
         raise ModelError(f"unsupported rope scaling {rope_scaling!r}; supported: llama3")
-    num_experts = config.get("num_local_experts") or config.get("num_experts")
-    moe_ffn = config.get("moe_intermediate_size") if model_type == "qwen3_moe" else config.get("intermediate_size")
-    return ModelSpec(
-        architecture=SUPPORTED_ARCHITECTURES[model_type],
+    return dict(
         num_layers=config["num_hidden_layers"],
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -96,13 +93,35 @@ def from_hf_config(config: dict[str, Any]) -> ModelSpec:
         rope_scaling=rope_scaling,
         norm_epsilon=config.get("rms_norm_eps", 1e-5),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
-        num_experts=num_experts if model_type in ("mixtral", "qwen3_moe") else None,
-        moe_router_topk=config.get("num_experts_per_tok", 2),
-        moe_ffn_hidden_size=moe_ffn if model_type in ("mixtral", "qwen3_moe") else None,
-        moe_norm_topk_prob=True if model_type == "mixtral" else bool(config.get("norm_topk_prob", True)),
     )
+
+
+DECODER_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _positive(v: object) -> bool:
+    return type(v) is int and v > 0
+
+
+def size_problems(config: dict[str, Any], required: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> list[str]:
+    """HF config sizes that are not positive integers (`optional` ones may also be missing or null)."""
+    out = [f"{k}={config.get(k)!r} (needs a positive integer)" for k in required if not _positive(config.get(k))]
+    return out + [f"{k}={config[k]!r} (needs a positive integer or null)" for k in optional
+                  if config.get(k) is not None and not _positive(config[k])]
+
+
+def decoder_field_problems(config: dict[str, Any]) -> list[str]:
+    """What makes the fields decoder_fields reads unusable (types, sizes, divisibility), before any is used."""
+    out = size_problems(config, DECODER_SIZES, OPTIONAL_SIZES)
+    if out:
+        return out
+    heads, groups = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % groups:
+        out.append(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
+    if not config.get("head_dim") and config["hidden_size"] % heads:
+        out.append(f"hidden_size={config['hidden_size']} is not a multiple of num_attention_heads={heads} (and no head_dim)")
+    return out
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:

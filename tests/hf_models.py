@@ -20,8 +20,11 @@ CONFIGS = {
     "mixtral": lambda tied: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=tied),
     "qwen3_moe": lambda tied: transformers.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                                           num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=tied),
+    # shared expert (48) with its sigmoid gate beside 4 routed experts; softmax-then-top-k without renormalising
+    "qwen2_moe": lambda tied: transformers.Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                          num_experts=4, num_experts_per_tok=2, tie_word_embeddings=tied),
 }
-MOE = ("mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 
 def make_model(name: str, tied: bool, out: Path, seed: int = 0) -> Path:

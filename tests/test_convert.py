@@ -4,6 +4,7 @@ wrote itself, HF loading, and bad input that fails early without partial output.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -19,7 +20,7 @@ from mcorekit.convert.torch_dist import TorchDistReader
 from mcorekit.convert.verify import compare_hf
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "megatron-written-torch_dist.tgz"
-ARCHS = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]  # the architectures of the Megatron-written fixtures
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +63,7 @@ DENSE_LAYOUTS = [dict(tp=1), dict(tp=2), dict(pp=2), dict(tp=2, pp=2), dict(pp=2
 MOE_LAYOUTS = [dict(ep=2), dict(ep=4), dict(ep=2, tp=2, etp=2), dict(ep=2, tp=2, etp=1)]
 
 
-@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("name", [*ARCHS, "qwen2_moe"])
 def test_legacy_torch_format_round_trips_at_every_layout(models, tmp_path: Path, name: str) -> None:
     hf = models[(name, name == "qwen2")]
     for layout in DENSE_LAYOUTS + (MOE_LAYOUTS if name in MOE else []):
@@ -118,7 +119,7 @@ def test_matches_checkpoints_megatron_wrote_itself(megatron_written: Path, tmp_p
     assert_bitwise(hf, tmp_path / "back")
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama3", "qwen3_moe", "qwen2_moe"])
 def test_result_loads_in_transformers_with_identical_logits(models, tmp_path: Path, name: str) -> None:
     hf = models[(name, True)]
     pipeline.hf_to_mcore(hf, tmp_path / "m", quiet=True)
@@ -129,6 +130,23 @@ def test_result_loads_in_transformers_with_identical_logits(models, tmp_path: Pa
     assert got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()  # still tied
     with torch.no_grad():
         assert torch.equal(ref(ids).logits, got(ids).logits)
+
+
+@pytest.mark.parametrize("name", ["llama3", "mixtral", "qwen2_moe"])
+def test_megatron_forward_on_cpu_gives_the_hf_logits(models, tmp_path: Path, name: str) -> None:
+    """The converted checkpoint in Megatron-Core's own model (local spec, CPU): the logits of the HF model. For
+    qwen2_moe (no Megatron-written fixture) this checks the shared expert and its sigmoid gate, and the router's
+    softmax-then-top-k without renormalising, against Megatron-Core's SharedExpertMLP and router."""
+    hf = models[(name, False)]
+    pipeline.hf_to_mcore(hf, tmp_path / "m", dtype="fp32", quiet=True)
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": str(here), "LOGITS_PORT": str(29570 + ["llama3", "mixtral", "qwen2_moe"].index(name))}
+    proc = subprocess.run([sys.executable, str(here / "megatron_cpu_logits.py"), str(hf), str(tmp_path / "m/release")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("LOGITS ")), None)
+    assert line, proc.stderr[-3000:]
+    max_diff, cosine, top1 = map(float, line.split()[1:])
+    assert max_diff < 1e-5 and cosine > 0.99999 and top1 == 1.0, line
 
 
 def test_shards_are_bounded_and_indexed(models, tmp_path: Path) -> None:
@@ -191,7 +209,7 @@ def test_unknown_architecture(models, tmp_path: Path) -> None:
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
     assert_one_line_error(run_cli("hf-to-mcore", str(hf), str(tmp_path / "out")),
-                          "unsupported architecture model_type='gpt_neox'; supported: llama, mixtral, qwen2, qwen3, qwen3_moe", tmp_path / "out")
+                          "unsupported architecture model_type='gpt_neox'; supported: llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe", tmp_path / "out")
 
 
 def test_config_that_disagrees_with_weights(models, tmp_path: Path) -> None:

@@ -32,14 +32,16 @@ def logits(hf_dir: Path) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {n: make_model(n, tied=(n == "qwen2"), out=root / n) for n in ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")}
+    return {n: make_model(n, tied=(n == "qwen2"), out=root / n) for n in ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe",
+                                                                      "qwen2_moe")}
 
 
 ENGINE_CASES = [("llama", dict(tp=1)), ("llama", dict(tp=2)), ("llama", dict(tp=4)), ("llama", dict(pp=2)),
                 ("qwen3", dict(tp=1)), ("qwen3", dict(tp=2)), ("qwen3", dict(tp=4)), ("qwen3", dict(pp=2)),
                 ("qwen2", dict(tp=4, pp=2)), ("qwen3_moe", dict(tp=1)), ("qwen3_moe", dict(tp=2)),
                 ("qwen3_moe", dict(tp=4)), ("qwen3_moe", dict(tp=2, ep=2)), ("qwen3_moe", dict(pp=2)),
-                ("qwen3_moe", dict(tp=4, ep=2)), ("mixtral", dict(tp=2, ep=2)), ("mixtral", dict(tp=4))]
+                ("qwen3_moe", dict(tp=4, ep=2)), ("mixtral", dict(tp=2, ep=2)), ("mixtral", dict(tp=4)),
+                ("qwen2_moe", dict(tp=1)), ("qwen2_moe", dict(tp=2, ep=2)), ("qwen2_moe", dict(tp=4, pp=2))]
 
 
 @pytest.mark.parametrize("name,layout", ENGINE_CASES, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in l.items())}" for n, l in ENGINE_CASES])
@@ -80,7 +82,7 @@ def test_engine_config_declares_the_layout(models, tmp_path: Path) -> None:
     assert tuple(r["transformer.layers.0.mlp.fc.weight"].shape) == (2, 2 * 32 // 2, 64)  # 2 local experts, moe_tp 2
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_pytorch_target_loads_in_transformers_with_identical_logits(models, tmp_path: Path, name: str) -> None:
     export(models[name], tmp_path / "out", "pytorch", tp=2, quiet=True)
     assert torch.equal(logits(models[name]), logits(tmp_path / "out"))

@@ -350,7 +350,7 @@ def test_bad_shard_size_is_a_usage_error(base, tmp_path: Path, value: str) -> No
     ("llama", ["--tp", "4"], "TP=4 does not divide num_query_groups=2"),
     ("llama", ["--pp", "3"], "PP*VPP=3 does not divide num_layers=4"),
     ("llama", ["--pp", "2", "--vpp", "3"], "PP*VPP=6 does not divide num_layers=4"),
-    ("llama", ["--vpp", "2"], "--vpp needs --pp >= 2"),
+    ("llama", ["--vpp", "2"], "VPP=2 needs PP >= 2"),
     ("llama", ["--ep", "2"], "given for a dense model"),
     ("mixtral", ["--ep", "3"], "EP=3 does not divide num_experts=4"),
     ("mixtral", ["--etp", "2"], "expert TP of 1 or equal to TP=1"),

@@ -12,7 +12,7 @@ from mcorekit.convert import pipeline
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_megatron_logits_match_hf(tmp_path: Path, name: str, tied: bool) -> None:
     from mcorekit.convert.logits import verify_logits

@@ -1,5 +1,6 @@
 """A reference reader, independent of export/: rebuilds full HF-named weights from TensorRT-LLM rank files of
-any layout (TP with split or duplicated KV heads, PP, expert EP/TP inside the TP group, padded lm_head, FP8)."""
+any layout (TP with split or duplicated KV heads, PP, expert EP/TP inside the TP group, Qwen2-MoE's shared expert
+as TensorRT-LLM's qwen converter writes it, padded lm_head, FP8)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,13 @@ def rebuild(ckpt: Path, hf_config: dict) -> dict[str, torch.Tensor]:
                 out[f"{e}.experts.{x}.{gate_n}.weight"] = torch.cat(gates)
                 out[f"{e}.experts.{x}.{up_n}.weight"] = torch.cat(ups)
                 out[f"{e}.experts.{x}.{down_n}.weight"] = torch.cat(downs, dim=1)
+            if f"{tl}.mlp.shared_expert.fc.weight" in rs[0]:  # Qwen2-MoE: [up_r; gate_r] over all of TP, gate replicated
+                halves = [torch.chunk(w[f"{tl}.mlp.shared_expert.fc.weight"].float(), 2) for w in rs]
+                out[f"{e}.shared_expert.up_proj.weight"] = torch.cat([up for up, _ in halves])
+                out[f"{e}.shared_expert.gate_proj.weight"] = torch.cat([gate for _, gate in halves])
+                out[f"{e}.shared_expert.down_proj.weight"] = torch.cat([w[f"{tl}.mlp.shared_expert.proj.weight"].float() for w in rs], dim=1)
+                out[f"{e}.shared_expert_gate.weight"] = rs[0][f"{tl}.mlp.shared_expert_gate.weight"].float()
+                assert all(torch.equal(w[f"{tl}.mlp.shared_expert_gate.weight"], rs[0][f"{tl}.mlp.shared_expert_gate.weight"]) for w in rs)
         else:
             mm = f"{hf}.mlp"
             out[f"{mm}.gate_proj.weight"] = torch.cat([_deq(w, f"{tl}.mlp.fc") for w in rs])

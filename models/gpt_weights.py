@@ -1,0 +1,117 @@
+"""The Megatron side of every weight map: GPTModel's tensors, each written once with its transform, its
+tensor-parallel split and its shape, as building blocks that a family (models/families/) fills with its HF names.
+
+Megatron keys are GPTModel's layer-stacked torch_dist keys with the Transformer Engine layer spec (the keys
+Megatron-LM, Megatron-Bridge and NeMo exchange): the input norm lives in linear_qkv (`layer_norm_weight`), a dense
+MLP's norm in linear_fc1; MoE layers keep a separate pre_mlp_layernorm. HF arguments are module names (the
+builders add `.weight` / `.bias`) and may hold {layer} and {expert}.
+"""
+
+from __future__ import annotations
+
+from mcorekit.errors import ModelError
+from mcorekit.models.mapping import (EXPERT, GLOBAL, QKV, REPLICATED, ROW, Direct, GatedFC1, Mapping, Part, TEModule,
+                                     VocabRows)
+from mcorekit.models.spec import ModelSpec
+
+ATTN = "decoder.layers.self_attention"
+MLP = "decoder.layers.mlp"
+
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+INPUT_NORM = f"{ATTN}.linear_qkv.layer_norm_weight"
+QKV_WEIGHT = f"{ATTN}.linear_qkv.weight"
+QKV_BIAS = f"{ATTN}.linear_qkv.bias"
+PROJ = f"{ATTN}.linear_proj.weight"
+Q_NORM = f"{ATTN}.q_layernorm.weight"
+K_NORM = f"{ATTN}.k_layernorm.weight"
+FC1_NORM = f"{MLP}.linear_fc1.layer_norm_weight"
+FC1 = f"{MLP}.linear_fc1.weight"
+FC2 = f"{MLP}.linear_fc2.weight"
+PRE_MLP_NORM = "decoder.layers.pre_mlp_layernorm.weight"
+ROUTER = f"{MLP}.router.weight"
+EXPERT_FC1 = f"{MLP}.experts.experts.linear_fc1.weight"
+EXPERT_FC2 = f"{MLP}.experts.experts.linear_fc2.weight"
+SHARED_FC1 = f"{MLP}.shared_experts.linear_fc1.weight"
+SHARED_FC2 = f"{MLP}.shared_experts.linear_fc2.weight"
+SHARED_GATE = f"{MLP}.shared_experts.gate_weight"
+
+
+def embedding(spec: ModelSpec, hf: str) -> Part:
+    return [VocabRows(EMBEDDING, (f"{hf}.weight",), shape=(spec.vocab_size, spec.hidden_size))], []
+
+
+def final_norm(spec: ModelSpec, hf: str) -> Part:
+    return [Direct(FINAL_NORM, (f"{hf}.weight",), scope=GLOBAL, shape=(spec.hidden_size,))], \
+        [TEModule("decoder.final_layernorm", GLOBAL)]
+
+
+def output_layer(spec: ModelSpec, hf: str) -> Part:
+    """Tied embeddings: Megatron reuses the embedding and HF has no separate head, so there is nothing to map."""
+    if spec.tie_word_embeddings:
+        return [], []
+    return [VocabRows(OUTPUT, (f"{hf}.weight",), shape=(spec.vocab_size, spec.hidden_size))], []
+
+
+def attention(spec: ModelSpec, *, norm: str, q: str, k: str, v: str, o: str, q_norm: str | None = None,
+              k_norm: str | None = None) -> Part:
+    """Self-attention with its input norm; q/k/v biases when spec.qkv_bias, q/k norms when spec.qk_layernorm."""
+    h, g, d, H = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels, spec.hidden_size
+    qkv = (h + 2 * g) * d
+    maps: list[Mapping] = [
+        Direct(INPUT_NORM, (f"{norm}.weight",), shape=(H,)),
+        QKV(QKV_WEIGHT, (f"{q}.weight", f"{k}.weight", f"{v}.weight"), shape=(qkv, H)),
+        Direct(PROJ, (f"{o}.weight",), split=ROW, shape=(H, h * d)),
+    ]
+    te = [TEModule(f"{ATTN}.linear_qkv"), TEModule(f"{ATTN}.linear_proj")]
+    if spec.qkv_bias:
+        maps.append(QKV(QKV_BIAS, (f"{q}.bias", f"{k}.bias", f"{v}.bias"), shape=(qkv,)))
+    if spec.qk_layernorm:
+        if not (q_norm and k_norm):
+            raise ModelError(f"{spec.architecture}: the model has q/k norms but its family names no HF q_norm/k_norm")
+        maps += [Direct(Q_NORM, (f"{q_norm}.weight",), shape=(d,)), Direct(K_NORM, (f"{k_norm}.weight",), shape=(d,))]
+        te += [TEModule(f"{ATTN}.q_layernorm"), TEModule(f"{ATTN}.k_layernorm")]
+    return maps, te
+
+
+def dense_mlp(spec: ModelSpec, *, norm: str, gate: str, up: str, down: str) -> Part:
+    """SwiGLU MLP with its pre-MLP norm (fused into linear_fc1 in the TE spec)."""
+    f, H = spec.ffn_hidden_size, spec.hidden_size
+    return [
+        Direct(FC1_NORM, (f"{norm}.weight",), shape=(H,)),
+        GatedFC1(FC1, (f"{gate}.weight", f"{up}.weight"), shape=(2 * f, H)),
+        Direct(FC2, (f"{down}.weight",), split=ROW, shape=(H, f)),
+    ], [TEModule(f"{MLP}.linear_fc1"), TEModule(f"{MLP}.linear_fc2")]
+
+
+def moe_mlp(spec: ModelSpec, *, norm: str, router: str, gate: str, up: str, down: str) -> Part:
+    """Router [experts, hidden] per layer; expert weights stacked [layers, experts, ...] by global expert id
+    (expert parallelism splits them by expert id, expert tensor parallelism like a dense MLP)."""
+    f, H = spec.moe_ffn_hidden_size or spec.ffn_hidden_size, spec.hidden_size
+    return [
+        Direct(PRE_MLP_NORM, (f"{norm}.weight",), shape=(H,)),
+        Direct(ROUTER, (f"{router}.weight",), shape=(spec.num_experts, H)),
+        GatedFC1(EXPERT_FC1, (f"{gate}.weight", f"{up}.weight"), scope=EXPERT, shape=(2 * f, H)),
+        Direct(EXPERT_FC2, (f"{down}.weight",), scope=EXPERT, split=ROW, shape=(H, f)),
+    ], [TEModule("decoder.layers.pre_mlp_layernorm"), TEModule(f"{MLP}.experts.experts.linear_fc1", EXPERT),
+        TEModule(f"{MLP}.experts.experts.linear_fc2", EXPERT)]
+
+
+def shared_expert(spec: ModelSpec, *, gate: str, up: str, down: str, gate_weight: str | None = None) -> Part:
+    """The shared expert every token passes through besides its routed ones (Megatron's SharedExpertMLP,
+    moe_shared_expert_intermediate_size), and with spec.moe_shared_expert_gate its sigmoid gate ([1, hidden],
+    replicated): output = sigmoid(x @ gate_weight.T) * shared_expert(x)."""
+    s, H = spec.moe_shared_expert_ffn_hidden_size, spec.hidden_size
+    if not s:
+        return [], []
+    maps: list[Mapping] = [
+        GatedFC1(SHARED_FC1, (f"{gate}.weight", f"{up}.weight"), shape=(2 * s, H)),
+        Direct(SHARED_FC2, (f"{down}.weight",), split=ROW, shape=(H, s)),
+    ]
+    if spec.moe_shared_expert_gate:
+        if not gate_weight:
+            raise ModelError(f"{spec.architecture}: the model has a shared-expert gate but its family names no HF one")
+        maps.append(Direct(SHARED_GATE, (f"{gate_weight}.weight",), split=REPLICATED, shape=(1, H)))
+    return maps, [TEModule(f"{MLP}.shared_experts.linear_fc1"), TEModule(f"{MLP}.shared_experts.linear_fc2")]
+
