@@ -17,7 +17,8 @@ from mcorekit.config.experiment import Experiment, layout_of
 from mcorekit.config.model import model_problems, resolve_model
 from mcorekit.config.values import parse_time_minutes
 from mcorekit.errors import ModelError
-from mcorekit.models.parallel import Layout
+from mcorekit.models.parallel import MEGATRON, Layout
+from mcorekit.models.parallel import layout_problems as weight_split_problems
 from mcorekit.models.spec import ModelSpec
 
 
@@ -95,7 +96,9 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
 
 
 def layout_problems(model: ModelSpec, lay: Layout, world: int) -> list[str]:
-    """Every rule the parallel layout breaks for this model on `world` ranks (Megatron-Core's)."""
+    """Every rule the parallel layout breaks for this model on `world` ranks: whether it splits the model's weights
+    (models.parallel.layout_problems, the check convert/ uses too), and whether Megatron-Core can place its groups
+    on the ranks (parallel_state.initialize_model_parallel)."""
     out: list[str] = []
     mp = lay.tp * lay.pp * lay.cp
     if world % mp:
@@ -103,35 +106,14 @@ def layout_problems(model: ModelSpec, lay: Layout, world: int) -> list[str]:
             f"TP*PP*CP = {lay.tp}*{lay.pp}*{lay.cp} = {mp} does not divide the world size {world} "
             f"(nodes x GPUs per node); choose sizes whose product divides {world}, or change the node count"
         )
-    if model.num_attention_heads % lay.tp:
-        out.append(f"TP={lay.tp} does not divide num_attention_heads={model.num_attention_heads}; use a TP from {divisors(model.num_attention_heads, 16)}")
-    if model.num_query_groups % lay.tp:
+    if model.is_moe and world % (lay.pp * lay.ep * lay.etp):
         out.append(
-            f"TP={lay.tp} does not divide num_query_groups={model.num_query_groups} (KV heads), which Megatron-Core "
-            f"requires; use a TP from {divisors(model.num_query_groups, 16)}"
+            f"PP*EP*ETP = {lay.pp}*{lay.ep}*{lay.etp} does not divide the world size {world} (Megatron forms expert "
+            f"groups as PP x ETP x EP x expert-DP); lower EP or ETP"
         )
-    if model.num_layers % lay.pp:
-        out.append(f"PP={lay.pp} does not divide num_layers={model.num_layers}; use a PP from {divisors(model.num_layers, 64)}")
-    if lay.vpp is not None:
-        if lay.pp < 2:
-            out.append(f"VPP={lay.vpp} (interleaved schedule) needs PP >= 2; set parallel.vpp=null or raise parallel.pp")
-        elif model.num_layers % (lay.pp * lay.vpp):
-            out.append(f"PP*VPP = {lay.pp * lay.vpp} does not divide num_layers={model.num_layers}; each virtual stage needs whole layers")
+    out += weight_split_problems(model, lay, MEGATRON)
     if lay.sequence_parallel and lay.tp == 1:
         out.append("sequence_parallel needs TP > 1; set parallel.sequence_parallel=false or raise parallel.tp")
-    if model.is_moe:
-        if model.num_experts % lay.ep:
-            out.append(f"num_experts={model.num_experts} is not divisible by EP={lay.ep}; use an EP from {divisors(model.num_experts, 256)}")
-        if world % (lay.pp * lay.ep * lay.etp):
-            out.append(
-                f"PP*EP*ETP = {lay.pp}*{lay.ep}*{lay.etp} does not divide the world size {world} (Megatron forms expert "
-                f"groups as PP x ETP x EP x expert-DP); lower EP or ETP"
-            )
-        if lay.etp > 1 and lay.etp != lay.tp and model.moe_ffn_hidden_size and model.moe_ffn_hidden_size % lay.etp:
-            out.append(f"ETP={lay.etp} does not divide the expert FFN size {model.moe_ffn_hidden_size}")
-    else:
-        if lay.ep > 1 or lay.etp > 1:
-            out.append(f"EP={lay.ep} / ETP={lay.etp} set for a dense model (no experts); set parallel.ep=1 parallel.etp=1")
     return out
 
 
@@ -296,7 +278,3 @@ def time_limit_problems(exp: Experiment, nodes: Nodes) -> list[str]:
         return [f"time limit {limit_s}s leaves no room before the pre-timeout signal ({lead}s lead; Slurm may "
                 f"send it up to 60 s early); raise resources.time above {lead + 60}s"]
     return []
-
-
-def divisors(n: int, limit: int) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mcorekit.config.cluster import ClusterProfile, world_size
 from mcorekit.config.experiment import Experiment, layout_of
-from mcorekit.config.rules import Nodes, divisors, layout_problems, listed, model_of, problems
+from mcorekit.config.rules import Nodes, layout_problems, listed, model_of, problems
 from mcorekit.errors import LayoutError
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec
@@ -109,8 +109,8 @@ def plan(model: ModelSpec, gpus: int, gpus_per_node: int, seq: int, mbs: int, gp
     """Valid layouts that fit, smallest model-parallel first (TP inside a node before PP, then EP for MoE)."""
     found = []
     tps = [t for t in (1, 2, 4, 8) if t <= gpus_per_node]
-    pps = [p for p in divisors(model.num_layers, 64)]
-    eps = divisors(model.num_experts, 64) if model.is_moe else [1]
+    pps = [p for p in _divisors(model.num_layers, 64)]
+    eps = _divisors(model.num_experts, 64) if model.is_moe else [1]
     for tp, pp, ep in itertools.product(tps, pps, eps):
         lay = Layout(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1)
         if layout_problems(model, lay, gpus):
@@ -120,3 +120,7 @@ def plan(model: ModelSpec, gpus: int, gpus_per_node: int, seq: int, mbs: int, gp
             found.append((lay, mem))
     found.sort(key=lambda lm: (lm[0].tp * lm[0].pp, lm[0].pp, -lm[0].ep, lm[1].total))
     return found[:top]
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]

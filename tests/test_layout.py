@@ -33,10 +33,11 @@ H100 = load_profile("example-h100")
     (Layout(tp=16), 16, "TP=16 does not divide num_query_groups=8"),
     (Layout(tp=2, pp=3), 12, "PP=3 does not divide num_layers=32"),
     (Layout(tp=2, pp=4), 4, "TP*PP*CP = 2*4*1 = 8 does not divide the world size 4"),
-    (Layout(pp=4, vpp=3), 8, "PP*VPP = 12 does not divide num_layers=32"),
+    (Layout(pp=4, vpp=3), 8, "PP*VPP=12 does not divide num_layers=32"),
     (Layout(vpp=2), 8, "needs PP >= 2"),
     (Layout(tp=1, sequence_parallel=True), 8, "sequence_parallel needs TP > 1"),
-    (Layout(ep=2), 8, "set for a dense model"),
+    (Layout(ep=2), 8, "EP=2 given for a dense model"),
+    (Layout(tp=3), 24, "TP=3 does not divide ffn_hidden_size=14336"),
 ])
 def test_dense_rules(lay: Layout, world: int, needle: str) -> None:
     problems = layout_problems(DENSE, lay, world)
@@ -44,7 +45,7 @@ def test_dense_rules(lay: Layout, world: int, needle: str) -> None:
 
 
 def test_moe_rules() -> None:
-    assert any("num_experts=8 is not divisible by EP=3" in p for p in layout_problems(MOE, Layout(ep=3), 6))
+    assert any("EP=3 does not divide num_experts=8" in p for p in layout_problems(MOE, Layout(ep=3), 6))
     assert any("PP*EP*ETP = 2*4*2 does not divide the world size 8" in p
                for p in layout_problems(MOE, Layout(pp=2, ep=4, etp=2), 8))
     assert layout_problems(MOE, Layout(tp=2, ep=4), 8) == []  # EP spans the DP x TP ranks, as in Megatron
@@ -71,8 +72,8 @@ def test_experiment_level_rules() -> None:
     # Several problems are reported together, one per line.
     with pytest.raises(LayoutError) as e:
         check(exp(parallel={"tp": 3, "pp": 5}), H100)
-    assert str(e.value).startswith("invalid layout (4 problems):")
-    assert len(str(e.value).splitlines()) == 5
+    assert str(e.value).startswith("invalid layout (5 problems):")  # world size, heads, KV groups, layers, FFN
+    assert len(str(e.value).splitlines()) == 6
     model, warnings = check(exp(), H100)
     assert model.num_layers == 16 and warnings == []
 
