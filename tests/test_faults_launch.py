@@ -408,7 +408,7 @@ def test_sweep_and_chain_follow_the_launchers_rules_and_submit_nothing(tmp_path:
     # Every point is validated as a full experiment before any other step: point 1 breaks the layout rules.
     r = run_cli(*sweep, "--grid", "parallel.tp=1,3")
     assert r.code == 2 and "Traceback" not in r.err
-    assert r.err.startswith(f"mcorekit: error: {TINY}: sweep point 1 {{'parallel.tp': 3}}: invalid layout (3 problems):")
+    assert r.err.startswith(f"mcorekit: error: {TINY}: sweep point 1 {{'parallel.tp': 3}}: invalid layout (4 problems):")
     assert set(_queue()) - set(before_queue) == set()
     assert not runs.exists() and not (tmp_path / "hf").exists()
     assert snapshot(TINY) == before_files

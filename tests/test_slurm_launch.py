@@ -126,7 +126,7 @@ def test_impossible_layout_is_rejected_before_submission(tmp_path: Path, overrid
                            "--set", f"run_root={tmp_path}", *overrides], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "invalid layout" in proc.stderr
-    assert ("TP=3" in proc.stderr) if "parallel.tp=3" in overrides else ("num_experts=4 is not divisible by EP=3" in proc.stderr)
+    assert ("TP=3" in proc.stderr) if "parallel.tp=3" in overrides else ("EP=3 does not divide num_experts=4" in proc.stderr)
     assert _queue() - before == set()
     assert not (tmp_path / "jobs.jsonl").exists()
 
