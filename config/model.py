@@ -14,9 +14,9 @@ from mcorekit.models.spec import ModelSpec, resolve
 # ModelSpec is a plain dataclass filled from presets, HF configs and model.overrides, so its types are checked here.
 _MODEL_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                 "ffn_hidden_size", "vocab_size", "max_position_embeddings", "moe_router_topk")
-_MODEL_OPTIONAL_SIZES = ("num_experts", "moe_ffn_hidden_size")
+_MODEL_OPTIONAL_SIZES = ("num_experts", "moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size")
 _MODEL_POSITIVE_FLOATS = ("rope_theta", "norm_epsilon")
-_MODEL_FLAGS = ("tie_word_embeddings", "qkv_bias", "qk_layernorm", "moe_norm_topk_prob")
+_MODEL_FLAGS = ("tie_word_embeddings", "qkv_bias", "qk_layernorm", "moe_norm_topk_prob", "moe_shared_expert_gate")
 
 
 def _is_int(v: object) -> bool:

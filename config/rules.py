@@ -85,7 +85,7 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     out += transformer_engine_problems(exp, nodes)
     out += data_problems(exp, lay)
     out += context_parallel_problems(exp, te)
-    out += moe_problems(exp, lay, te)
+    out += moe_problems(exp, lay, te, model)
     out += memory_option_problems(exp, model, lay)
     out += time_limit_problems(exp, nodes)
     if not out and nodes.gpus:  # then Megatron-Core's own checks, as the ranks will run them
@@ -246,8 +246,12 @@ def expert_gemm_problems(exp: Experiment, uses_te: bool) -> list[str]:
     return []
 
 
-def moe_problems(exp: Experiment, lay: Layout, uses_te: bool) -> list[str]:
+def moe_problems(exp: Experiment, lay: Layout, uses_te: bool, model: ModelSpec | None = None) -> list[str]:
     out = []
+    own = model.moe_shared_expert_ffn_hidden_size if model is not None else None
+    if own and exp.moe.shared_expert_ffn not in (None, own):  # the checkpoint must stay convertible to its HF family
+        out.append(f"moe.shared_expert_ffn={exp.moe.shared_expert_ffn}: the {model.architecture} model has a shared "
+                   f"expert of {own} from its HF config; leave moe.shared_expert_ffn unset or set it to {own}")
     if exp.moe.a2a_overlap and lay.ep == 1:
         out.append("moe.a2a_overlap overlaps the expert-parallel all-to-all, so it needs parallel.ep > 1")
     out += expert_gemm_problems(exp, uses_te)

@@ -17,6 +17,7 @@ from mcorekit.config.cluster import load_profile
 from mcorekit.config.loading import dump
 from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import ConfigError, ModelError
+from mcorekit.export import targets
 from mcorekit.launch import api
 from mcorekit.launch.options import count, positive_float
 from mcorekit.launch.submit import submit_one
@@ -84,7 +85,7 @@ def main_sweep(argv: list[str]) -> int:
 
 def _check_chain_outputs(args: argparse.Namespace, ckpt: Path) -> None:
     """The later stages would refuse these only after training ran for hours: refuse them at submission."""
-    if args.engine_out and not (args.export_out and args.export_target == "engine"):
+    if args.engine_out and not (args.export_out and targets.TARGETS[args.export_target].builds_engines):
         raise ConfigError("--engine-out needs --export-out and --export-target engine (engines are built from the export)")
     outputs = [("--hf-out", args.hf_out), ("--export-out", args.export_out), ("--engine-out", args.engine_out)]
     named = [(flag, Path(v)) for flag, v in outputs if v is not None]
@@ -110,7 +111,7 @@ def _chain_stages(p: api.Prepared, args: argparse.Namespace, ckpt: str) -> list[
     if args.export_out:
         export = ["export", "trtllm", args.hf_out, args.export_out, "--target", args.export_target]
         stages.append(api.Stage(f"{name}-export", api.cli_payload(export), gpus_per_node=0))
-        if args.export_target == "engine" and args.engine_out:  # trtllm-build: one process on the profile's GPUs
+        if targets.TARGETS[args.export_target].builds_engines and args.engine_out:  # trtllm-build: one process on the profile's GPUs
             engine = ["export", "engine", args.export_out, args.engine_out]
             stages.append(api.Stage(f"{name}-engine", api.cli_payload(engine), tasks_per_node=1))
     return stages
@@ -124,7 +125,8 @@ def main_chain(argv: list[str]) -> int:
     _common(parser)
     parser.add_argument("--hf-out", required=True, help="where the convert stage writes the HF checkpoint")
     parser.add_argument("--export-out", default=None, help="where the export stage writes the TensorRT-LLM checkpoint")
-    parser.add_argument("--export-target", choices=["pytorch", "engine"], default="pytorch")
+    parser.add_argument("--export-target", choices=targets.NAMES, default="pytorch",
+                        help="; ".join(f"{t.name}: {t.description}" for t in targets.TARGETS.values()))
     parser.add_argument("--engine-out", default=None, help="with --export-target engine: also build engines (a GPU job)")
     args = parser.parse_args(argv)
     p = api.load(args.config, args.cluster, args.overrides, args.profile_overrides, args.nodes)

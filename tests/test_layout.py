@@ -105,3 +105,17 @@ def test_plan_proposes_valid_fitting_layouts() -> None:
     sizes = [lay.tp * lay.pp for lay, _ in layouts]
     assert sizes == sorted(sizes)  # least model parallelism first
     assert plan(DENSE, gpus=1, gpus_per_node=1, seq=8192, mbs=1, gpu_memory_gb=24) == []
+
+
+def test_shared_expert_size_must_match_the_models_own() -> None:
+    """A model whose HF family has a shared expert (Qwen2-MoE) keeps its size, so the checkpoint converts back."""
+    from mcorekit.config.experiment import Experiment
+    from mcorekit.config.rules import moe_problems
+    from mcorekit.models.parallel import Layout
+    from mcorekit.models.spec import resolve
+
+    model = resolve("mixtral-tiny", None, {"moe_shared_expert_ffn_hidden_size": 128})
+    exp = Experiment.model_validate({"name": "x", "model": {"preset": "mixtral-tiny"}, "moe": {"shared_expert_ffn": 64}})
+    assert any("shared expert of 128" in p for p in moe_problems(exp, Layout(), True, model))
+    same = Experiment.model_validate({"name": "x", "model": {"preset": "mixtral-tiny"}, "moe": {"shared_expert_ffn": 128}})
+    assert not any("shared expert" in p for p in moe_problems(same, Layout(), True, model))
