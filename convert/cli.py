@@ -9,37 +9,19 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 from mcorekit.cli import HelpFormatter, dispatch
 from mcorekit.models import dtypes
+from mcorekit.options import positive_float, positive_int
 
 # torch (through convert.pipeline) is imported inside each command, once its arguments parse: --help stays fast.
 FORMATS = {"torch_dist": "Megatron-Core's distributed format, loads at any layout",
            "torch": "Megatron-LM's legacy per-rank files for the layout given"}
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a layout size, a divisor); anything else is a usage error, exit 2."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is out of range; it must be at least 1")
-    return value
 
 
-def positive_gb(text: str) -> float:
-    """argparse type: a finite size in GB above zero."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text} is out of range; it must be a size above 0 (GB)")
-    return value
 
 
 def _hf_to_mcore(argv: list[str]) -> int:
@@ -81,7 +63,7 @@ def _mcore_to_hf(argv: list[str]) -> int:
     p.add_argument("out_dir", help="output HF directory (written aside and renamed when complete)")
     p.add_argument("--hf-config", default=None, help="HF directory or config.json (default: the one stored at import)")
     p.add_argument("--dtype", choices=list(dtypes.NAMES), default=None, help="default: the HF config's dtype")
-    p.add_argument("--max-shard-gb", type=positive_gb, default=5.0, help="largest output shard, in GB (> 0)")
+    p.add_argument("--max-shard-gb", type=positive_float, default=5.0, help="largest output shard, in GB (> 0)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT_DIR if an earlier mcorekit command wrote it (never an input or an unknown folder)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -13,17 +13,9 @@ from pathlib import Path
 from mcorekit.cli import HelpFormatter, dispatch
 from mcorekit.export import targets
 from mcorekit.models import dtypes
+from mcorekit.options import positive_int
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse prints the usage and this message, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= 1")
-    return value
 
 
 def _trtllm(argv: list[str]) -> int:

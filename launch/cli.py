@@ -19,7 +19,7 @@ from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import ConfigError, ModelError
 from mcorekit.export import targets
 from mcorekit.launch import api
-from mcorekit.launch.options import count, positive_float
+from mcorekit.options import count, positive_float
 from mcorekit.launch.submit import submit_one
 
 

@@ -21,7 +21,7 @@ from mcorekit.config.cluster import load_profile
 from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import LaunchError
 from mcorekit.launch import accounting, diagnose
-from mcorekit.launch.options import count, index, positive_float
+from mcorekit.options import count, index, positive_float
 from mcorekit.launch.submit import REGISTRY
 
 JOB_ID_RE = re.compile(r"(\d+)(?:_(\d+))?")  # a job or one array task, as the registry and logs name them

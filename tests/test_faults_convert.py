@@ -325,8 +325,8 @@ def test_hf_writer_reports_a_failed_background_write(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--tp", "0"], "argument --tp: 0 is out of range"),
-    (["--tp", "-1"], "argument --tp: -1 is out of range"),
+    (["--tp", "0"], "argument --tp: must be >= 1, got 0"),
+    (["--tp", "-1"], "argument --tp: must be >= 1, got -1"),
     (["--tp", "two"], "argument --tp: 'two' is not an integer"),
     (["--pp", "0"], "argument --pp"),
     (["--ep", "-1"], "argument --ep"),

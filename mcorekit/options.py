@@ -1,5 +1,5 @@
-"""argparse `type=` checks for the launcher's numeric options: a value out of range is a usage error (exit 2)
-at parse time, before anything is loaded, rendered or submitted."""
+"""argparse `type=` checks for every command's numeric options: a value out of range is a usage error (exit 2)
+at parse time, before anything is read, written or submitted."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def int_at_least(low: int) -> Callable[[str], int]:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
@@ -34,5 +34,5 @@ def positive_float(text: str) -> float:
     return value
 
 
-count = int_at_least(1)  # nodes, GPUs, parallel tasks, lines: at least one
+count = positive_int = int_at_least(1)  # nodes, GPUs, parallel sizes, workers: at least one
 index = int_at_least(0)  # ranks and task numbers start at 0
