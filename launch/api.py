@@ -18,7 +18,7 @@ from mcorekit.config.cluster import ClusterProfile, load_profile
 from mcorekit.config.experiment import Experiment, load_experiment
 from mcorekit.config.loading import dump, parse_value
 from mcorekit.config.values import CONTROL_RE, shown
-from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError, NotBuiltError
+from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError
 from mcorekit.launch.plan import check
 from mcorekit.launch.submit import (Built, JobSpec, build, check_writable, record, removed_on_error, scancel, submit_built,
                                     submit_one)
@@ -96,13 +96,9 @@ def require_gpus(profile: ClusterProfile) -> None:
 
 
 def training_payload(run_dir: Path) -> Callable[[], Any]:
-    """The callable every task runs for a training job; refuses to submit while train/ is missing."""
-    try:
-        from mcorekit.train.job import TrainJob
-    except ImportError:
-        raise NotBuiltError(
-            "training jobs need train/ (mcorekit.train.job), which is not built yet; `--dry-run` shows the job that would be submitted"
-        ) from None
+    """The callable every task runs for a training job."""
+    from mcorekit.train.job import TrainJob
+
     return TrainJob(str(run_dir / "config.yaml"), str(run_dir))
 
 
@@ -126,7 +122,7 @@ def cli_payload(argv: list[str]) -> CliPayload:
     from mcorekit.cli import PARTS
 
     if argv[0] not in PARTS:
-        raise NotBuiltError(f"chain stage `mcorekit {argv[0]}` does not exist; commands: {', '.join(PARTS)}")
+        raise ConfigError(f"chain stage `mcorekit {argv[0]}` does not exist; commands: {', '.join(PARTS)}")
     return CliPayload(argv)
 
 

@@ -21,10 +21,6 @@ class ModelError(MCoreKitError):
     """A model description is unsupported or inconsistent."""
 
 
-class NotBuiltError(MCoreKitError):
-    """A feature that is planned but not built yet."""
-
-
 class ConversionError(MCoreKitError):
     """A checkpoint cannot be converted: unsupported, missing, truncated or inconsistent."""
 
