@@ -31,6 +31,9 @@ class ParallelConfig(Strict):
     ep: int = Field(1, ge=1)
     etp: int = Field(1, ge=1)  # expert tensor parallel size
     sequence_parallel: bool = False
+    # fully sharded data parallel through Megatron-FSDP: what is sharded over the data-parallel ranks (ZeRO-1/2/3
+    # style). None: plain DDP, with optimizer.distributed sharding the optimizer state as before
+    fsdp: Literal["optim", "optim_grads", "optim_grads_params"] | None = None
 
 
 class PrecisionConfig(Strict):
@@ -58,8 +61,9 @@ class MoEConfig(Strict):
 
 
 class DataConfig(Strict):
-    kind: Literal["mock", "indexed", "sft"] = "mock"
-    # indexed: path prefixes of .bin/.idx pairs (from `mcorekit data preprocess`); sft: .jsonl files
+    kind: Literal["mock", "indexed", "sft", "dpo"] = "mock"
+    # indexed: path prefixes of .bin/.idx pairs (from `mcorekit data preprocess`); sft: .jsonl files of chats;
+    # dpo: .jsonl files of {prompt, chosen, rejected} preference pairs
     paths: list[str] = Field(default_factory=list)
     weights: list[Annotated[float, Field(ge=0)]] | None = None  # blend weights, one per path (indexed)
     # held-out data of the same kind, for the validation loss every schedule.eval_interval steps (mock data
@@ -78,6 +82,31 @@ class DataConfig(Strict):
         for item in [v] if isinstance(v, str) else (v or []):
             no_control(item, "data path")
         return v
+
+
+class DPOConfig(Strict):
+    """Direct preference optimisation (data.kind=dpo): sigmoid loss on policy-vs-reference log-ratio margins."""
+
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # conservative DPO: assumed fraction of flipped labels
+    sft_weight: float = Field(0.0, ge=0)  # adds this x the NLL of the chosen response (RPO-style)
+    # reference log-probs: live = a frozen copy of the starting weights on the same GPUs (with LoRA: the base with
+    # adapters off, no copy); precomputed = one forward pass over the data before training, stored in the run dir
+    reference: Literal["live", "precomputed"] = "live"
+
+
+class LoraConfig(Strict):
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Megatron-Core's linear layers: qkv (attention in), proj (attention out), fc1, fc2 (MLP in/out)
+    target_modules: list[Literal["qkv", "proj", "fc1", "fc2"]] = Field(
+        default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    experts: bool = False  # also adapt the MoE experts' fc1/fc2 (otherwise only dense and shared-expert MLPs)
+
+
+class PeftConfig(Strict):
+    lora: LoraConfig | None = None  # None: full fine-tuning
 
 
 class OptimizerConfig(Strict):
@@ -128,9 +157,17 @@ class CheckpointConfig(Strict):
         return None if v is None else no_control(v, "checkpoint path")
 
 
+class WandbConfig(Strict):
+    project: str
+    entity: str | None = None
+    name: str | None = None  # default: the experiment's name
+    mode: Literal["online", "offline", "disabled"] = "online"  # offline: write under the run dir, sync later
+
+
 class LoggingConfig(Strict):
     log_interval: int = Field(10, ge=1)
     tensorboard: bool = False  # also write <run>/tensorboard (metrics always go to <run>/metrics.jsonl)
+    wandb: WandbConfig | None = None  # also log to Weights & Biases (the optional `wandb` extra)
 
 
 class ResourcesConfig(Strict):
@@ -154,6 +191,8 @@ class Experiment(Strict):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     moe: MoEConfig = Field(default_factory=MoEConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    peft: PeftConfig = Field(default_factory=PeftConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     recompute: RecomputeConfig = Field(default_factory=RecomputeConfig)

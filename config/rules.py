@@ -88,10 +88,26 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     out += moe_problems(exp, lay, te, model)
     out += memory_option_problems(exp, model, lay)
     out += time_limit_problems(exp, nodes)
+    out += unbuilt_problems(exp)
     if not out and nodes.gpus:  # then Megatron-Core's own checks, as the ranks will run them
         from mcorekit.config.megatron import megatron_problems
 
         out = megatron_problems(exp, model, use_te=te)
+    return out
+
+
+def unbuilt_problems(exp: Experiment) -> list[str]:
+    """Schema keys whose implementation has not landed yet: refused rather than silently ignored. Each entry goes
+    when its feature does."""
+    out = []
+    if exp.data.kind == "dpo":
+        out.append("data.kind=dpo: the DPO task is not built yet")
+    if exp.peft.lora is not None:
+        out.append("peft.lora: LoRA training is not built yet")
+    if exp.parallel.fsdp is not None:
+        out.append("parallel.fsdp: Megatron-FSDP is not built yet")
+    if exp.logging.wandb is not None:
+        out.append("logging.wandb: Weights & Biases logging is not built yet")
     return out
 
 
