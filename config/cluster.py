@@ -4,6 +4,7 @@ as a path."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,9 @@ class ClusterProfile(Strict):
     setup: list[str] = Field(default_factory=list)  # shell lines run before srun (module load, venv activation)
     srun_args: list[str] = Field(default_factory=list)
     python: str | None = None  # the interpreter on the nodes; default: the one running the launcher
-    run_root: str = "runs"  # where run folders (logs, resolved config, checkpoints) go; shared by all nodes
+    # where run folders (logs, resolved config, checkpoints) and the job registry go; shared by all nodes.
+    # None: $MCOREKIT_RUN_ROOT, else the user's state folder (default_run_root); load_profile makes it absolute.
+    run_root: str | None = None
 
     @field_validator("name", "partition", "account", "qos")
     @classmethod
@@ -87,15 +90,39 @@ class ClusterProfile(Strict):
         return v
 
 
+RUN_ROOT_ENV = "MCOREKIT_RUN_ROOT"
+
+
+def default_run_root() -> Path:
+    """Where runs go when the profile names no run_root: $MCOREKIT_RUN_ROOT, else $XDG_STATE_HOME/mcorekit/runs,
+    else ~/.local/state/mcorekit/runs; absolute, so `mcorekit status` finds the jobs from any directory."""
+    if os.environ.get(RUN_ROOT_ENV):
+        return Path(os.environ[RUN_ROOT_ENV]).expanduser().resolve()  # relative: to where it was set, i.e. here
+    state = os.environ.get("XDG_STATE_HOME")
+    base = Path(state) if state and Path(state).is_absolute() else Path.home() / ".local" / "state"
+    return base / "mcorekit" / "runs"
+
+
+def _absolute_run_root(profile: ClusterProfile, path: Path, overrides: list[str]) -> str:
+    """The profile's run root as an absolute path: a relative one is taken from where it was written (the profile
+    file's folder; the current directory for --set run_root=...), never from the directory of a later command."""
+    if profile.run_root is None:
+        return str(default_run_root())
+    root = Path(profile.run_root).expanduser()
+    given_here = any(o.split("=", 1)[0].strip() == "run_root" for o in overrides)
+    return str((root if root.is_absolute() else (Path.cwd() if given_here else path.parent.resolve()) / root).resolve())
+
+
 def load_profile(name_or_path: str | Path, overrides: list[str] | None = None) -> ClusterProfile:
-    """A profile by path, or by name from slurm/clusters/<name>.yaml."""
+    """A profile by path, or by name from slurm/clusters/<name>.yaml; its run_root made absolute."""
     p = Path(name_or_path)
     if not p.suffix and NAME_RE.match(str(name_or_path)):  # a bare name; anything else is a path
         p = PROFILES / f"{name_or_path}.yaml"
         if not p.is_file():
             known = sorted(q.stem for q in PROFILES.glob("*.yaml"))
             raise ConfigError(f"no cluster profile named {str(name_or_path)!r}; known: {', '.join(known)} (or give a path)")
-    return load(ClusterProfile, p, overrides)
+    profile = load(ClusterProfile, p, overrides)
+    return profile.model_copy(update={"run_root": _absolute_run_root(profile, p, overrides or [])})
 
 
 def world_size(profile: ClusterProfile, nodes: int) -> int:

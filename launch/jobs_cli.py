@@ -111,7 +111,8 @@ def _not_ours(job: str, owned: Owned, path: Path) -> str:
 
 
 def _run_root(args: argparse.Namespace) -> Path:
-    return Path(args.runs) if args.runs else Path(load_profile(args.cluster).run_root)
+    """--runs as given (from here), else the profile's run root, absolute whatever the current directory."""
+    return Path(args.runs).resolve() if args.runs else Path(load_profile(args.cluster).run_root)
 
 
 def _job_id(text: str) -> str:
@@ -126,28 +127,80 @@ def _job_id(text: str) -> str:
 # ---------------------------------------------------------------- status
 
 
-def status(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+def _parents(entry: dict[str, Any]) -> list[str]:
+    """The job ids a chain stage waits for, from its registry entry's dependency (afterok:12:13)."""
+    dep = entry.get("dependency")
+    if not isinstance(dep, str):
+        return []
+    return [jid for part in dep.split(",") for jid in part.split(":")[1:] if JOB_ID_RE.fullmatch(jid)]
 
-    root = _run_root(args)
-    entries = _registry(root)[-args.last:]
+
+def _dependency_failed(entry: dict[str, Any], records: dict[str, accounting.JobRecord],
+                       names: dict[str, str]) -> str | None:
+    """'dependency failed: job 34 (x-train) ended FAILED' for a child that Slurm ended because a parent did not
+    complete (--kill-on-invalid-dep: the child shows only CANCELLED)."""
+    for parent in _parents(entry):
+        rec = records.get(parent)
+        if rec is not None and rec.final and rec.state != "COMPLETED":
+            named = f" ({names[parent]})" if parent in names else ""
+            return f"dependency failed: job {parent}{named} ended {rec.state}"
+    return None
+
+
+def status_rows(root: Path, last: int) -> list[dict[str, Any]]:
+    """One row per job or array task of the last `last` registry entries: what Slurm says and what the logs say."""
+    entries = _registry(root)[-last:]
     if not entries:
-        print(f"no jobs recorded under {shown(root)}")
-        return 0
-    records = accounting.sacct([e["job_id"] for e in entries])
-    table = Table(title="mcorekit jobs")
-    for col in ("job", "name", "kind", "state", "exit", "elapsed", "restarts", "last step", "diagnosis"):
-        table.add_column(col)
+        return []
+    parents = [p for e in entries for p in _parents(e)]
+    records = accounting.sacct(list(dict.fromkeys([e["job_id"] for e in entries] + parents)))
+    names = {e["job_id"]: e["name"] for e in _registry_quiet(root)}
+    rows = []
     for e in entries:
         ids = [k for k in records if k == e["job_id"] or k.startswith(e["job_id"] + "_")] or [e["job_id"]]
         for jid in ids:
             rec = records.get(jid)
             texts = [p.read_text(errors="replace") for p in diagnose.log_files(Path(e["run_dir"]), jid)]
             step = diagnose.last_step(texts)
-            why = diagnose.diagnose(texts) if rec and rec.state not in ("COMPLETED", "RUNNING", "PENDING") else None
-            table.add_row(jid, e["name"], str(e.get("kind", "")), rec.state if rec else "UNKNOWN", rec.exit_code if rec else "",
-                          rec.elapsed if rec else "", str(rec.restarts) if rec else "", "" if step is None else str(step), why or "")
+            why = None
+            if rec and rec.state not in ("COMPLETED", "RUNNING", "PENDING"):
+                why = (_dependency_failed(e, records, names) if rec.state == "CANCELLED" else None) or diagnose.diagnose(texts)
+            rows.append({"job": jid, "name": e["name"], "kind": str(e.get("kind", "")),
+                         "state": rec.state if rec else "UNKNOWN", "exit": rec.exit_code if rec else "",
+                         "elapsed": rec.elapsed if rec else "", "restarts": rec.restarts if rec else None,
+                         "last_step": step, "diagnosis": why, "run_dir": e["run_dir"],
+                         "dependency": e.get("dependency")})
+    return rows
+
+
+def _registry_quiet(root: Path) -> list[dict[str, Any]]:
+    """The registry again, without a second warning about its malformed lines."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        return _registry(root)
+
+
+def status(args: argparse.Namespace) -> int:
+    root = _run_root(args)
+    rows = status_rows(root, args.last)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"no jobs recorded under {shown(root)}")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"mcorekit jobs ({shown(root)})")
+    for col in ("job", "name", "kind", "state", "exit", "elapsed", "restarts", "last step", "diagnosis"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["job"], r["name"], r["kind"], r["state"], r["exit"], r["elapsed"],
+                      "" if r["restarts"] is None else str(r["restarts"]), "" if r["last_step"] is None else str(r["last_step"]),
+                      r["diagnosis"] or "")
     Console(width=200).print(table)
     return 0
 
@@ -283,10 +336,13 @@ def main(command: str, argv: list[str]) -> int:
         "cancel": "Cancel jobs of this project (scancel); every id must be in the project's job registry, or "
                   "nothing is cancelled.",
     }[command])
-    parser.add_argument("--cluster", default="local", help="profile whose run_root holds the job registry")
+    parser.add_argument("--cluster", default="local", help="profile whose run_root holds the job registry (default: "
+                        "local; a profile without run_root uses $MCOREKIT_RUN_ROOT or ~/.local/state/mcorekit/runs)")
     parser.add_argument("--runs", default=None, help="run root to read instead of the profile's")
     if command == "status":
         parser.add_argument("--last", type=count, default=20, help="how many recent jobs to show (>= 1)")
+        parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table "
+                            "(job, name, kind, state, exit, elapsed, restarts, last_step, diagnosis, run_dir, dependency)")
     elif command == "logs":
         parser.add_argument("job", type=_job_id, help="Slurm job id (an array task as ID_N)")
         parser.add_argument("--rank", type=index, default=0, help="task (rank) whose log to show, from 0")

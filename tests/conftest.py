@@ -14,6 +14,12 @@ except (ImportError, OSError):
     pass
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _run_root_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Launches that name no run_root go to $MCOREKIT_RUN_ROOT: a tmp folder here, never the real home."""
+    os.environ["MCOREKIT_RUN_ROOT"] = str(tmp_path_factory.mktemp("runs"))
+
+
 def _slurm_ready() -> str | None:
     if shutil.which("sinfo") is None:
         return "no Slurm client on PATH (make cluster-up installs and starts the dev cluster)"
