@@ -73,7 +73,7 @@ def _sacct(job_ids: list[str]) -> dict[str, JobRecord]:
     return records
 
 
-def _in_array_range(task_id: str, listed: str) -> bool:
+def in_array_range(task_id: str, listed: str) -> bool:
     """Whether task BASE_N is one of the tasks of a pending-array line such as BASE_[0-3,7] or BASE_[2-9%2]."""
     base, _, index = task_id.partition("_")
     m = re.fullmatch(rf"{re.escape(base)}_\[([0-9,\-]+)(?:%\d+)?\]", listed)
@@ -96,7 +96,7 @@ def _squeue_one(job_id: str) -> JobRecord | None:
         return None
     for line in proc.stdout.splitlines():
         jid, name, state, elapsed = (line.split("|") + [""] * 4)[:4]
-        if jid == job_id or _in_array_range(job_id, jid):
+        if jid == job_id or in_array_range(job_id, jid):
             return JobRecord(job_id, name, state or "UNKNOWN", "", elapsed, 0)
     return None
 
@@ -113,7 +113,7 @@ def job_record(job_id: str) -> JobRecord | None:
         if ended is None and "_" in job_id:  # an array cancelled while pending: only ID_[a-b] is recorded
             ranged = sacct([job_id.split("_")[0]])
             ended = next((JobRecord(job_id, r.name, r.state, r.exit_code, r.elapsed, r.restarts)
-                          for k, r in ranged.items() if _in_array_range(job_id, k)), None)
+                          for k, r in ranged.items() if in_array_range(job_id, k)), None)
     except LaunchError:
         ended = None
     return ended or live

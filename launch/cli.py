@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from mcorekit.config.cluster import load_profile
 from mcorekit.config.loading import dump
 from mcorekit.config.values import CONTROL_RE, shown
-from mcorekit.errors import ConfigError, ModelError
+from mcorekit.errors import ConfigError, LaunchError, ModelError
 from mcorekit.export import targets
 from mcorekit.launch import api
 from mcorekit.options import count, positive_float
@@ -192,12 +193,35 @@ def main_smoke(argv: list[str]) -> int:
 
     job = submit_one(built, allreduce_check, kind="smoke")
     print(f"submitted smoke job {job.job_id}; logs in {built.spec.run_dir / 'logs'}", flush=True)
+    state = _wait_showing_state(job)
+    if state != "COMPLETED":
+        raise LaunchError(f"smoke job {job.job_id} ended {state}; its logs say why: mcorekit logs {job.job_id} --stderr "
+                          f"--runs {shown(built.spec.run_dir.parent)}")
     results = job.results()
     ok = all(r["sum"] == r["expected"] for r in results)
     first = results[0]
     print(f"smoke job {job.job_id}: {first['world_size']} tasks, backend {first['backend']}, all-reduce sum "
           f"{first['sum']:g} (expected {first['expected']:g}) -> {'OK' if ok else 'WRONG'}")
     return 0 if ok else 1
+
+
+def _wait_showing_state(job: Any, poll_s: float = 1.0) -> str:
+    """Wait for the job to end, printing one line each time Slurm reports a new state (PENDING, RUNNING, ...);
+    the final state."""
+    import time
+
+    from mcorekit.launch.accounting import job_record
+
+    shown_state = None
+    while True:
+        rec = job_record(job.job_id)
+        state = rec.state if rec else "SUBMITTED"  # not in Slurm's answers yet
+        if state != shown_state:
+            print(f"smoke job {job.job_id}: {state}", flush=True)
+            shown_state = state
+        if rec is not None and rec.final:
+            return rec.state
+        time.sleep(poll_s)
 
 
 SUBCOMMANDS = {"sweep": main_sweep, "chain": main_chain, "plan": main_plan, "smoke": main_smoke}

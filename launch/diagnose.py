@@ -17,6 +17,7 @@ KNOWN_FAILURES = [
      "raise resources.time, or keep checkpoint.save_interval short enough that requeue resumes close to where it stopped"),
 ]
 STEP_RE = re.compile(r"\bstep (\d+)(?:/\d+)?\b")
+OWN_ERROR_RE = re.compile(r"^mcorekit: error: .*$", re.M)  # what mcorekit itself said before it exited 2
 
 
 def log_files(run_dir: Path, job_id: str) -> list[Path]:
@@ -25,6 +26,11 @@ def log_files(run_dir: Path, job_id: str) -> list[Path]:
 
 
 def diagnose(texts: list[str]) -> str | None:
+    """The job's own `mcorekit: error: ...` line when it printed one (the payload's RuntimeError that follows says
+    only that it exited 2), else the first known failure, else the last Python exception."""
+    for text in texts:
+        if m := OWN_ERROR_RE.search(text):
+            return m.group(0).strip()
     joined = "\n".join(texts)
     for pattern, cause, remedy in KNOWN_FAILURES:
         if pattern.search(joined):

@@ -255,6 +255,26 @@ def _follow(job: str, path: Path, wait_s: float) -> int:
         time.sleep(POLL_S)
 
 
+def task_count(run_dir: Path, job: str) -> int | None:
+    """How many tasks (ranks) the job runs, from the sbatch script submitit kept for it (logs/JOB_submission.sh;
+    an array's tasks share BASE_submission.sh): --nodes x --ntasks-per-node. None when the script is not there."""
+    script = run_dir / "logs" / f"{job.split('_')[0]}_submission.sh"
+    try:
+        text = script.read_text(errors="replace")
+    except OSError:
+        return None
+    nodes = re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M)
+    per_node = re.search(r"^#SBATCH --ntasks-per-node=(\d+)$", text, re.M)
+    return int(nodes.group(1) if nodes else 1) * int(per_node.group(1) if per_node else 1)
+
+
+def _check_rank(job: str, rank: int, run_dir: Path) -> None:
+    tasks = task_count(run_dir, job)
+    if tasks is not None and rank >= tasks:
+        ranks = "rank 0" if tasks == 1 else f"ranks 0-{tasks - 1}"
+        raise LaunchError(f"job {job} has {tasks} task{'s' if tasks > 1 else ''} ({ranks}); --rank {rank} is not one of them")
+
+
 def logs(args: argparse.Namespace) -> int:
     root = _run_root(args)
     owned = Owned.of(_registry(root))
@@ -266,6 +286,7 @@ def logs(args: argparse.Namespace) -> int:
         tasks = owned.task_ids(int(base))
         raise LaunchError(f"job {base} is an array: name one task, {base}_{tasks[0]} to {base}_{tasks[-1]} "
                           f"(mcorekit logs {base}_{tasks[0]})")
+    _check_rank(args.job, args.rank, Path(entry["run_dir"]))
     path = Path(entry["run_dir"]) / "logs" / f"{args.job}_{args.rank}_log.{'err' if args.stderr else 'out'}"
     if args.follow:
         return _follow(args.job, path, args.wait)
@@ -273,7 +294,10 @@ def logs(args: argparse.Namespace) -> int:
         rec = accounting.job_record(args.job)
         if rec is None:
             raise LaunchError(f"job {args.job}: Slurm has no such job or array task; check the id with `mcorekit status`")
-        raise LaunchError(f"{shown(path)}: no log yet (job {args.job} is {rec.state}; check --rank, or try --follow)")
+        if rec.final:
+            raise LaunchError(f"job {args.job} finished ({rec.state}), no log for rank {args.rank} ({shown(path)} was "
+                              f"never written: the job ended before that task started)")
+        raise LaunchError(f"{shown(path)}: no log yet (job {args.job} is {rec.state}; try --follow)")
     _print_new(path, 0)
     return 0
 
@@ -303,6 +327,25 @@ def parse_cancel_ids(text: str) -> list[tuple[str, int, list[int] | None]]:
     return items
 
 
+def _ended(base: int, tasks: list[int] | None) -> str | None:
+    """The final state(s) of a job, or of the named tasks of an array, when all of them have ended (COMPLETED,
+    FAILED, ...); None while any still pends or runs, or when Slurm does not know it yet (scancel then answers)."""
+    records = accounting.sacct([str(base)])
+    if tasks is None:
+        mine = [r for k, r in records.items() if k == str(base) or k.startswith(f"{base}_")]
+    else:
+        mine = []
+        for t in tasks:
+            task_id = f"{base}_{t}"
+            found = records.get(task_id) or next((r for k, r in records.items() if accounting.in_array_range(task_id, k)), None)
+            if found is None:
+                return None
+            mine.append(found)
+    if not mine or not all(r.final for r in mine):
+        return None
+    return "/".join(sorted({r.state for r in mine}))
+
+
 def cancel(args: argparse.Namespace) -> int:
     root = _run_root(args)
     owned = Owned.of(_registry(root))
@@ -320,6 +363,12 @@ def cancel(args: argparse.Namespace) -> int:
         raise LaunchError(f"not this project's job{'s' if len(foreign) > 1 else ''}: {', '.join(foreign)} (not in "
                           f"{shown(root / REGISTRY)}); nothing was cancelled")
     ids = [item for item, _, _ in items]
+    states = {item: _ended(base, tasks) for item, base, tasks in items}
+    ended = [f"{item} already {state}" for item, state in states.items() if state]
+    if ended:
+        live = [item for item, state in states.items() if not state]
+        hint = f" (cancel the others alone: mcorekit cancel {','.join(live)})" if live else ""
+        raise LaunchError(f"job {'; '.join(ended)}; nothing was cancelled{hint}")
     proc = subprocess.run(["scancel", *ids], capture_output=True, text=True)
     if proc.returncode != 0:
         raise LaunchError(f"scancel {' '.join(ids)} failed: {' '.join(proc.stderr.split())}")

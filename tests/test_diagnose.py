@@ -20,6 +20,10 @@ ValueError: bad shard
     ("slurmstepd: error: *** JOB 5 ON n1 CANCELLED AT 2026-01-01 DUE TO TIME LIMIT ***", "time limit reached"),
     (TRACEBACK, "Python exception: ValueError: bad shard"),
     ("step 1\nstep 2\n", None),
+    # the job's own error line, not the payload's RuntimeError after it
+    ("mcorekit: error: /nonexistent: no config.json; give an HF model folder\n" + TRACEBACK.replace(
+        "ValueError: bad shard", "RuntimeError: mcorekit convert hf-to-mcore /nonexistent out exited with 2"),
+     "mcorekit: error: /nonexistent: no config.json; give an HF model folder"),
 ])
 def test_diagnosis(log: str, expected: str | None) -> None:
     found = diagnose([log])
