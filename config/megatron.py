@@ -79,11 +79,37 @@ def ddp_config(exp: Experiment) -> Any:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     o = exp.optimizer
-    return DistributedDataParallelConfig(
+    kw: dict[str, Any] = dict(
         grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce, use_distributed_optimizer=o.distributed,
         overlap_param_gather=o.overlap_param_gather and o.distributed, average_in_collective=True,
         check_for_nan_in_grad=True, bucket_size=o.bucket_size,
         fp8_param_gather=exp.precision.fp8_params)  # FP8 params are all-gathered in FP8: half the bytes
+    if exp.parallel.fsdp:
+        kw.update(fsdp_kwargs(exp))
+    return DistributedDataParallelConfig(**kw)
+
+
+def fsdp_kwargs(exp: Experiment) -> dict[str, Any]:
+    """parallel.fsdp -> Megatron-FSDP (megatron.core.distributed.fsdp, wrapped by train/fsdp.py), which shards over
+    the data-parallel ranks: `optim` the optimizer state (fp32 main weights, Adam moments; what the distributed
+    optimizer does), `optim_grads` also the gradients, `optim_grads_params` also the bf16 weights (gathered one
+    transformer layer at a time). The rules (rules.fsdp_problems) refuse what does not combine with it."""
+    import torch
+
+    o, strategy = exp.optimizer, exp.parallel.fsdp
+    return dict(
+        use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
+        use_distributed_optimizer=True,  # Megatron-FSDP's optimizer is the DistributedOptimizer in its FSDP mode
+        # fp32 main weights and fp32 gradients (reduced in fp32), as grad_reduce_in_fp32 gives plain DDP; without
+        # main_grads_dtype Megatron-FSDP would accumulate and reduce the gradients in bf16.
+        megatron_fsdp_main_params_dtype=torch.float32, megatron_fsdp_main_grads_dtype=torch.float32,
+        # Megatron-FSDP scales the gradients by 1/DP itself before a summing collective (Megatron-Bridge turns
+        # average_in_collective off for it).
+        average_in_collective=False,
+        # Sharded gradients are reduce-scattered during the backward pass, and sharded weights all-gathered layer
+        # by layer ahead of use: Megatron-FSDP requires these overlaps (rules refuse turning them off there).
+        overlap_grad_reduce=o.overlap_grad_reduce or strategy != "optim",
+        overlap_param_gather=o.overlap_param_gather or strategy == "optim_grads_params")
 
 
 def optimizer_config(exp: Experiment) -> Any:

@@ -87,6 +87,7 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     out += context_parallel_problems(exp, te)
     out += moe_problems(exp, lay, te, model)
     out += memory_option_problems(exp, model, lay)
+    out += fsdp_problems(exp, lay)
     out += time_limit_problems(exp, nodes)
     out += unbuilt_problems(exp)
     if not out and nodes.gpus:  # then Megatron-Core's own checks, as the ranks will run them
@@ -104,8 +105,6 @@ def unbuilt_problems(exp: Experiment) -> list[str]:
         out.append("data.kind=dpo: the DPO task is not built yet")
     if exp.peft.lora is not None:
         out.append("peft.lora: LoRA training is not built yet")
-    if exp.parallel.fsdp is not None:
-        out.append("parallel.fsdp: Megatron-FSDP is not built yet")
     if exp.logging.wandb is not None:
         out.append("logging.wandb: Weights & Biases logging is not built yet")
     return out
@@ -285,6 +284,43 @@ def memory_option_problems(exp: Experiment, model: ModelSpec, lay: Layout) -> li
         out.append("optimizer.overlap_param_gather needs optimizer.distributed=true")
     if r.granularity == "full" and r.num_layers > model.num_layers // lay.pp:
         out.append(f"recompute.num_layers={r.num_layers} exceeds the {model.num_layers // lay.pp} layers per pipeline stage")
+    return out
+
+
+def fsdp_problems(exp: Experiment, lay: Layout) -> list[str]:
+    """What Megatron-FSDP (parallel.fsdp, Megatron-Core 0.19) does not combine with. It shards over the
+    data-parallel (x context-parallel) ranks inside one device mesh of DP x EP x TP ranks, through the distributed
+    optimizer in its FSDP mode, and writes checkpoints only in its own fsdp_dtensor format."""
+    f = exp.parallel.fsdp
+    if f is None:
+        return []
+    o = exp.optimizer
+    out = []
+    if lay.pp > 1 or lay.vpp:
+        out.append(f"parallel.fsdp={f} with pipeline parallelism (pp={lay.pp}, vpp={lay.vpp}): Megatron-FSDP lays "
+                   f"its device mesh over DP x EP x TP ranks only; use pp=1 (shard over more data-parallel ranks, "
+                   f"or add TP), or drop parallel.fsdp")
+    if not o.distributed:
+        out.append(f"parallel.fsdp={f} runs the distributed optimizer in its FSDP mode: set optimizer.distributed=true")
+    if f != "optim" and not o.overlap_grad_reduce:
+        out.append(f"parallel.fsdp={f} reduce-scatters the sharded gradients during the backward pass, always "
+                   f"overlapped: set optimizer.overlap_grad_reduce=true (or use parallel.fsdp=optim)")
+    if f == "optim_grads_params" and not o.overlap_param_gather:
+        out.append("parallel.fsdp=optim_grads_params all-gathers each layer's weights ahead of its use, always "
+                   "overlapped: set optimizer.overlap_param_gather=true")
+    if o.tp_comm_overlap:
+        out.append(f"parallel.fsdp={f} with optimizer.tp_comm_overlap: TE's TP overlap needs one CUDA hardware queue "
+                   f"(CUDA_DEVICE_MAX_CONNECTIONS=1), Megatron-FSDP's overlapped collectives need several; drop one")
+    if exp.precision.fp8_params:
+        out.append(f"parallel.fsdp={f} with precision.fp8_params: FP8 weights in Megatron-FSDP's buffers are not "
+                   f"wired here; keep precision.fp8 with bf16 weights (fp8_params=false)")
+    if exp.checkpoint.load:
+        out.append(f"parallel.fsdp={f} with checkpoint.load: a torch_dist checkpoint (converted from HF, or from a "
+                   f"run without parallel.fsdp) does not load into Megatron-FSDP's sharded parameters in "
+                   f"Megatron-Core 0.19; start from it without parallel.fsdp")
+    if exp.checkpoint.async_save:
+        out.append(f"parallel.fsdp={f} with checkpoint.async_save: Megatron-FSDP checkpoints are written "
+                   f"synchronously; set checkpoint.async_save=false")
     return out
 
 

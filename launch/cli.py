@@ -3,7 +3,7 @@
   mcorekit launch --config EXP.yaml --cluster local [--nodes N] [--dry-run] [key.path=value ...]
   mcorekit launch sweep --config EXP.yaml --grid optimizer.lr=1e-4,3e-4 [--grid ...] [--max-parallel N]
   mcorekit launch chain --config EXP.yaml --hf-out DIR [--export-out DIR]   (train -> convert -> export)
-  mcorekit launch plan --model PRESET_OR_HF_DIR --gpus N [--gpus-per-node 8] [--seq 4096] [--mbs 1]
+  mcorekit launch plan --model PRESET_OR_HF_DIR --gpus N [--cluster P | --gpu-memory-gb 80] [--recompute full]
   mcorekit launch smoke --cluster local       (a one-minute all-reduce over every task)
 """
 
@@ -149,30 +149,9 @@ def main_chain(argv: list[str]) -> int:
 
 
 def main_plan(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mcorekit launch plan",
-                                     description="Propose TP/PP/EP layouts that are valid and fit in GPU memory.")
-    parser.add_argument("--model", required=True, help="a preset name or an HF model directory / config.json")
-    parser.add_argument("--gpus", type=count, required=True, help="total GPUs")
-    parser.add_argument("--gpus-per-node", type=count, default=8)
-    parser.add_argument("--seq", type=count, default=4096, help="sequence length")
-    parser.add_argument("--mbs", type=count, default=1, help="micro-batch size")
-    parser.add_argument("--gpu-memory-gb", type=positive_float, default=80.0)
-    args = parser.parse_args(argv)
-    from mcorekit.config.model import model_problems, resolve_model
-    from mcorekit.launch.plan import plan
-    from mcorekit.models.spec import PRESETS
+    from mcorekit.launch.plan import main
 
-    model = resolve_model(args.model, None, None) if args.model in PRESETS else resolve_model(None, args.model, None)
-    if bad := model_problems(model):
-        raise ModelError(f"{shown(args.model)}: " + "; ".join(bad))
-    layouts = plan(model, args.gpus, args.gpus_per_node, args.seq, args.mbs, args.gpu_memory_gb)
-    print(f"{model.architecture}, {model.num_parameters() / 1e9:.2f}B parameters, {args.gpus} GPUs, seq {args.seq}, mbs {args.mbs}")
-    if not layouts:
-        print("no valid layout fits; add GPUs, lower --seq/--mbs, or use recompute")
-        return 1
-    for lay, mem in layouts:
-        print(f"  {str(lay):<20} DP{lay.dp(args.gpus):<4} {mem.describe()}")
-    return 0
+    return main(argv)
 
 
 def main_smoke(argv: list[str]) -> int:

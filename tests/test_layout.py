@@ -100,9 +100,9 @@ def test_memory_warning_names_the_fix() -> None:
 def test_plan_proposes_valid_fitting_layouts() -> None:
     layouts = plan(DENSE, gpus=16, gpus_per_node=8, seq=8192, mbs=1, gpu_memory_gb=80)
     assert layouts, "an 8B model on 16 GPUs must have a layout"
-    for lay, mem in layouts:
+    for lay, _, mem in layouts:
         assert layout_problems(DENSE, lay, 16) == [] and mem.total <= 80 * GiB * 0.9
-    sizes = [lay.tp * lay.pp for lay, _ in layouts]
+    sizes = [lay.tp * lay.pp for lay, _, _ in layouts]
     assert sizes == sorted(sizes)  # least model parallelism first
     assert plan(DENSE, gpus=1, gpus_per_node=1, seq=8192, mbs=1, gpu_memory_gb=24) == []
 

@@ -15,6 +15,7 @@ from mcorekit.errors import LayoutError
 from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size
 from mcorekit.models.spec import ModelSpec
 from mcorekit.runtime.env import DistEnv, from_environ, init_process_group
+from mcorekit.train.fsdp import wrap_chunk
 
 
 @dataclass
@@ -57,7 +58,7 @@ def check(exp: Experiment, spec: ModelSpec, world: int, nodes: Nodes) -> None:
 
 def build(exp: Experiment) -> Trainer:
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
@@ -83,9 +84,7 @@ def build(exp: Experiment) -> Trainer:
                           vp_stage=vp_stage, torch_expert_gemm=torch_expert_gemm).cuda()
         if config.params_dtype != torch.float32:
             chunk = Float16Module(config, chunk)
-        # Only the first chunk's buffers are bucketed for overlap (as Megatron-LM does): the others' grads are
-        # ready only at the end of the interleaved schedule anyway.
-        chunks.append(DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=vp > 0))
+        chunks.append(wrap_chunk(config, ddp_config, chunk, first=vp == 0))  # DDP, or Megatron-FSDP (parallel.fsdp)
     # The schedule calls these: grad sync hooks of the overlapped DDP and the loss scale of the optimizer.
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
