@@ -20,8 +20,8 @@ from mcorekit.config.loading import dump, parse_value
 from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError
 from mcorekit.launch.plan import check
-from mcorekit.launch.submit import (Built, JobSpec, build, check_writable, record, removed_on_error, scancel, submit_built,
-                                    submit_one)
+from mcorekit.launch.submit import (REGISTRY, Built, JobSpec, build, check_writable, record, removed_on_error, scancel,
+                                    submit_built, submit_one)
 from mcorekit.models.spec import ModelSpec
 
 log = logging.getLogger("mcorekit.launch")
@@ -132,6 +132,67 @@ def submit_prepared(p: Prepared, payload: Callable[[], Any] | None = None, kind:
     job = submit_one(p.job(), payload or training_payload(p.spec.run_dir), kind, save=p.save)
     log.info("submitted %s job %s (%s)", kind, job.job_id, p.spec.run_dir)
     return job
+
+
+# ---------------------------------------------------------------- resume
+
+
+def _registry_root(run_dir: Path) -> Path:
+    """The run root whose jobs.jsonl lists this folder: its parent, or a sweep's parent for a sweep point."""
+    for root in (run_dir.parent, run_dir.parent.parent):
+        if (root / REGISTRY).is_file():
+            return root
+    return run_dir.parent
+
+
+def resume(run_dir: str | Path) -> tuple[Prepared, Path]:
+    """A run folder as `mcorekit launch` left it (config.yaml, cluster.yaml), prepared for its next job: the same
+    resolved experiment and profile, the same folder and checkpoints (training resumes from the latest one).
+    Returns it with the run root whose registry lists the folder."""
+    folder = Path(run_dir).expanduser().resolve()
+    missing = [f for f in ("config.yaml", "cluster.yaml") if not (folder / f).is_file()]
+    if not folder.is_dir() or missing:
+        what = "no such folder" if not folder.exists() else "not a folder" if not folder.is_dir() else f"no {' or '.join(missing)} in it"
+        raise ConfigError(f"--resume {shown(run_dir)}: not a run folder ({what}); give a folder that `mcorekit launch` "
+                          f"printed (it holds config.yaml and cluster.yaml next to logs/)")
+    experiment = load_experiment(folder / "config.yaml")
+    profile = load_profile(folder / "cluster.yaml")
+    root = _registry_root(folder)
+    profile = profile.model_copy(update={"run_root": str(root)})
+    try:
+        return prepare(experiment, profile, run_dir=folder), root
+    except (LayoutError, ModelError) as e:
+        raise _naming(folder / "config.yaml", e) from None
+
+
+def still_running(run_dir: Path, root: Path) -> list[str]:
+    """'123 RUNNING' for each job of the registry in this run folder that has not ended: a second job would write
+    the same checkpoints."""
+    import json
+
+    from mcorekit.launch.accounting import job_record
+
+    ids = []
+    registry = root / REGISTRY
+    for line in registry.read_text(errors="replace").splitlines() if registry.is_file() else []:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and str(run_dir) in (entry.get("run_dir"), entry.get("point_dir")):
+            ids.append(str(entry.get("job_id")))
+    records = [job_record(jid) for jid in ids]  # squeue first: accounting lags a just-submitted job
+    return [f"{r.job_id} {r.state}" for r in records if r is not None and not r.final]
+
+
+def submit_resumed(p: Prepared, root: Path, payload: Callable[[], Any] | None = None, kind: str = "train") -> Any:
+    """The run folder's next job, recorded in its registry; refused while an earlier job there has not ended."""
+    if payload is None:
+        require_gpus(p.profile)
+    if live := still_running(p.spec.run_dir, root):
+        raise LaunchError(f"{p.spec.run_dir}: job {', '.join(live)} there has not ended; resuming now would run two jobs "
+                          f"on the same checkpoints: wait for it, or `mcorekit cancel` it first")
+    return submit_one(p.job(), payload or training_payload(p.spec.run_dir), kind, run_root=root)
 
 
 def smoke_job(profile: ClusterProfile, nodes: int) -> Built:

@@ -31,8 +31,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="override a cluster-profile key, e.g. --set partition=batch (repeatable)")
 
 
-def _experiment_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="experiment YAML")
+def _experiment_args(parser: argparse.ArgumentParser, config_required: bool = True) -> None:
+    parser.add_argument("--config", required=config_required, help="experiment YAML")
     parser.add_argument("--nodes", type=count, default=None, help="number of nodes (default: the experiment's resources.nodes)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="experiment overrides, e.g. parallel.tp=2")
 
@@ -49,18 +49,47 @@ def main_train(argv: list[str]) -> int:
         "job that requeues itself on time limit or preemption. Subcommands: sweep, chain, plan, smoke "
         "(`mcorekit launch SUBCOMMAND --help`).",
     )
-    _experiment_args(parser)
+    _experiment_args(parser, config_required=False)
     _common(parser)
+    parser.add_argument("--resume", metavar="RUN_DIR", default=None,
+                        help="relaunch a run folder that `mcorekit launch` made: its own config.yaml and cluster.yaml, "
+                             "the same folder and checkpoints (training resumes from the latest), as the next job; "
+                             "takes no --config, --cluster, --set, --nodes or overrides")
     args = parser.parse_args(argv)
+    if args.resume is None and args.config is None:
+        raise ConfigError("launch needs --config EXP.yaml (or --resume RUN_DIR to relaunch a run folder)")
+    if args.resume is not None:
+        return _resume(args, argv)
     p = api.load(args.config, args.cluster, args.overrides, args.profile_overrides, args.nodes)
     _warn(p)
     if args.dry_run:
-        print(f"# model: {p.model.architecture}, {p.model.num_parameters() / 1e6:,.1f}M parameters")
-        print("# resolved experiment\n" + dump(p.experiment))
-        print("# sbatch script\n" + p.job().script, end="")
+        _show(p)
         return 0
     job = api.submit_prepared(p)
     print(f"submitted {job.job_id}: {p.spec.run_dir} (mcorekit logs {job.job_id} --follow)")
+    return 0
+
+
+def _show(p: api.Prepared) -> None:
+    print(f"# model: {p.model.architecture}, {p.model.num_parameters() / 1e6:,.1f}M parameters")
+    print("# resolved experiment\n" + dump(p.experiment))
+    print("# sbatch script\n" + p.job().script, end="")
+
+
+def _resume(args: argparse.Namespace, argv: list[str]) -> int:
+    given = [f for f in ("--config", "--cluster", "--set", "--nodes")
+             if any(a == f or a.startswith(f + "=") for a in argv)] + (["KEY=VALUE overrides"] if args.overrides else [])
+    if given:
+        raise ConfigError(f"--resume relaunches the run folder as it was (its config.yaml and cluster.yaml); it takes no "
+                          f"{', '.join(given)}: start a new run with --config instead")
+    p, root = api.resume(args.resume)
+    _warn(p)
+    if args.dry_run:
+        _show(p)
+        return 0
+    job = api.submit_resumed(p, root)
+    print(f"submitted {job.job_id}: {p.spec.run_dir}, resuming from its latest checkpoint "
+          f"(mcorekit logs {job.job_id} --follow)")
     return 0
 
 

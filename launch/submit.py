@@ -265,15 +265,18 @@ def submit_built(job: Built, payloads: list[Callable[[], Any]]) -> list[Any]:
     return submitted
 
 
-def submit_one(job: Built, payload: Callable[[], Any], kind: str, save: Callable[[], None] | None = None) -> Any:
-    """Submit a single job and record it; `save` writes the run folder's files first. A failure leaves no run folder."""
+def submit_one(job: Built, payload: Callable[[], Any], kind: str, save: Callable[[], None] | None = None,
+               run_root: Path | None = None) -> Any:
+    """Submit a single job and record it in run_root's registry (default: the run folder's parent); `save` writes
+    the run folder's files first. A failure leaves no run folder (an existing one, resumed, is left as it was)."""
     run_dir = job.spec.run_dir
-    check_writable(run_dir.parent)
+    run_root = run_root or run_dir.parent
+    check_writable(run_root)
     with removed_on_error(run_dir):
         if save:
             save()
         [submitted] = submit_built(job, [payload])
-    record(run_dir.parent, job_id=submitted.job_id, name=job.spec.name, kind=kind, run_dir=str(run_dir))
+    record(run_root, job_id=submitted.job_id, name=job.spec.name, kind=kind, run_dir=str(run_dir))
     return submitted
 
 

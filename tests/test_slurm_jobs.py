@@ -90,3 +90,35 @@ def test_smoke_shows_states_then_status_logs_cancel_from_elsewhere(tmp_path: Pat
     cancelled = mk("cancel", job, cwd=elsewhere, env=env)
     one_error(cancelled, f"job {job} already COMPLETED; nothing was cancelled")
     assert "cancelled" not in cancelled.stdout
+
+
+def test_resume_relaunches_the_run_folder_as_its_next_job(tmp_path: Path) -> None:
+    from mcorekit.errors import LaunchError
+    from mcorekit.launch.smoke import CountingJob
+    from mcorekit.launch.submit import REGISTRY
+
+    from test_slurm_launch import tiny_experiment
+
+    runs = tmp_path / "runs"
+    p = api.prepare(tiny_experiment("resume-me"), load_profile("local", [f"run_root={runs}", "tasks_per_node=1"]))
+    run = p.spec.run_dir
+    first = api.submit_prepared(p, payload=CountingJob(str(run), total_steps=2, step_seconds=1.0), kind="train")
+    again, root = api.resume(run)
+    assert again.spec.run_dir == run and root == runs and again.experiment == p.experiment
+    with pytest.raises(LaunchError, match=f"job {first.job_id} (PENDING|RUNNING) there has not ended"):
+        api.submit_resumed(again, root, payload=CountingJob(str(run), total_steps=4, step_seconds=0.2))
+    assert wait_final(first.job_id, 120).state == "COMPLETED"
+    second = api.submit_resumed(again, root, payload=CountingJob(str(run), total_steps=4, step_seconds=0.2))
+    assert wait_final(second.job_id, 120).state == "COMPLETED"
+    assert "resuming at step 2" in (run / "logs" / f"{second.job_id}_0_log.out").read_text()
+    assert [ln.split()[0] for ln in (run / "steps.log").read_text().splitlines()] == ["1", "2", "3", "4"]
+    registry = [json.loads(ln) for ln in (runs / REGISTRY).read_text().splitlines()]
+    assert [(e["job_id"], e["run_dir"]) for e in registry] == [(first.job_id, str(run)), (second.job_id, str(run))]
+
+    # the CLI: a dry run shows the same folder's job; a training submission needs a GPU profile; not a run folder
+    dry = mk("launch", "--resume", run, "--dry-run", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    assert f"#SBATCH --output={run}/logs/%j_0_log.out" in dry.stdout and "name: resume-me" in dry.stdout
+    one_error(mk("launch", "--resume", run), "is CPU-only")
+    one_error(mk("launch", "--resume", runs), f"--resume {runs}: not a run folder (no config.yaml or cluster.yaml in it)")
+    one_error(mk("launch", "--resume", run, "--config", "x.yaml"), "it takes no --config")
