@@ -1,0 +1,107 @@
+"""Which speed levers help the MoE shape on one GPU: each lever on its own and together, next to HF transformers,
+in one run on the same GPU (issue: MoE ahead of transformers). A lever is measured before it becomes an option.
+
+    python bench/moe_levers.py [--steps 16] [--levers base,gaf,graphs,gaf+graphs] [--no-hf] [--out DIR]
+
+Levers (applied inside the training process, on top of `python -m mcorekit.train`'s default MoE settings):
+  base     the defaults (torch._grouped_mm experts, permute fusion, alltoall dispatcher)
+  gaf      gradient-accumulation fusion in Transformer Engine's linear layers: weight gradients are written
+           straight into DDP's fp32 main_grad (no separate add per parameter per micro-batch). Megatron-Core ties
+           the flag to APEX's kernel for its own output layer; here that one layer keeps the plain path.
+  graphs   Megatron-Core's own ("local") CUDA graphs of the static part of each layer: attention, router and
+           dispatch preprocessing (the experts' token counts vary, so they stay eager), with TE's RNG tracker.
+  router   TE's fused router (top-k + softmax + aux loss in one kernel): moe.router_fusion=true.
+Levers combine with '+'. Tokens/s is the median over logged intervals after the first; one process per lever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from results import finish, run_training, single_gpu_env, timed
+from train_bench import hf_run, write_config
+
+# Runs in the training process before mcorekit.train's main: patches that switch a lever on (no config key yet).
+WORKER = r"""
+import functools, sys
+levers = set(sys.argv[1].split("+"))
+import mcorekit.config.megatron as margs
+base_kwargs = margs.transformer_kwargs
+def kwargs(exp, spec, use_te, fusions=True):
+    kw = base_kwargs(exp, spec, use_te, fusions)
+    if "gaf" in levers:
+        kw["gradient_accumulation_fusion"] = True
+    if "graphs" in levers:
+        kw.update(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe_router", "moe_preprocess"],
+                  use_te_rng_tracker=True)
+    return kw
+margs.transformer_kwargs = kwargs
+if "graphs" in levers:  # local CUDA graphs need a graph-safe RNG tracker
+    import megatron.core.tensor_parallel.random as rnd
+    rnd.model_parallel_cuda_manual_seed = functools.partial(rnd.model_parallel_cuda_manual_seed, te_rng_tracker=True)
+if "gaf" in levers:  # TE's layers fuse without APEX; Megatron's own output layer would need APEX's kernel
+    import megatron.core.tensor_parallel.layers as tpl
+    import mcorekit.train.build as build
+    tpl._grad_accum_fusion_available = True
+    base_build = build.build_gpt
+    def build_gpt(*a, **k):
+        model = base_build(*a, **k)
+        if getattr(model, "output_layer", None) is not None:
+            model.output_layer.gradient_accumulation_fusion = False
+        return model
+    build.build_gpt = build_gpt
+from mcorekit.train.__main__ import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def lever_run(lever: str, steps: int, out: Path) -> dict:
+    run_dir = out / f"moe-{lever}"
+    write_config("moe", "bf16", steps, run_dir)
+    extra = ["moe.router_fusion=true"] if "router" in lever.split("+") else []
+    cmd = [sys.executable, "-c", WORKER, lever, "--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), *extra]
+    proc = run_training(cmd, single_gpu_env(29581), run_dir)
+    if proc.returncode:
+        return {"shape": "moe", "run": lever, "error": (proc.stdout + proc.stderr)[-1500:]}
+    m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"tokens_per_s"' in x]
+    steady = m[1:] or m
+    return {"shape": "moe", "run": lever, "tokens_per_s": statistics.median(x["tokens_per_s"] for x in steady),
+            "mfu": statistics.median(x["mfu"] for x in steady), "mem_gb": max(x["mem_gb"] for x in m),
+            "loss_first": m[0]["loss"], "loss_last": m[-1]["loss"]}
+
+
+def table(results: list[dict]) -> str:
+    hf = next((r.get("tokens_per_s") for r in results if r["run"] == "hf-bf16"), None)
+    base = next((r.get("tokens_per_s") for r in results if r["run"] == "base"), None)
+    rows = ["| run | tokens/s | MFU | peak mem GB | vs HF bf16 | vs base | loss first -> last |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['run']} | failed: {r['error'].strip().splitlines()[-1][:100]} | | | | | |")
+            continue
+        tps = r["tokens_per_s"]
+        rows.append(f"| {r['run']} | {tps / 1e3:.1f}k | {r['mfu'] * 100:.1f}% | {r['mem_gb']:.1f} | "
+                    f"{f'{tps / hf:.2f}x' if hf else ''} | {f'{tps / base:.2f}x' if base else ''} | "
+                    f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levers", default="base,gaf,graphs,gaf+graphs")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--no-hf", action="store_true", help="leave out the transformers baseline")
+    p.add_argument("--out", default="/tmp/mcorekit-moe-levers")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = [] if a.no_hf else [timed(lambda: hf_run("moe", a.steps))]
+    results += [timed(lambda: lever_run(lever, a.steps, out)) for lever in a.levers.split(",")]
+    return finish(results, out, table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
