@@ -29,6 +29,13 @@ def test_moe_counts_active_experts() -> None:
     assert train_flops_per_token(spec, 6) == pytest.approx(6 * (2 * per_layer + 4 * 10))
 
 
+def test_moe_counts_the_shared_expert_and_its_gate() -> None:
+    spec = ModelSpec("qwen2_moe", 2, 4, 2, 2, 2, 8, 10, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=6,
+                     moe_shared_expert_ffn_hidden_size=5, moe_shared_expert_gate=True)
+    per_layer = (4 * 4 + 2 * 4 * 4 + 4 * 4) + 2 * 6 * 4 * 0.5 + (2 * 3 * 4 * 6 + 4 * 8) + (3 * 4 * 5 + 4)
+    assert train_flops_per_token(spec, 6) == pytest.approx(6 * (2 * per_layer + 4 * 10))
+
+
 def test_benchmark_shape_matches_the_6n_rule_of_thumb() -> None:
     from mcorekit.models.spec import PRESETS
 

@@ -1,5 +1,5 @@
 """Training FLOPs per token, Megatron's way: every matmul counted (2 FLOPs per multiply-add, x3 for forward +
-backward), causal attention halved, MoE counted by the experts a token is routed to, GQA by its real K/V size,
+backward), causal attention halved, MoE counted by the experts a token is routed to (and its shared expert), GQA by its real K/V size,
 SwiGLU as three projections, and the output layer."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ def macs_per_token(spec: ModelSpec, seq_len: int, padded_vocab: int | None = Non
     if spec.is_moe:
         f = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
         mlp = spec.moe_router_topk * 3 * H * f + H * spec.num_experts  # routed experts + router
+        mlp += 3 * H * (spec.moe_shared_expert_ffn_hidden_size or 0) + (H if spec.moe_shared_expert_gate else 0)
     else:
         mlp = 3 * H * spec.ffn_hidden_size
     logits = H * (padded_vocab or spec.vocab_size)
