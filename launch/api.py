@@ -20,8 +20,8 @@ from mcorekit.config.loading import dump, parse_value
 from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError
 from mcorekit.launch.plan import check
-from mcorekit.launch.submit import (REGISTRY, Built, JobSpec, build, check_writable, record, removed_on_error, scancel,
-                                    submit_built, submit_one)
+from mcorekit.launch.submit import (REGISTRY, Built, JobSpec, build, check_writable, cli_command, record,
+                                    removed_on_error, scancel, submit_built, submit_one, train_command)
 from mcorekit.models.spec import ModelSpec
 
 log = logging.getLogger("mcorekit.launch")
@@ -65,6 +65,7 @@ def prepare(experiment: Experiment, profile: ClusterProfile, run_dir: Path | Non
         exclusive=experiment.resources.exclusive,
         max_restarts=experiment.resources.max_restarts,
     )
+    spec.task_command = train_command(profile, spec.run_dir)
     return Prepared(experiment, profile, model, spec, warnings)
 
 
@@ -223,11 +224,23 @@ def training_stage(p: Prepared) -> Stage:
                  exclusive=s.exclusive, max_restarts=s.max_restarts)
 
 
+def stage_command(profile: ClusterProfile, stage: Stage) -> str | None:
+    """The command line a stage's payload amounts to: training, or one `mcorekit` command."""
+    from mcorekit.train.job import TrainJob
+
+    if isinstance(stage.payload, CliPayload):
+        return cli_command(profile, stage.payload.argv)
+    if isinstance(stage.payload, TrainJob):
+        return train_command(profile, stage.payload.run_dir)
+    return None
+
+
 def stage_job(profile: ClusterProfile, stage: Stage, run_dir: Path, parent: str | None) -> Built:
     """A stage's job in run_dir/<stage name>; it runs only if job `parent` COMPLETED (afterok)."""
     spec = JobSpec(name=stage.name, run_dir=run_dir / stage.name, nodes=stage.nodes, time=stage.time,
                    exclusive=stage.exclusive, gpus_per_node=stage.gpus_per_node, tasks_per_node=stage.tasks_per_node,
-                   max_restarts=stage.max_restarts, dependency=f"afterok:{parent}" if parent else None)
+                   max_restarts=stage.max_restarts, dependency=f"afterok:{parent}" if parent else None,
+                   task_command=stage_command(profile, stage))
     return build(profile, spec)
 
 
@@ -337,8 +350,10 @@ def sweep_job(points: list[Prepared], sweep_dir: Path, max_parallel: int | None 
     if not points:
         raise ConfigError("a sweep needs at least one point")
     first = points[0]
+    array = len(points) > 1
     spec = replace(first.spec, name=first.experiment.name + "-sweep", run_dir=sweep_dir,
-                   array_size=len(points) if len(points) > 1 else None, array_parallelism=max_parallel)
+                   array_size=len(points) if array else None, array_parallelism=max_parallel,
+                   task_command=train_command(first.profile, sweep_dir if array else first.spec.run_dir, sweep=array))
     return build(first.profile, spec)
 
 

@@ -73,6 +73,7 @@ def main_train(argv: list[str]) -> int:
 def _show(p: api.Prepared) -> None:
     print(f"# model: {p.model.architecture}, {p.model.num_parameters() / 1e6:,.1f}M parameters")
     print("# resolved experiment\n" + dump(p.experiment))
+    print(f"# each task runs: {p.spec.task_command}")
     print("# sbatch script\n" + p.job().script, end="")
 
 
@@ -104,13 +105,26 @@ def main_sweep(argv: list[str]) -> int:
     points, sweep_dir = api.prepare_sweep(args.config, args.cluster, api.parse_axes(args.grid), args.overrides,
                                           args.profile_overrides, nodes=args.nodes)
     if args.dry_run:
-        for i, p in enumerate(points):
-            print(f"# point {i}: {p.spec.run_dir}")
+        for i, (p, values) in enumerate(zip(points, api.grid(api.parse_axes(args.grid)))):
+            print(f"# point {i}: {_resolved(p, values)} -> {p.spec.run_dir}")
         print("# sbatch script\n" + api.sweep_job(points, sweep_dir, args.max_parallel).script, end="")
         return 0
     jobs = api.submit_sweep(points, sweep_dir, max_parallel=args.max_parallel)
     print(f"submitted array {jobs[0].job_id.split('_')[0]} with {len(jobs)} points: {sweep_dir}")
     return 0
+
+
+def _resolved(p: api.Prepared, values: dict) -> str:
+    """A sweep point's grid values as its resolved experiment holds them: optimizer.lr=0.0001 parallel.tp=2."""
+    import json
+
+    shown_values = []
+    for key in values:
+        node = p.experiment.model_dump(mode="json")
+        for part in key.split("."):
+            node = node[part]
+        shown_values.append(f"{key}={json.dumps(node)}")
+    return " ".join(shown_values)
 
 
 def _check_chain_outputs(args: argparse.Namespace, ckpt: Path) -> None:
@@ -167,8 +181,7 @@ def main_chain(argv: list[str]) -> int:
     if args.dry_run:
         print(f"# afterok:{api.UNSUBMITTED_PARENT} stands for the job id of the stage before, known once it is submitted")
         for stage, job in zip(stages, api.chain_jobs(p.profile, stages, p.spec.run_dir)):
-            command = " ".join(["mcorekit", *stage.payload.argv]) if isinstance(stage.payload, api.CliPayload) else "train"
-            print(f"# stage {stage.name}: {command}")
+            print(f"# stage {stage.name}: {job.spec.task_command}")
             print(job.script, end="")
         return 0
     api.require_gpus(p.profile)

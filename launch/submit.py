@@ -58,11 +58,15 @@ class JobSpec:
     tasks_per_node: int | None = None  # default: one per GPU (a single-process GPU tool such as trtllm-build sets 1)
     max_restarts: int = 3  # requeues after a time limit or preemption (submitit's max_num_timeout)
     env: dict[str, str] = field(default_factory=dict)
+    # what each task's pickled payload does, as the command line that does the same (shown in the script)
+    task_command: str | None = None
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
             raise ConfigError(f"job name {self.name!r} must be letters, digits, '.', '_' or '-' (max 64)")
         _checked(str(self.run_dir), "run directory")
+        if self.task_command is not None:
+            _checked(self.task_command, "task command")
         for what, value, low in (("nodes", self.nodes, 1), ("array size", self.array_size, 1),
                                  ("array parallelism (--max-parallel)", self.array_parallelism, 1),
                                  ("GPUs per node", self.gpus_per_node, 0), ("tasks per node", self.tasks_per_node, 1),
@@ -96,6 +100,8 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
     # Ranks and ports come from SLURM_* and the job id; a profile or job that sets them still wins below.
     setup = [f"unset {' '.join(INHERITED_RENDEZVOUS)}"]
     setup += [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()] + list(profile.setup)
+    if spec.task_command:  # srun starts submitit's runner, which unpickles the payload: say what that payload runs
+        setup.append(f"# each task runs (as submitit's pickled payload): {spec.task_command}")
 
     srun_args = []
     if profile.container.image:
@@ -139,6 +145,18 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
 
 def python_for(profile: ClusterProfile) -> str:
     return profile.python or sys.executable
+
+
+def train_command(profile: ClusterProfile, run_dir: Path | str, sweep: bool = False) -> str:
+    """The command line a training task's payload (train/job.py: TrainJob) amounts to; for a sweep, run_dir is the
+    sweep's folder and each array task trains its own point-N."""
+    run = shlex.quote(str(run_dir)) + ("/point-$SLURM_ARRAY_TASK_ID" if sweep else "")
+    return f"{shlex.quote(python_for(profile))} -m mcorekit.train --config {run}/config.yaml --run-dir {run}"
+
+
+def cli_command(profile: ClusterProfile, argv: list[str]) -> str:
+    """The command line of a chain stage that runs one `mcorekit` command."""
+    return shlex.join([python_for(profile), "-m", "mcorekit", *argv])
 
 
 def logs_dir(spec: JobSpec) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mcorekit.config.cluster import load_profile
-from mcorekit.launch.submit import JobSpec, render
+from mcorekit.launch.submit import JobSpec, cli_command, render, train_command
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -19,16 +19,20 @@ def gpu_profile(*extra: str):
 
 CASES = {
     "single_node_gpu": lambda: (gpu_profile("container={}", "setup=[]", "exclusive=false"),
-                                JobSpec(name="llama-8b", run_dir=Path("/runs/llama-8b-1"), nodes=1, time="02:00:00")),
+                                JobSpec(name="llama-8b", run_dir=Path("/runs/llama-8b-1"), nodes=1, time="02:00:00",
+                                        task_command=train_command(gpu_profile(), "/runs/llama-8b-1"))),
     "multi_node_gpu": lambda: (gpu_profile("container={}"),
                                JobSpec(name="llama-70b", run_dir=Path("/runs/llama-70b-1"), nodes=4)),
     "container": lambda: (gpu_profile(),
                           JobSpec(name="qwen3-moe", run_dir=Path("/runs/qwen3-moe-1"), nodes=2, time="1-00:00:00")),
     "array": lambda: (gpu_profile("container={}"),
-                      JobSpec(name="lr-sweep", run_dir=Path("/runs/lr-sweep-1"), nodes=1, array_size=3, array_parallelism=2)),
+                      JobSpec(name="lr-sweep", run_dir=Path("/runs/lr-sweep-1"), nodes=1, array_size=3, array_parallelism=2,
+                              task_command=train_command(gpu_profile(), "/runs/lr-sweep-1", sweep=True))),
     "chain_child_cpu": lambda: (gpu_profile("container={}"),
                                 JobSpec(name="convert", run_dir=Path("/runs/chain-1/convert"), gpus_per_node=0,
-                                        dependency="afterok:1234")),
+                                        dependency="afterok:1234",
+                                        task_command=cli_command(gpu_profile(), ["convert", "mcore-to-hf",
+                                                                                 "/runs/chain-1/checkpoints", "/out/hf"]))),
     "local_cpu": lambda: (load_profile("local", ["python=/opt/venv/bin/python"]),
                           JobSpec(name="smoke", run_dir=Path("/runs/smoke-1"), time="00:05:00")),
 }
