@@ -103,6 +103,14 @@ class LoraConfig(Strict):
     target_modules: list[Literal["qkv", "proj", "fc1", "fc2"]] = Field(
         default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
     experts: bool = False  # also adapt the MoE experts' fc1/fc2 (otherwise only dense and shared-expert MLPs)
+    # adapters to start from (a LoRA checkpoint, e.g. `mcorekit convert hf-to-mcore HF_DIR OUT --lora PEFT_DIR`); the
+    # base model is always checkpoint.load
+    load: str | None = None
+
+    @field_validator("load")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        return None if v is None else no_control(v, "adapter checkpoint path")
 
 
 class PeftConfig(Strict):

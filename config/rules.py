@@ -89,6 +89,7 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     out += memory_option_problems(exp, model, lay)
     out += fsdp_problems(exp, lay)
     out += time_limit_problems(exp, nodes)
+    out += lora_problems(exp)
     out += unbuilt_problems(exp)
     if not out and nodes.gpus:  # then Megatron-Core's own checks, as the ranks will run them
         from mcorekit.config.megatron import megatron_problems
@@ -103,10 +104,32 @@ def unbuilt_problems(exp: Experiment) -> list[str]:
     out = []
     if exp.data.kind == "dpo":
         out.append("data.kind=dpo: the DPO task is not built yet")
-    if exp.peft.lora is not None:
-        out.append("peft.lora: LoRA training is not built yet")
     if exp.logging.wandb is not None:
         out.append("logging.wandb: Weights & Biases logging is not built yet")
+    return out
+
+
+def lora_problems(exp: Experiment) -> list[str]:
+    """What LoRA (peft.lora, train/lora.py) does not combine with."""
+    lora = exp.peft.lora
+    if lora is None:
+        return []
+    out = []
+    if not exp.checkpoint.load:
+        out.append("peft.lora adapts a trained model: set checkpoint.load to its checkpoint (e.g. `mcorekit convert "
+                   "hf-to-mcore HF_DIR OUT`), or drop peft.lora to train all weights")
+    if lora.experts:
+        out.append("peft.lora.experts: LoRA on the routed MoE experts is not built; set it false (attention, dense and "
+                   "shared-expert MLP layers are adapted)")
+    if exp.precision.fp8_params:
+        out.append("peft.lora with precision.fp8_params: the frozen base would be FP8 weights the adapters are added "
+                   "beside, which is not built; keep precision.fp8 with bf16 weights (fp8_params=false)")
+    if exp.optimizer.tp_comm_overlap:
+        out.append("peft.lora with optimizer.tp_comm_overlap: the adapters' own TP communication is not overlapped "
+                   "with TE's userbuffers and the combination is untested; set optimizer.tp_comm_overlap=false")
+    if exp.parallel.fsdp is not None:
+        out.append(f"peft.lora with parallel.fsdp={exp.parallel.fsdp}: the adapters are a small fraction of the "
+                   f"weights (nothing to shard) and the combination is not built; drop parallel.fsdp")
     return out
 
 

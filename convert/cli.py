@@ -2,6 +2,8 @@
 
   mcorekit convert hf-to-mcore HF_DIR OUT_DIR [--format torch_dist|torch] [--tp N --pp N --ep N --etp N --vpp N]
   mcorekit convert mcore-to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR_OR_CONFIG]
+  mcorekit convert mcore-to-hf LORA_CKPT OUT_DIR --lora | --merge [--base BASE_CKPT]   (PEFT adapter | merged model)
+  mcorekit convert hf-to-mcore HF_DIR OUT_DIR --lora PEFT_ADAPTER_DIR                 (adapter checkpoint)
   mcorekit convert verify HF_A HF_B                      (bitwise, every tensor, strict key coverage)
   mcorekit convert verify --logits HF_DIR CKPT_DIR       (GPU: HF model vs Megatron model on fixed prompts)
 """
@@ -46,9 +48,18 @@ def _hf_to_mcore(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true",
                    help="replace OUT_DIR if an earlier mcorekit command wrote it (never an input or an unknown folder)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--lora", metavar="PEFT_ADAPTER_DIR", default=None,
+                   help="convert this HF PEFT LoRA adapter of the HF_DIR model instead of the model: OUT_DIR becomes a "
+                   "Megatron LoRA checkpoint to continue training from (peft.lora.load)")
     a = p.parse_args(argv)
     from mcorekit.convert import pipeline
 
+    if a.lora:
+        from mcorekit.convert import lora
+
+        s = lora.peft_to_mcore(a.hf_dir, a.lora, a.out_dir, dtype=a.dtype, force=a.force)
+        print(s.line(f"hf-to-mcore --lora -> {a.out_dir}"))
+        return 0
     s = pipeline.hf_to_mcore(a.hf_dir, a.out_dir, fmt=a.format, dtype=a.dtype, vocab_divisible_by=a.vocab_divisible_by,
                              tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, vpp=a.vpp, force=a.force, quiet=a.quiet)
     print(s.line(f"hf-to-mcore -> {a.out_dir}"))
@@ -67,9 +78,29 @@ def _mcore_to_hf(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true",
                    help="replace OUT_DIR if an earlier mcorekit command wrote it (never an input or an unknown folder)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument("--lora", action="store_true", help="CKPT_DIR is a LoRA run's checkpoint: write its adapters as an "
+                      "HF PEFT adapter (adapter_config.json, adapter_model.safetensors) for peft.PeftModel.from_pretrained")
+    lora.add_argument("--merge", action="store_true", help="CKPT_DIR is a LoRA run's checkpoint: write the base model "
+                      "with the adapters merged in (W + alpha/r * B @ A), a full HF model")
+    p.add_argument("--base", default=None, help="with --merge: the base model's Megatron checkpoint (default: the run's "
+                   "checkpoint.load, recorded in lora.json)")
     a = p.parse_args(argv)
     from mcorekit.convert import pipeline
 
+    if a.base and not a.merge:
+        p.error("--base goes with --merge")
+    if a.lora or a.merge:
+        from mcorekit.convert import lora as lora_convert
+
+        if a.lora:
+            s = lora_convert.mcore_to_peft(a.ckpt_dir, a.out_dir, hf_config=a.hf_config, dtype=a.dtype, force=a.force)
+        else:
+            s = lora_convert.mcore_to_hf_merged(a.ckpt_dir, a.out_dir, base=a.base, hf_config=a.hf_config, dtype=a.dtype,
+                                                max_shard_bytes=max(1, int(a.max_shard_gb * 1024**3)), force=a.force,
+                                                quiet=a.quiet)
+        print(s.line(f"mcore-to-hf {'--lora' if a.lora else '--merge'} -> {a.out_dir}"))
+        return 0
     s = pipeline.mcore_to_hf(a.ckpt_dir, a.out_dir, hf_config=a.hf_config, dtype=a.dtype,
                              max_shard_bytes=max(1, int(a.max_shard_gb * 1024**3)), force=a.force, quiet=a.quiet)
     print(s.line(f"mcore-to-hf -> {a.out_dir}"))

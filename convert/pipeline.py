@@ -14,7 +14,7 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -347,7 +347,9 @@ def open_checkpoint(iter_dir: Path, spec: ModelSpec, amap: WeightMap) -> Any:
 
 
 def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = None, dtype: str | None = None,
-                max_shard_bytes: int = 5 * 1024**3, force: bool = False, quiet: bool = False) -> Summary:
+                max_shard_bytes: int = 5 * 1024**3, force: bool = False, quiet: bool = False,
+                edit: Callable[[Mapping, tuple[int, ...], list[torch.Tensor]], list[torch.Tensor]] | None = None) -> Summary:
+    """`edit` may change each slice's HF tensors before they are written (convert/lora.py merges adapters so)."""
     start = time.monotonic()
     root = Path(ckpt)
     iter_dir = find_iteration_dir(root)
@@ -402,7 +404,10 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
                 part = source.read(m.mcore, index)
                 if tuple(part.shape) != shapes[m.mcore]:
                     raise ConversionError(f"{iter_dir}: {m.mcore} slice {index} reads as {tuple(part.shape)}, expected {shapes[m.mcore]}")
-                for name, t, want in zip(hf_names_at(m, index), m.to_hf(part, ctx), hf_shapes[m.mcore]):
+                hf_tensors = m.to_hf(part, ctx)
+                if edit is not None:
+                    hf_tensors = edit(m, index, hf_tensors)
+                for name, t, want in zip(hf_names_at(m, index), hf_tensors, hf_shapes[m.mcore]):
                     if tuple(t.shape) != want:
                         raise ConversionError(f"{name}: came out as {tuple(t.shape)}, expected {want} (from {m.mcore})")
                     t = t.to(out_dtype) if out_dtype else t

@@ -16,6 +16,7 @@ from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size
 from mcorekit.models.spec import ModelSpec
 from mcorekit.runtime.env import DistEnv, from_environ, init_process_group
 from mcorekit.train.fsdp import wrap_chunk
+from mcorekit.train.lora import apply_lora, is_lora
 
 
 @dataclass
@@ -82,6 +83,8 @@ def build(exp: Experiment) -> Trainer:
                           pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                           post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                           vp_stage=vp_stage, torch_expert_gemm=torch_expert_gemm).cuda()
+        if is_lora(exp):  # before the wrappers: DDP and the optimizer then see only the adapters as trainable
+            _add_lora(exp, spec, chunk)
         if config.params_dtype != torch.float32:
             chunk = Float16Module(config, chunk)
         chunks.append(wrap_chunk(config, ddp_config, chunk, first=vp == 0))  # DDP, or Megatron-FSDP (parallel.fsdp)
@@ -90,11 +93,40 @@ def build(exp: Experiment) -> Trainer:
     config.finalize_model_grads_func = finalize_model_grads
     if ddp_config.overlap_param_gather:
         config.param_sync_func = [c.start_param_sync for c in chunks] if len(chunks) > 1 else chunks[0].start_param_sync
+    if is_lora(exp):
+        _load_lora_start(exp, chunks)
     optimizer = get_megatron_optimizer(margs.optimizer_config(exp), chunks)
     config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(optimizer, **margs.scheduler_kwargs(exp))
     return Trainer(exp, spec, env, chunks, optimizer, scheduler, padded_vocab,
                    ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+
+
+def _add_lora(exp: Experiment, spec: ModelSpec, chunk: Any) -> None:
+    """Freeze the chunk and add the adapters (train/lora.py); what checkpoint.py writes beside a LoRA checkpoint."""
+    lora = exp.peft.lora
+    apply_lora(chunk, lora, spec, seed=exp.data.seed)
+    chunk.mcorekit_lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                           "target_modules": list(lora.target_modules), "experts": lora.experts,
+                           "base": exp.checkpoint.load, "model": spec.to_dict()}
+
+
+def _load_lora_start(exp: Experiment, chunks: list[Any]) -> None:
+    """The frozen base from checkpoint.load (every start: a LoRA checkpoint holds only the adapters), then the
+    adapters from peft.lora.load if given (a converted PEFT adapter); a resume then loads the run's own adapters."""
+    from pathlib import Path
+
+    from mcorekit.train import checkpoint
+
+    base = Path(exp.checkpoint.load)
+    start = checkpoint.latest(base) or base
+    if start.name != checkpoint.RELEASE and not exp.checkpoint.finetune:
+        raise LayoutError(f"peft.lora adapts the model in checkpoint.load={base}, a training checkpoint: set "
+                          f"checkpoint.finetune=true to take its weights as the base (or use a converted release)")
+    checkpoint.load_base(start, chunks)
+    if exp.peft.lora.load:
+        adapters = Path(exp.peft.lora.load)
+        checkpoint.load_adapters(checkpoint.latest(adapters) or adapters, chunks)
 
 
 def _init_tp_comm_overlap(exp: Experiment, spec: ModelSpec) -> None:

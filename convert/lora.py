@@ -1,0 +1,366 @@
+"""LoRA adapters between Megatron-Core (train/lora.py) and HF PEFT, and merged into the base model.
+
+  Megatron (torch_dist, layer-stacked)                     PEFT (adapter_model.safetensors)
+  decoder.layers.self_attention.linear_qkv.adapter.lora_a  [L, 3r, H]   q/k/v_proj.lora_A.weight  [r, H] each
+  decoder.layers.self_attention.linear_qkv.adapter.lora_b  [L, qkv, r]  q/k/v_proj.lora_B.weight  split as the weight
+  decoder.layers.mlp.linear_fc1.adapter.lora_a / lora_b    [L, 2r, H] / [L, 2F, r]   gate_proj, up_proj
+  ...linear_proj / linear_fc2 (and shared_experts.)        one A and one B each      o_proj, down_proj
+
+A's blocks are PEFT's per-projection A matrices in the HF order of the weight's mapping (q, k, v; gate, up); B goes
+through the weight's own mapping (models/mapping.py QKV, GatedFC1, Direct), so the q/k/v split of an adapter is
+exactly the converter's split of the fused weight. PEFT names are `base_model.model.<HF module>.lora_A.weight`.
+Every transform is a re-arrangement: PEFT -> Megatron -> PEFT is bit-exact.
+
+A PEFT adapter that covers only some of a fused group (PEFT's q_proj + v_proj) imports with zero blocks for the rest:
+zero A and B give zero output and zero gradients, so they stay zero in training. rsLoRA, DoRA, per-module ranks or
+alphas, bias training, modules_to_save and fan_in_fan_out have no Megatron counterpart and are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcorekit.convert import pipeline, torch_dist
+from mcorekit.convert.files import model_file, read_json
+from mcorekit.convert.hf_io import copy_assets
+from mcorekit.errors import ConversionError
+from mcorekit.models import dtypes
+from mcorekit.models import gpt_weights as gw
+from mcorekit.models.mapping import LAYER, Ctx, Mapping, WeightMap
+from mcorekit.models.megatron import padded_vocab_size
+from mcorekit.models.spec import ModelSpec
+from mcorekit.outputs import check_output, staged_output
+from mcorekit.train.checkpoint import LORA_JSON, RELEASE, TRACKER
+from mcorekit.train.lora import AdapterShape, adapter_keys, adapter_shape, scaling
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+# The Megatron weights each LoRA target adapts, where the model has them (a MoE layer's shared expert for fc1/fc2).
+TARGET_WEIGHTS = {"qkv": (gw.QKV_WEIGHT,), "proj": (gw.PROJ,), "fc1": (gw.FC1, gw.SHARED_FC1),
+                  "fc2": (gw.FC2, gw.SHARED_FC2)}
+# PEFT adapter_config.json fields whose non-default values we cannot represent
+UNSUPPORTED = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
+               "rank_pattern": {}, "alpha_pattern": {}, "layer_replication": None, "target_parameters": None}
+
+
+@dataclass(frozen=True)
+class Adapted:
+    """One adapted Megatron weight: its mapping (HF names), and the adapter's A/B keys and shape."""
+
+    target: str
+    mapping: Mapping
+    shape: AdapterShape
+
+    @property
+    def keys(self) -> tuple[str, str]:
+        return adapter_keys(self.mapping.mcore)
+
+    def hf_modules(self, layer: int) -> list[str]:
+        return [n.removesuffix(".weight") for n in self.mapping.hf_names(layer)]
+
+
+def adapted(spec: ModelSpec, amap: WeightMap, targets: list[str]) -> list[Adapted]:
+    """The weights the LoRA targets adapt in this model, in map order."""
+    out = []
+    by_mcore = amap.by_mcore()
+    for target in targets:
+        for key in TARGET_WEIGHTS[target]:
+            m = by_mcore.get(key)
+            if m is None:
+                continue
+            if m.scope != LAYER:
+                raise ConversionError(f"{key}: LoRA on routed experts is not built")
+            ffn = spec.moe_shared_expert_ffn_hidden_size if key in (gw.SHARED_FC1, gw.SHARED_FC2) else None
+            out.append(Adapted(target, m, adapter_shape(spec, target, ffn)))
+    if not out:
+        raise ConversionError(f"the {spec.architecture} model has none of the LoRA targets {targets}")
+    return out
+
+
+def to_peft(a: Adapted, lora_a: torch.Tensor, lora_b: torch.Tensor, ctx: Ctx) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One layer's Megatron A [parts*r, in] and B [out, r] -> (A, B) per HF module, in the mapping's HF order."""
+    blocks = [t.contiguous() for t in lora_a.chunk(a.shape.parts, dim=0)]
+    return list(zip(blocks, a.mapping.to_hf(lora_b, ctx)))
+
+
+def from_peft(a: Adapted, pairs: list[tuple[torch.Tensor, torch.Tensor]], ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """to_peft's inverse."""
+    return torch.cat([p[0] for p in pairs], dim=0), a.mapping.to_mcore([p[1] for p in pairs], ctx)
+
+
+def peft_key(module: str, which: str) -> str:
+    return f"{PEFT_PREFIX}{module}.lora_{which}.weight"
+
+
+def peft_target_modules(spec: ModelSpec, items: list[Adapted]) -> list[str] | str:
+    """PEFT's target_modules: the HF module names (q_proj, ...); as a regex of the full paths where a name would
+    also match a routed expert's module (MoE models)."""
+    modules = sorted({m for a in items for m in a.hf_modules(0)})
+    if not spec.is_moe:
+        return sorted({m.rsplit(".", 1)[-1] for m in modules})
+    import re
+
+    return "|".join(re.escape(m).replace(r"\.0\.", r"\.\d+\.") for m in modules)
+
+
+# ---------------------------------------------------------------- reading what describes an adapter checkpoint
+
+
+def read_lora_json(iter_dir: Path) -> dict[str, Any]:
+    file = iter_dir / LORA_JSON
+    if not file.is_file():
+        raise ConversionError(f"{iter_dir}: no {LORA_JSON}, so not a LoRA checkpoint (a peft.lora run writes one in "
+                              f"each iteration); without --lora, mcore-to-hf converts a full model")
+    info = read_json(file)
+    try:
+        rank, alpha = info["rank"], info["alpha"]
+        targets = list(info["target_modules"])
+    except (KeyError, TypeError):
+        raise ConversionError(f"{file}: needs rank, alpha and target_modules") from None
+    if not (type(rank) is int and rank > 0 and isinstance(alpha, (int, float)) and alpha > 0
+            and targets and all(t in TARGET_WEIGHTS for t in targets)):
+        raise ConversionError(f"{file}: rank must be a positive integer, alpha positive, target_modules a list of "
+                              f"{', '.join(TARGET_WEIGHTS)}")
+    return info
+
+
+def _hf_config(root: Path, iter_dir: Path, info: dict[str, Any], hf_config: str | None) -> tuple[dict, Path, Path]:
+    """The HF config: --hf-config, else stored with the checkpoint, else stored with the base model it adapts."""
+    if hf_config:
+        return pipeline.hf_config_for(root, hf_config)
+    candidates = [root if iter_dir != root else root.parent]
+    if isinstance(info.get("base"), str):
+        candidates.append(Path(info["base"]))
+    for c in candidates:
+        for d in (c / "hf", c.parent / "hf"):
+            if (d / "config.json").is_file():
+                return read_json(model_file(d, "config.json", str(d))), d / "config.json", d
+    raise ConversionError(f"{root}: no HF config stored with the checkpoint or its base ({info.get('base')}); pass "
+                          f"--hf-config HF_DIR_OR_CONFIG")
+
+
+class AdapterCheckpoint:
+    """A Megatron LoRA checkpoint (a training run's iter_N, or a converted `release`): its adapter tensors, checked
+    against the model."""
+
+    def __init__(self, ckpt: str | Path, hf_config: str | None = None) -> None:
+        self.root = Path(ckpt)
+        self.iter_dir = pipeline.find_iteration_dir(self.root)
+        self.info = read_lora_json(self.iter_dir)
+        self.config, self.config_file, self.assets = _hf_config(self.root, self.iter_dir, self.info, hf_config)
+        self.spec = pipeline.spec_for(self.config, self.config_file)
+        self.amap = pipeline.weight_map(self.spec)
+        self.rank, self.alpha = int(self.info["rank"]), float(self.info["alpha"])
+        self.items = adapted(self.spec, self.amap, list(self.info["target_modules"]))
+        self.reader = torch_dist.TorchDistReader(self.iter_dir)
+        self.ctx = Ctx(self.spec, 0)
+        stored = self.reader.tensor_keys()
+        L = self.spec.num_layers
+        for a in self.items:
+            for key, want in zip(a.keys, (a.shape.a_shape(self.rank), a.shape.b_shape(self.rank))):
+                md = stored.get(key)
+                if md is None:
+                    raise ConversionError(f"{self.iter_dir}: adapter tensor {key!r} is missing ({LORA_JSON} names "
+                                          f"target {a.target}); the checkpoint is incomplete or not of this model")
+                if tuple(md.size) != (L, *want):
+                    raise ConversionError(f"{self.iter_dir}: {key} is {tuple(md.size)}, but rank {self.rank} on "
+                                          f"{self.config_file} implies {(L, *want)}; pass the --hf-config it adapts")
+                problem = pipeline.dtype_problem(md.properties.dtype)
+                if problem:
+                    raise ConversionError(f"{self.iter_dir}: {key} {problem}")
+
+    def layer(self, a: Adapted, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ka, kb = a.keys
+        return self.reader.read(ka, (layer,)), self.reader.read(kb, (layer,))
+
+    def peft_tensors(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        out = {}
+        for layer in range(self.spec.num_layers):
+            for a in self.items:
+                for module, (la, lb) in zip(a.hf_modules(layer), to_peft(a, *self.layer(a, layer), self.ctx)):
+                    out[peft_key(module, "A")] = la if dtype is None else la.to(dtype)
+                    out[peft_key(module, "B")] = lb if dtype is None else lb.to(dtype)
+        return out
+
+    def peft_config(self) -> dict[str, Any]:
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+                "lora_dropout": float(self.info.get("dropout", 0.0)),
+                "target_modules": peft_target_modules(self.spec, self.items), "bias": "none",
+                "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+                "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,
+                "base_model_name_or_path": None}
+
+
+# ---------------------------------------------------------------- Megatron -> PEFT, and merged
+
+
+def mcore_to_peft(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = None, dtype: str | None = None,
+                  force: bool = False) -> pipeline.Summary:
+    """A LoRA checkpoint -> an HF PEFT adapter folder (adapter_config.json, adapter_model.safetensors)."""
+    from safetensors.torch import save_file
+
+    start = time.monotonic()
+    src = AdapterCheckpoint(ckpt, hf_config)
+    tensors = src.peft_tensors(dtypes.to_torch(dtype) if dtype else None)
+    with staged_output(Path(out_dir), force, inputs=(src.root, src.iter_dir), command="mcorekit convert mcore-to-hf --lora") as tmp:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(src.peft_config(), indent=2) + "\n")
+    return pipeline.Summary(len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()),
+                            time.monotonic() - start)
+
+
+def mcore_to_hf_merged(ckpt: str | Path, out_dir: str | Path, base: str | None = None, hf_config: str | None = None,
+                       dtype: str | None = None, max_shard_bytes: int = 5 * 1024**3, force: bool = False,
+                       quiet: bool = False) -> pipeline.Summary:
+    """The base model with the adapters merged in, W + scaling * B @ A per HF weight (as PEFT's merge_and_unload),
+    computed in fp32 and rounded once to the output dtype; written like `mcore-to-hf` writes a full model."""
+    src = AdapterCheckpoint(ckpt, hf_config)
+    base_path = base or src.info.get("base")
+    if not isinstance(base_path, str):
+        raise ConversionError(f"{src.iter_dir / LORA_JSON} names no base checkpoint; pass --base BASE_CKPT")
+    check_output(Path(out_dir), (src.root, src.iter_dir), force)
+    s = scaling(src.rank, src.alpha)
+    by_key = {a.mapping.mcore: a for a in src.items}
+
+    def merge(m: Mapping, index: tuple[int, ...], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        a = by_key.get(m.mcore)
+        if a is None:
+            return weights
+        pairs = to_peft(a, *src.layer(a, index[0]), src.ctx)
+        return [(w.float() + (lb.float() @ la.float()) * s).to(w.dtype) for w, (la, lb) in zip(weights, pairs)]
+
+    return pipeline.mcore_to_hf(base_path, out_dir, hf_config=hf_config or str(src.config_file), dtype=dtype,
+                                max_shard_bytes=max_shard_bytes, force=force, quiet=quiet, edit=merge)
+
+
+# ---------------------------------------------------------------- PEFT -> Megatron
+
+
+def read_peft(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """adapter_config.json and the tensors of adapter_model.safetensors (never a pickled adapter_model.bin)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not adapter_dir.is_dir():
+        raise ConversionError(f"{adapter_dir}: not a directory; pass a PEFT adapter folder ({ADAPTER_CONFIG}, "
+                              f"{ADAPTER_WEIGHTS})")
+    config = read_json(model_file(adapter_dir, ADAPTER_CONFIG, str(adapter_dir)))
+    weights = model_file(adapter_dir, ADAPTER_WEIGHTS, str(adapter_dir))
+    if not weights.is_file():
+        pickled = " (adapter_model.bin is a pickle, which is never loaded: save it with safe_serialization)" \
+            if (adapter_dir / "adapter_model.bin").exists() else ""
+        raise ConversionError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}{pickled}")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ConversionError(f"{weights}: not a readable safetensors file ({e})") from None
+    return config, tensors
+
+
+def peft_config_problems(config: dict[str, Any]) -> list[str]:
+    out = []
+    if config.get("peft_type") != "LORA":
+        out.append(f"peft_type is {config.get('peft_type')!r}, not LORA")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not (type(r) is int and r > 0):
+        out.append(f"r={r!r} is not a positive integer")
+    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0):
+        out.append(f"lora_alpha={alpha!r} is not a positive number")
+    for key, default in UNSUPPORTED.items():
+        if config.get(key) not in (default, None):
+            out.append(f"{key}={config.get(key)!r} has no Megatron LoRA counterpart (supported: {default!r})")
+    return out
+
+
+def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
+                  force: bool = False) -> pipeline.Summary:
+    """An HF PEFT adapter of the HF_DIR model -> a Megatron LoRA checkpoint (`release`) to continue training from
+    (peft.lora.load). Its tensors must be exactly PEFT's LoRA tensors of this model's attention/MLP projections."""
+    start = time.monotonic()
+    hf, adapter = Path(hf_dir), Path(adapter_dir)
+    config_file = model_file(hf, "config.json", str(hf))
+    config = read_json(config_file)
+    spec = pipeline.spec_for(config, config_file)
+    amap = pipeline.weight_map(spec)
+    peft_config, tensors = read_peft(adapter)
+    if problems := peft_config_problems(peft_config):
+        raise ConversionError(f"{adapter / ADAPTER_CONFIG}: " + "; ".join(problems))
+    rank, alpha = int(peft_config["r"]), float(peft_config["lora_alpha"])
+    ctx = Ctx(spec, padded_vocab_size(spec.vocab_size, 128))
+    every = adapted(spec, amap, list(TARGET_WEIGHTS))
+    used: set[str] = set()
+    found_targets = []
+    for a in every:
+        names = [peft_key(m, w) for layer in range(spec.num_layers) for m in a.hf_modules(layer) for w in "AB"]
+        if any(n in tensors for n in names) and a.target not in found_targets:
+            found_targets.append(a.target)
+    items = [a for a in every if a.target in found_targets]
+    if not items:
+        raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: no LoRA tensor of the {spec.architecture} model's "
+                              f"attention or MLP projections (keys like {peft_key(every[0].hf_modules(0)[0], 'A')})")
+    out_dtype = dtypes.to_torch(dtype) if dtype else None
+    stacked: dict[str, list[torch.Tensor]] = {}
+    for a in items:
+        ka, kb = a.keys
+        for layer in range(spec.num_layers):
+            pairs = []
+            for module, want_b in zip(a.hf_modules(layer), _hf_b_shapes(a, rank, ctx)):
+                na, nb = peft_key(module, "A"), peft_key(module, "B")
+                want_a = (rank, a.shape.in_features)
+                if (na in tensors) != (nb in tensors):
+                    raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: {na if na in tensors else nb} has no "
+                                          f"lora_{'B' if na in tensors else 'A'} partner")
+                if na not in tensors:  # a module PEFT did not adapt: a zero block (no output, no gradient)
+                    dt = next(iter(tensors.values())).dtype
+                    pairs.append((torch.zeros(want_a, dtype=dt), torch.zeros(want_b, dtype=dt)))
+                    continue
+                for name, want in ((na, want_a), (nb, want_b)):
+                    t = tensors[name]
+                    if tuple(t.shape) != want:
+                        raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: {name} has shape {tuple(t.shape)}, but "
+                                              f"r={rank} on {config_file} implies {want}")
+                    if problem := pipeline.dtype_problem(t.dtype):
+                        raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: {name} {problem}")
+                    used.add(name)
+                pairs.append((tensors[na], tensors[nb]))
+            la, lb = from_peft(a, pairs, ctx)
+            stacked.setdefault(ka, []).append(la if out_dtype is None else la.to(out_dtype))
+            stacked.setdefault(kb, []).append(lb if out_dtype is None else lb.to(out_dtype))
+    if unused := sorted(set(tensors) - used):
+        raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: {len(unused)} tensors are not LoRA weights of the "
+                              f"{spec.architecture} model's attention/MLP projections (e.g. {unused[:3]}); nothing "
+                              f"was written")
+    planned = [_planned(key, parts) for key, parts in stacked.items()]
+    total = sum(t.numel() * t.element_size() for parts in stacked.values() for t in parts)
+    info = {"rank": rank, "alpha": alpha, "dropout": float(peft_config.get("lora_dropout") or 0.0),
+            "target_modules": found_targets, "experts": False, "base": None, "model": spec.to_dict(),
+            "source": str(adapter)}
+    with staged_output(Path(out_dir), force, inputs=(hf, adapter), command="mcorekit convert hf-to-mcore --lora") as tmp:
+        torch_dist.write(tmp / RELEASE, planned, {"common_state/shard_0_1": torch_dist.common_state()})
+        (tmp / RELEASE / LORA_JSON).write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / TRACKER).write_text(RELEASE)
+        (tmp / "hf").mkdir()
+        copy_assets(hf, tmp / "hf")
+    return pipeline.Summary(len(planned), total, time.monotonic() - start)
+
+
+def _hf_b_shapes(a: Adapted, rank: int, ctx: Ctx) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for t in a.mapping.to_hf(torch.empty(a.shape.b_shape(rank), device="meta"), ctx)]
+
+
+def _planned(key: str, parts: list[torch.Tensor]) -> torch_dist.PlannedTensor:
+    """A layer-stacked tensor written one layer per chunk."""
+    shape = tuple(parts[0].shape)
+    dtype = parts[0].dtype
+    if any(p.dtype != dtype for p in parts):
+        raise ConversionError(f"the PEFT tensors of {key} mix dtypes; pass --dtype to convert them to one")
+    chunks = [torch_dist.ChunkSource((layer,) + (0,) * len(shape), (1, *shape), lambda t=t: t.unsqueeze(0))
+              for layer, t in enumerate(parts)]
+    return torch_dist.PlannedTensor(key, (len(parts), *shape), dtype, chunks, LAYER)

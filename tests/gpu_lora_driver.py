@@ -1,0 +1,58 @@
+"""Run as a script on one GPU: train a LoRA experiment with the real loop (train/loop.py), then, in the same process,
+compare every base tensor of the trained model with the base checkpoint bitwise and write the Megatron logits on
+fixed ids. Prints `LORA {json}`. Used by test_gpu_lora.py.
+
+    python gpu_lora_driver.py CONFIG.yaml RUN_DIR BASE_RELEASE
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from single_rank import single_rank_env  # noqa: E402  (this folder is on sys.path: the driver runs as a script)
+
+os.environ.update(single_rank_env())
+
+import torch  # noqa: E402
+
+
+def main(config: str, run_dir: str, base: str) -> None:
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    from mcorekit.config.experiment import load_experiment
+    from mcorekit.train import checkpoint, loop
+    from mcorekit.train.lora import is_adapter_key, parameter_counts
+
+    exp = load_experiment(config)
+    built = {}
+    build = loop.build
+
+    def keep(e):  # noqa: ANN001, ANN202
+        built["t"] = build(e)
+        return built["t"]
+
+    loop.build = keep
+    loop.train(exp, Path(run_dir))
+    t = built["t"]
+    trainable, frozen = parameter_counts(t.model)
+    model = checkpoint.unwrap(t.model[0])
+    want = dist_checkpointing.load(checkpoint._model_state(t.model, checkpoint.BASE), base)
+    have = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and not is_adapter_key(k)}
+    compared = [k for k in have if torch.is_tensor(want.get(k)) and not k.endswith("_extra_state")]
+    same = all(torch.equal(have[k], want[k].to(have[k].device, have[k].dtype)) for k in compared)
+    ids = torch.randint(0, t.spec.vocab_size, (2, 64), generator=torch.Generator().manual_seed(5)).cuda()
+    pos = torch.arange(ids.shape[1], device="cuda").unsqueeze(0).expand_as(ids)
+    t.model[0].eval()
+    with torch.no_grad():
+        logits = t.model[0](ids, pos, attention_mask=None)[..., : t.spec.vocab_size].float().cpu()
+    save_file({"ids": ids.cpu(), "on": logits.contiguous()}, str(Path(run_dir) / "logits.safetensors"))
+    print("LORA " + json.dumps({"base_bitwise_unchanged": same, "base_tensors": len(compared),
+                                "trainable": trainable, "frozen": frozen}), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

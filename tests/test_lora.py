@@ -1,0 +1,192 @@
+"""LoRA (train/lora.py, convert/lora.py) against real PEFT and transformers on tiny models, on CPU: adapter names,
+shapes and bits against what `peft` writes; PEFT -> Megatron -> PEFT bit-exact; the Megatron model with adapters
+(one gloo process, local spec, fp32) against HF + PEFT loading our exported adapter; --merge against
+merge_and_unload(); frozen base; TP split shapes; the rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from mcorekit.convert import lora, pipeline
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from hf_models import COMMON, CONFIGS  # noqa: E402
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_hf(name: str, out: Path) -> Path:
+    """Two layers of the hf_models config, fp32, random norms (and random q/k/v biases for qwen2)."""
+    cfg = type(CONFIGS[name](False))(**{**COMMON, "num_hidden_layers": 2})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith(".bias"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return out
+
+
+def peft_adapter(hf: Path, out: Path, targets: list[str], r: int = 4, alpha: float = 8.0) -> Path:
+    """PEFT's own adapter for the model (random A and B, so every element is checked)."""
+    import peft
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_hf("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_peft_round_trip_is_bitwise(name: str, llama: Path, tmp_path: Path) -> None:
+    hf = llama if name == "llama" else tiny_hf(name, tmp_path / "hf")
+    theirs = peft_adapter(hf, tmp_path / "peft", ALL)
+    lora.peft_to_mcore(hf, theirs, tmp_path / "m")
+    stored = json.loads((tmp_path / "m/release/lora.json").read_text())
+    assert (stored["rank"], stored["alpha"], sorted(stored["target_modules"])) == (4, 8.0, ["fc1", "fc2", "proj", "qkv"])
+    # Megatron's layout: A blocks stacked [3r, H] for q/k/v, B in the fused qkv order [(heads + 2 groups) * d, r]
+    from mcorekit.convert.torch_dist import TorchDistReader
+
+    keys = {k: tuple(v.size) for k, v in TorchDistReader(tmp_path / "m/release").tensor_keys().items()}
+    assert keys["decoder.layers.self_attention.linear_qkv.adapter.lora_a"] == (2, 12, 64)
+    assert keys["decoder.layers.self_attention.linear_qkv.adapter.lora_b"] == (2, (4 + 2 * 2) * 16, 4)
+    assert keys["decoder.layers.mlp.linear_fc1.adapter.lora_b"] == (2, 256, 4)
+    lora.mcore_to_peft(tmp_path / "m", tmp_path / "back")
+    want, got = load_file(str(theirs / "adapter_model.safetensors")), load_file(str(tmp_path / "back/adapter_model.safetensors"))
+    assert sorted(got) == sorted(want) and len(want) == 2 * 2 * 7
+    assert all(got[k].shape == want[k].shape and torch.equal(got[k], want[k]) for k in want)
+    config = json.loads((tmp_path / "back/adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8.0, sorted(ALL))
+
+
+def test_partial_targets_import_as_zero_blocks(llama: Path, tmp_path: Path) -> None:
+    """PEFT's usual q_proj + v_proj: k gets zero A and B (no output, no gradient), q and v come back bit-exact."""
+    theirs = peft_adapter(llama, tmp_path / "peft", ["q_proj", "v_proj"])
+    lora.peft_to_mcore(llama, theirs, tmp_path / "m")
+    lora.mcore_to_peft(tmp_path / "m", tmp_path / "back")
+    want, got = load_file(str(theirs / "adapter_model.safetensors")), load_file(str(tmp_path / "back/adapter_model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    extra = sorted(set(got) - set(want))
+    assert len(extra) == 4 and all(".k_proj." in k and not got[k].any() for k in extra)
+
+
+def test_tp_split_shapes() -> None:
+    """A replicated and B split like the weight for column layers; A split on its input, B replicated for row ones."""
+    from mcorekit.models.spec import ModelSpec
+    from mcorekit.train.lora import adapter_shape
+
+    spec = ModelSpec("llama", 2, 64, 4, 2, 16, 128, 250)
+    local = {t: adapter_shape(spec, t).local(8, 2) for t in ("qkv", "proj", "fc1", "fc2")}
+    assert local == {"qkv": ((24, 64), (64, 8)), "proj": ((8, 32), (64, 8)), "fc1": ((16, 64), (128, 8)),
+                     "fc2": ((8, 64), (64, 8))}
+
+
+def test_megatron_model_with_adapters_gives_peft_logits(llama: Path, tmp_path: Path) -> None:
+    """The Megatron model (train/lora.py on the local spec) with non-zero adapters, saved as a LoRA run saves them,
+    exported with --lora: HF + PEFT loading it gives the same logits (fp32), without warnings about keys; adapters
+    off give the base model's logits; --merge equals PEFT's merge_and_unload(); a step moves only the adapters."""
+    import peft
+
+    pipeline.hf_to_mcore(llama, tmp_path / "base", quiet=True)
+    env = {**os.environ, "PYTHONPATH": str(HERE), "LORA_PORT": "29588"}
+    proc = subprocess.run([sys.executable, str(HERE / "lora_cpu_driver.py"), str(tmp_path / "base"), str(llama),
+                           str(tmp_path / "run"), "4", "8", "qkv,proj,fc1,fc2"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("LORA ")), None)
+    assert line, proc.stderr[-3000:]
+    got = json.loads(line[5:])
+    per_layer = 4 * (3 * 64 + 128) + 4 * (64 + 64) + 4 * (2 * 64 + 256) + 4 * (128 + 64)  # qkv, proj, fc1, fc2
+    assert got["adapted"] == 8 and got["trainable"] == 2 * per_layer and got["frozen"] > 10 * got["trainable"]
+    assert got["frozen_ok"] and got["base_unchanged_after_step"]
+    ckpt = tmp_path / "run/ckpt"
+    from mcorekit.convert.torch_dist import TorchDistReader
+    from mcorekit.train.lora import is_adapter_key
+
+    stored = TorchDistReader(ckpt / "iter_0000001").tensor_keys()
+    assert len(stored) == 8 and all(is_adapter_key(k) for k in stored)  # the adapters only, not the base
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    assert 4 * got["trainable"] < size < 4 * got["trainable"] + 48_000  # fp32 adapters + DCP's metadata
+
+    lora.mcore_to_peft(ckpt, tmp_path / "adapter", hf_config=str(llama))
+    logits = load_file(str(tmp_path / "run/logits.safetensors"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        off = base(logits["ids"]).logits
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert not [w for w in caught if "adapter" in str(w.message).lower() or "key" in str(w.message).lower()]
+    with torch.no_grad():
+        on = model(logits["ids"]).logits
+    cosine = torch.nn.functional.cosine_similarity(on.flatten().double(), logits["on"].flatten().double(), dim=0)
+    assert (on - logits["on"]).abs().max() < 1e-4 and cosine >= 0.9999
+    assert (off - logits["off"]).abs().max() < 1e-4
+    assert (logits["on"] - logits["off"]).abs().max() > 0.05  # the adapters matter
+
+    lora.mcore_to_hf_merged(ckpt, tmp_path / "merged", base=str(tmp_path / "base"), hf_config=str(llama), quiet=True)
+    merged = model.merge_and_unload().state_dict()
+    from mcorekit.convert.hf_io import HFReader
+
+    reader = HFReader(tmp_path / "merged")
+    assert sorted(reader.names()) == sorted(merged)
+    assert max((reader.get(n) - merged[n]).abs().max().item() for n in reader.names()) < 1e-6
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2, nothing written
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mcorekit", "convert", *args, "--quiet"], capture_output=True, text=True)
+
+
+def test_refuses_what_has_no_megatron_counterpart(llama: Path, tmp_path: Path) -> None:
+    theirs = peft_adapter(llama, tmp_path / "peft", ["q_proj", "k_proj", "v_proj"])
+    config = json.loads((theirs / "adapter_config.json").read_text())
+    (theirs / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    proc = run_cli("hf-to-mcore", str(llama), str(tmp_path / "m"), "--lora", str(theirs))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "use_dora=True" in proc.stderr, proc.stderr
+    assert not (tmp_path / "m").exists()
+    (theirs / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(str(theirs / "adapter_model.safetensors"))
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
+    save_file(tensors, str(theirs / "adapter_model.safetensors"))
+    proc = run_cli("hf-to-mcore", str(llama), str(tmp_path / "m"), "--lora", str(theirs))
+    assert proc.returncode == 2 and "lm_head" in proc.stderr and not (tmp_path / "m").exists(), proc.stderr
+    proc = run_cli("mcore-to-hf", str(theirs), str(tmp_path / "x"), "--lora")
+    assert proc.returncode == 2 and proc.stderr.startswith("mcorekit: error:"), proc.stderr
+
+
+def test_rules() -> None:
+    from mcorekit.config.experiment import load_experiment
+    from mcorekit.config.rules import Nodes, problems
+
+    node = Nodes(transformer_engine=True, gpus=False)
+    ok = ["peft.lora.rank=8", "checkpoint.load=/ckpt/base"]
+    assert problems(load_experiment("examples/llama-tiny.yaml", ok), 1, node) == []
+    assert problems(load_experiment("examples/llama-tiny.yaml", ["peft.lora.rank=8"]), 1, node)[0].startswith(
+        "peft.lora adapts a trained model: set checkpoint.load")
+    bad = problems(load_experiment("examples/llama-tiny.yaml", [*ok, "peft.lora.experts=true"]), 1, node)
+    assert bad == ["peft.lora.experts: LoRA on the routed MoE experts is not built; set it false (attention, dense and "
+                   "shared-expert MLP layers are adapted)"]

@@ -1,0 +1,339 @@
+"""LoRA on Megatron-Core's GPTModel: low-rank adapters beside the attention and MLP linear layers, the base frozen.
+
+    target  module                                  parallel kind    A (lora_a)             B (lora_b)
+    qkv     self_attention.linear_qkv               column           replicated [3r, H]     split like the weight
+    proj    self_attention.linear_proj              row              split on its input      replicated [H, r]
+    fc1     mlp.linear_fc1 (and shared_experts.)    column (gated)   replicated [2r, H]     split like the weight
+    fc2     mlp.linear_fc2 (and shared_experts.)    row              split on its input      replicated [H, r]
+
+The adapters have PEFT's parameterisation exactly, so a PEFT adapter converts both ways bit for bit: the fused qkv
+layer has one A block per HF projection (q, k, v) and the gated fc1 one per half (gate, up), stacked in A's rows;
+B is one tensor in the base weight's own output order (per query group [q heads; k; v] for qkv, [gate; up] for fc1),
+so it is split over tensor-parallel ranks exactly like the base weight and converts with the weight's own mapping
+(models.mapping.QKV / GatedFC1). Output: base(x) + scaling * B_part(A_part(dropout(x))), scaling = alpha / rank.
+
+Where the sums happen under tensor parallelism (tp ranks t; Megatron's autograd mappings do the communication):
+  column  z = A x is computed where x lives and made whole: without sequence parallel copy_to (backward all-reduces
+          dz, so A's gradient is whole on every rank); with it, an all-gather along the sequence (backward
+          reduce-scatter; A's gradient covers this rank's tokens, so A is marked sequence_parallel and Megatron's
+          finalize_model_grads sums it over TP). Each rank then applies its rows of B.
+  row     z = A_t x_t is a partial sum over the split input; it is all-reduced (or, with sequence parallel,
+          reduce-scattered along the sequence, like the base output), then B applied and added after the base
+          layer's own reduction. With sequence parallel B's gradient covers this rank's tokens: sequence_parallel.
+The rank-r tensors are what cross the wire, not the hidden states.
+
+Transformer Engine's LayerNormColumnParallelLinear (qkv and a dense fc1 in the TE spec) normalises its input inside;
+the adapter needs the normalised input as well, so it applies the same norm with the layer's (frozen) weight
+(RMSNorm computed in fp32 as HF does). The local spec has a separate norm module and the layer's input is normed.
+
+The adapter is a child module `adapter` of the base linear layer (whose class is swapped for a subclass that adds
+the adapter in forward and writes its tensors, correctly split, into the sharded state dict), so every base key is
+unchanged and the adapter's are `<layer>.adapter.lora_a` / `.lora_b`.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from mcorekit.errors import ConfigError
+from mcorekit.models.mapping import COLUMN, GATED_COLUMN, REPLICATED, ROW
+from mcorekit.models.spec import ModelSpec
+
+ADAPTER = "adapter"  # the child module's name; its tensors are <base module>.adapter.lora_a / lora_b
+A, B = "lora_a", "lora_b"
+TARGETS = ("qkv", "proj", "fc1", "fc2")
+MODULES = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+
+
+def is_lora(exp: Any) -> bool:
+    return exp.peft.lora is not None
+
+
+def is_adapter_key(key: str) -> bool:
+    return f".{ADAPTER}." in key
+
+
+def adapter_keys(weight_key: str) -> tuple[str, str]:
+    """The A and B keys of the adapter beside Megatron weight `weight_key` (`....linear_qkv.weight`)."""
+    base = weight_key.removesuffix("weight")
+    return f"{base}{ADAPTER}.{A}", f"{base}{ADAPTER}.{B}"
+
+
+def scaling(rank: int, alpha: float) -> float:
+    return alpha / rank
+
+
+# ---------------------------------------------------------------- shapes (pure: convert/ and the tests use them)
+
+
+@dataclass(frozen=True)
+class AdapterShape:
+    """One adapted layer's A and B: global shapes, and how tensor parallelism splits each (models.mapping's names)."""
+
+    target: str
+    parts: int  # A blocks: 3 for qkv (q, k, v), 2 for a gated fc1 (gate, up), else 1
+    in_features: int
+    out_features: int
+    a_split: str
+    b_split: str
+
+    def a_shape(self, rank: int) -> tuple[int, int]:
+        return (self.parts * rank, self.in_features)
+
+    def b_shape(self, rank: int) -> tuple[int, int]:
+        return (self.out_features, rank)
+
+    def local(self, rank: int, tp: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(A, B) shapes on one of `tp` tensor-parallel ranks."""
+        a, b = self.a_shape(rank), self.b_shape(rank)
+        a = (a[0], a[1] // tp) if self.a_split == ROW else a
+        b = (b[0] // tp, b[1]) if self.b_split in (COLUMN, GATED_COLUMN) else b
+        return a, b
+
+
+def adapter_shape(spec: ModelSpec, target: str, ffn: int | None = None) -> AdapterShape:
+    """`ffn`: the MLP's hidden size where it is not the dense one (a shared expert)."""
+    H, d = spec.hidden_size, spec.kv_channels
+    f = ffn or spec.ffn_hidden_size
+    if target == "qkv":
+        return AdapterShape(target, 3, H, (spec.num_attention_heads + 2 * spec.num_query_groups) * d, REPLICATED, COLUMN)
+    if target == "proj":
+        return AdapterShape(target, 1, spec.num_attention_heads * d, H, ROW, REPLICATED)
+    if target == "fc1":
+        return AdapterShape(target, 2, H, 2 * f, REPLICATED, GATED_COLUMN)
+    if target == "fc2":
+        return AdapterShape(target, 1, f, H, ROW, REPLICATED)
+    raise ConfigError(f"unknown LoRA target {target!r}; choose from {', '.join(TARGETS)}")
+
+
+# ---------------------------------------------------------------- the adapter
+
+
+class LoraAdapter(torch.nn.Module):
+    """A and B of one layer (this rank's parts) and the forward that adds scaling * B(A(x)) to the base output."""
+
+    def __init__(self, shape: AdapterShape, rank: int, alpha: float, dropout: float, tp: int, tp_rank: int,
+                 sequence_parallel: bool, query_groups: int, kv_channels: int, seed: int, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.shape, self.rank, self.scaling = shape, rank, scaling(rank, alpha)
+        self.tp, self.sequence_parallel = tp, sequence_parallel and tp > 1
+        self.query_groups = query_groups // tp if shape.target == "qkv" else 0  # this rank's groups
+        self.kv_channels = kv_channels
+        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else None
+        self.enabled = True
+        # PEFT's initialisation: A kaiming-uniform (a=sqrt(5): U(-1/sqrt(in), 1/sqrt(in))) per block, B zero, so the
+        # model starts as the base. One generator per layer from the run's seed: every rank draws the same full A
+        # and keeps its part, so the replicas agree without communication.
+        g = torch.Generator().manual_seed(seed)
+        full_a = (torch.rand(shape.a_shape(rank), generator=g, dtype=torch.float32) * 2 - 1) / math.sqrt(shape.in_features)
+        a_local, b_local = shape.local(rank, tp)
+        if shape.a_split == ROW:
+            full_a = full_a.chunk(tp, dim=1)[tp_rank]
+        self.lora_a = torch.nn.Parameter(full_a.to(dtype=dtype, device=device).contiguous())
+        self.lora_b = torch.nn.Parameter(torch.zeros(b_local, dtype=dtype, device=device))
+        assert tuple(self.lora_a.shape) == a_local
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        set_tensor_model_parallel_attributes(self.lora_a, shape.a_split == ROW and tp > 1, 1, 1)
+        set_tensor_model_parallel_attributes(self.lora_b, shape.b_split != REPLICATED and tp > 1, 0, 1)
+        # The replicated one of a pair sees only this rank's tokens under sequence parallel: Megatron sums it over TP.
+        replicated = self.lora_a if shape.a_split == REPLICATED else self.lora_b
+        replicated.sequence_parallel = self.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core import tensor_parallel as tpm
+
+        if self.dropout is not None:
+            x = self._dropout(x)
+        z = F.linear(x, self.lora_a)
+        column = self.shape.a_split == REPLICATED
+        if self.tp > 1:
+            if column:
+                z = (tpm.gather_from_sequence_parallel_region(z, tensor_parallel_output_grad=True)
+                     if self.sequence_parallel else tpm.copy_to_tensor_model_parallel_region(z))
+            else:
+                z = (tpm.reduce_scatter_to_sequence_parallel_region(z) if self.sequence_parallel
+                     else tpm.reduce_from_tensor_model_parallel_region(z))
+        return self._up(z) * self.scaling
+
+    def _up(self, z: torch.Tensor) -> torch.Tensor:
+        """B applied block by block: output rows of part i see only A's block i (PEFT's separate q/k/v, gate/up)."""
+        r, b = self.rank, self.lora_b
+        if self.shape.parts == 1:
+            return F.linear(z, b)
+        zs = z.split(r, dim=-1)
+        if self.shape.target == "fc1":  # this rank's rows are [gate_t; up_t]
+            gate, up = b.chunk(2, dim=0)
+            return torch.cat([F.linear(zs[0], gate), F.linear(zs[1], up)], dim=-1)
+        g, d = self.query_groups, self.kv_channels  # qkv: per local query group [q heads; k; v]
+        bq, bk, bv = b.view(g, -1, r).split([b.shape[0] // g - 2 * d, d, d], dim=1)
+        lead = z.shape[:-1]
+        outs = [F.linear(zi, bi.reshape(-1, r)).view(*lead, g, -1) for zi, bi in zip(zs, (bq, bk, bv))]
+        return torch.cat(outs, dim=-1).reshape(*lead, b.shape[0])
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """On an input split over TP ranks (row layers, or sequence parallel) each rank draws its own mask from
+        Megatron's model-parallel RNG; a replicated input takes the default RNG, the same on every TP rank."""
+        if self.tp > 1 and (self.shape.a_split == ROW or self.sequence_parallel):
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            with get_cuda_rng_tracker().fork():
+                return self.dropout(x)
+        return self.dropout(x)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None,
+                           tp_group: Any = None, dp_group: Any = None) -> dict[str, Any]:
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axes = {}
+        if self.shape.a_split == ROW:
+            axes[A] = 1
+        if self.shape.b_split != REPLICATED:
+            axes[B] = 0
+        sd = make_sharded_tensors_for_checkpoint({A: self.lora_a, B: self.lora_b}, prefix, axes, sharded_offsets,
+                                                 tp_group=tp_group, dp_cp_group=dp_group)
+        if self.shape.b_split == GATED_COLUMN:  # stored [gate; up] over all ranks, like the fc1 weight
+            singleton = (metadata or {}).get("singleton_local_shards", False)
+            sd[f"{prefix}{B}"] = apply_swiglu_sharded_factory(sd[f"{prefix}{B}"], sharded_offsets, singleton,
+                                                              tp_group=tp_group, dp_group=dp_group)
+        return sd
+
+    def extra_repr(self) -> str:
+        return f"target={self.shape.target}, rank={self.rank}, scaling={self.scaling:g}, tp={self.tp}"
+
+
+class LoraLayer:
+    """Mixed into a base linear layer's class: the adapter's output is added to the base output (after the base
+    layer's own reduction for row layers), and its tensors enter the sharded state dict with their own splits."""
+
+    adapter: LoraAdapter
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward(x, *args, **kwargs)  # type: ignore[misc]
+        if not self.adapter.enabled:
+            return out
+        output, bias = out
+        inp = _fused_norm(self, x) if getattr(self, "layer_norm_weight", None) is not None else x
+        return output + self.adapter(inp).to(output.dtype), bias
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)  # type: ignore[misc]
+        sd = {k: v for k, v in sd.items() if not k.startswith(f"{prefix}{ADAPTER}.")}
+        tp_group = getattr(self, "tp_group", None) or getattr(self, "_tp_group", None)
+        sd.update(self.adapter.sharded_state_dict(f"{prefix}{ADAPTER}.", sharded_offsets, metadata,
+                                                  tp_group=tp_group, dp_group=metadata["dp_cp_group"]))
+        return sd
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _lora_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Lora{cls.__name__}", (LoraLayer, cls), {})
+    return _CLASSES[cls]
+
+
+def _fused_norm(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """The norm Transformer Engine's LayerNormLinear applies inside, with its weight: what the linear part sees."""
+    cfg = layer.config
+    w = layer.layer_norm_weight
+    w = w + 1 if cfg.layernorm_zero_centered_gamma else w
+    h = x.float()
+    if cfg.normalization == "RMSNorm":
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.layernorm_epsilon)
+        return w * h.to(x.dtype)
+    bias = getattr(layer, "layer_norm_bias", None)
+    return F.layer_norm(h, (h.shape[-1],), w.float(), None if bias is None else bias.float(),
+                        cfg.layernorm_epsilon).to(x.dtype)
+
+
+# ---------------------------------------------------------------- applying it to a model
+
+
+def targets_in(model: torch.nn.Module, targets: list[str], experts: bool = False) -> list[tuple[str, Any, str]]:
+    """(name, module, target) of every linear layer LoRA adapts: attention and dense or shared-expert MLP layers;
+    routed experts only with `experts` (not built: config.rules refuses it)."""
+    out = []
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        target = MODULES.get(leaf)
+        if target is None or target not in targets or ".layers." not in f".{name}":
+            continue
+        if ".experts." in f"{name}." and not experts:
+            continue
+        out.append((name, module, target))
+    return out
+
+
+def _layer_number(model: torch.nn.Module, name: str) -> int:
+    """The global (1-based) number of the transformer layer holding module `name`."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        m = model.get_submodule(".".join(parts[:i])) if i else model
+        if hasattr(m, "layer_number") and hasattr(m, "self_attention"):
+            return int(m.layer_number)
+    raise ValueError(f"{name} is not inside a transformer layer")
+
+
+def apply_lora(model: torch.nn.Module, lora: Any, spec: ModelSpec, seed: int = 0) -> int:
+    """Freeze every parameter of `model` (one GPTModel chunk, before Float16Module/DDP) and give each target layer
+    an adapter; returns the number of adapted layers. `lora` is the experiment's peft.lora (config.LoraConfig)."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    found = targets_in(model, list(lora.target_modules), lora.experts)
+    for name, module, target in found:
+        cfg = module.config
+        ffn = spec.moe_shared_expert_ffn_hidden_size if ".shared_experts." in f".{name}." else None
+        shape = adapter_shape(spec, target, ffn)
+        if target == "fc1" and not cfg.gated_linear_unit:
+            shape = AdapterShape("fc1", 1, shape.in_features, shape.out_features // 2, REPLICATED, COLUMN)
+        layer = _layer_number(model, name)
+        # a seed per layer and target: the same on every rank (TP/DP/PP), different for each layer
+        layer_seed = (seed * 1_000_003 + layer * 64 + TARGETS.index(target) * 2 + (ffn is not None)) % 2**63
+        weight = module.weight
+        adapter = LoraAdapter(shape, lora.rank, lora.alpha, lora.dropout, tp, tp_rank, cfg.sequence_parallel,
+                              spec.num_query_groups, spec.kv_channels, layer_seed, weight.dtype, weight.device)
+        module.__class__ = _lora_class(type(module))
+        module.add_module(ADAPTER, adapter)
+    return len(found)
+
+
+def adapters(model_chunks: list[Any] | Any) -> list[LoraAdapter]:
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    return [m for c in chunks for m in c.modules() if isinstance(m, LoraAdapter)]
+
+
+@contextmanager
+def adapters_disabled(model_chunks: list[Any] | Any) -> Iterator[None]:
+    """The base model: every adapter off inside the block (DPO's reference model with LoRA, no second copy)."""
+    found = adapters(model_chunks)
+    before = [a.enabled for a in found]
+    for a in found:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a, on in zip(found, before):
+            a.enabled = on
+
+
+def parameter_counts(model_chunks: list[Any] | Any) -> tuple[int, int]:
+    """(trainable, frozen) parameters on this rank."""
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    params = {id(p): p for c in chunks for p in c.parameters()}.values()
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return trainable, sum(p.numel() for p in params) - trainable
