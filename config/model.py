@@ -9,6 +9,7 @@ from typing import Any
 
 from mcorekit.config.values import shown
 from mcorekit.errors import ModelError
+from mcorekit.hub import model_dir
 from mcorekit.models.spec import ModelSpec, resolve
 
 # ModelSpec is a plain dataclass filled from presets, HF configs and model.overrides, so its types are checked here.
@@ -29,8 +30,9 @@ MAX_HF_CONFIG_BYTES = 10_000_000  # an HF config.json is a few KB
 def resolve_model(preset: str | None, hf_config: str | None, overrides: dict[str, Any] | None) -> ModelSpec:
     """models.spec.resolve, with a broken HF config (not JSON, not an object, keys missing, values of the wrong
     type) reported as one ModelError naming the file instead of the parser's exception."""
-    if hf_config is None:
+    if hf_config is None or preset is not None:  # resolve refuses both at once before anything is read
         return resolve(preset, hf_config, overrides)
+    hf_config = str(model_dir(hf_config, "config", "model.hf_config"))  # a Hub ID: its config.json alone
     path = Path(hf_config) / "config.json" if Path(hf_config).is_dir() else Path(hf_config)
     where = f"model.hf_config {shown(path)}"
     if path.is_file() and path.stat().st_size > MAX_HF_CONFIG_BYTES:

@@ -23,7 +23,7 @@ def _trtllm(argv: list[str]) -> int:
                                 description=(
         "SRC is an HF directory or a Megatron checkpoint (converted through convert/ first). "
         + " ".join(f"Target {t.name}: {t.description}." for t in targets.TARGETS.values())))
-    p.add_argument("src", help="HF model directory or Megatron checkpoint")
+    p.add_argument("src", help="HF model directory (or a Hub model ID, org/name) or Megatron checkpoint")
     p.add_argument("out", help="output directory (written aside and renamed when complete)")
     p.add_argument("--target", choices=list(targets.NAMES), required=True,
                    help="; ".join(f"{t.name}: {t.description}" for t in targets.TARGETS.values()))
@@ -40,8 +40,11 @@ def _trtllm(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from mcorekit.export.pipeline import export  # torch: imported only once the arguments are valid (fast --help)
 
-    s = export(a.src, a.out, a.target, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype, use_fp8=a.fp8, calib=a.calib,
-               hf_config=a.hf_config, force=a.force, quiet=a.quiet)
+    from mcorekit.hub import model_dir  # an org/name Hub ID for SRC (HF weights) or --hf-config (config, tokenizer)
+
+    hf_config = a.hf_config and str(model_dir(a.hf_config, "tokenizer", "--hf-config"))
+    s = export(str(model_dir(a.src, "model", "SRC")), a.out, a.target, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype,
+               use_fp8=a.fp8, calib=a.calib, hf_config=hf_config, force=a.force, quiet=a.quiet)
     print(f"export {a.target} -> {a.out}: {s.bytes / 1e9:.3f} GB in {s.seconds:.1f} s")
     return 0
 

@@ -189,7 +189,8 @@ def main(argv: list[str]) -> int:
         prog="mcorekit launch plan",
         description="Propose TP/PP/EP layouts (with the distributed optimizer, or Megatron-FSDP where that fits with "
         "fewer model-parallel ranks) that are valid for the model and fit in GPU memory, by the launcher's estimate.")
-    parser.add_argument("--model", required=True, help="a preset name (e.g. llama-3b) or an HF model directory / config.json")
+    parser.add_argument("--model", required=True, help="a preset name (e.g. llama-3b), an HF model directory / config.json, or a Hub "
+                        "model ID (org/name)")
     parser.add_argument("--gpus", type=count, required=True, help="total GPUs")
     parser.add_argument("--cluster", default=None,
                         help="a cluster profile (name or YAML path) for GPUs per node and memory per GPU")
@@ -235,11 +236,12 @@ def _model(name: str) -> ModelSpec:
     """A preset, or an HF model directory / config.json; a name that is neither gets the closest presets."""
     from mcorekit.config.model import model_problems, resolve_model
     from mcorekit.config.values import shown
+    from mcorekit.hub import is_hub_id
     from mcorekit.models.spec import PRESETS
 
     if name in PRESETS:
         model = resolve_model(name, None, None)
-    elif Path(name).exists():
+    elif Path(name).exists() or is_hub_id(name):  # a Hub ID (org/name): its config.json, through the HF cache
         model = resolve_model(None, name, None)
     else:
         import difflib

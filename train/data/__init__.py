@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from mcorekit.errors import ConfigError
+from mcorekit.hub import model_dir
 
 if TYPE_CHECKING:  # kept out of import time: preprocessing workers import this package and need no torch
     import torch
@@ -28,16 +29,17 @@ def build_dataset(exp: Experiment, spec: ModelSpec, run_dir: Path, validation: b
         key = "data.valid_paths" if validation else "data.paths"
         raise ConfigError(f"data.kind={d.kind} needs {key} (indexed: .bin/.idx prefixes; sft: .jsonl files)")
     cache = Path(d.cache_dir or run_dir / "data_cache")
+    tokenizer = d.tokenizer and str(model_dir(d.tokenizer, "tokenizer", "data.tokenizer"))  # org/name: from the Hub
     if d.kind == "indexed":
         from mcorekit.train.data.indexed import build_gpt_dataset
 
         samples = (s.eval_iters if validation else s.train_iters) * s.global_batch_size
-        return build_gpt_dataset(paths, weights, d.seq_length, samples, d.seed, cache, d.tokenizer, spec.vocab_size)
+        return build_gpt_dataset(paths, weights, d.seq_length, samples, d.seed, cache, tokenizer, spec.vocab_size)
     from mcorekit.train.data.sft import SFTDataset
 
     if not d.tokenizer:
         raise ConfigError("data.kind=sft needs data.tokenizer (an HF tokenizer directory with a chat template)")
-    return SFTDataset(paths, d.tokenizer, d.seq_length, d.seed, packing=d.packing, vocab_size=spec.vocab_size)
+    return SFTDataset(paths, tokenizer, d.seq_length, d.seed, packing=d.packing, vocab_size=spec.vocab_size)
 
 
 def batches(dataset: Any, micro_batch: int, first_sample: int, dp_rank: int, dp_size: int,

@@ -20,7 +20,7 @@ def _preprocess(argv: list[str]) -> int:
                                 description="jsonl (one document per line) -> Megatron .bin/.idx with an end-of-document "
                                 "token after each document, tokenized on all cores. Use the prefix in data.paths.")
     p.add_argument("inputs", nargs="+", help="jsonl files, one document per line")
-    p.add_argument("--tokenizer", required=True, help="HF tokenizer directory")
+    p.add_argument("--tokenizer", required=True, help="HF tokenizer directory, or a Hub model ID (org/name)")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
     p.add_argument("--key", default="text", help="the JSON field holding the text (default: text)")
     p.add_argument("--workers", type=positive_int, default=None, help="tokenizer processes (default: all cores)")
@@ -31,7 +31,10 @@ def _preprocess(argv: list[str]) -> int:
                    help="replace an earlier output of this command (recognised by its PREFIX.json); never an input")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    s = preprocess(a.inputs, a.tokenizer, a.output_prefix, a.key, a.workers, a.force, a.quiet, a.max_line_mb)
+    from mcorekit.hub import model_dir
+
+    tokenizer = str(model_dir(a.tokenizer, "tokenizer", "--tokenizer"))  # org/name: the Hub snapshot's tokenizer files
+    s = preprocess(a.inputs, tokenizer, a.output_prefix, a.key, a.workers, a.force, a.quiet, a.max_line_mb)
     print(s.line(a.output_prefix))
     return 0
 
