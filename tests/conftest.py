@@ -8,6 +8,12 @@ import subprocess
 
 import pytest
 
+# submitit's logger configures logging on import (logging.config.dictConfig), which closes every existing handler:
+# absl's handler (Megatron-Core imports absl) would then close the stream it was given, which inside a test is
+# pytest's capture of that test; a later test then fails on "I/O operation on closed file". Imported first, it
+# finds no handler to close. (Outside tests absl holds the real sys.stderr, which it never closes.)
+import submitit  # noqa: F401,E402
+
 try:  # Transformer Engine's cuDNN first: loaded after torch's, it fails to link (GPU machine; absent on CPU)
     import transformer_engine.pytorch  # noqa: F401
 except (ImportError, OSError):
