@@ -1,0 +1,81 @@
+"""Run as a script (one gloo process, CPU, local layer spec, fp32): train/generate.py on a tiny random Megatron
+GPTModel. Prints `GEN {json}` with
+  manual   greedy completions from a loop written here (the model's forward on the whole prefix, argmax over the
+           tokenizer's vocabulary, stop at eos or max_new)
+  plain    greedy completions from generate(backend="plain")
+  static   greedy completions from generate(backend="static") (Megatron-Core's static-batch engine, KV cache)
+  sampled  two sampled runs with one seed and one with another (plain backend)
+Used by test_grpo.py. Megatron-Core runs on CPU once RotaryEmbedding's device is pointed at the CPU (see
+megatron_cpu_logits.py) the static engine's one `.cuda()` is a no-op and its per-step CUDA timing events time nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self  # the static engine moves one counter with .cuda()
+
+    class Event:  # the static engine times each step with CUDA events; on CPU they time nothing
+        def __init__(self, *a: object, **k: object) -> None: ...
+        def record(self, *a: object) -> None: ...
+        def synchronize(self) -> None: ...
+        def elapsed_time(self, other: object) -> float:
+            return 0.0
+
+    torch.cuda.Event = Event
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("GRPO_PORT", "29591"))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+
+    from mcorekit.models.megatron import build_gpt, transformer_config
+    from mcorekit.models.spec import ModelSpec
+    from mcorekit.train.generate import Sampling, generate
+
+    ps.initialize_model_parallel(1, 1)
+    torch.manual_seed(3)
+    spec = ModelSpec("llama", 2, 64, 4, 2, 16, 128, 40)
+    vocab, padded, eos = 37, 40, 27  # the tokenizer's 37 tokens inside a padded vocabulary of 40; 27 ends some paths
+    model = build_gpt(spec, transformer_config(spec, cpu_init=True), padded, use_te=False)
+    with torch.no_grad():  # a peaked, input-dependent distribution: greedy paths of varied lengths, some hitting eos
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 7, 5, 4, 9, 6)]
+    max_new = 8
+
+    def manual(prompt: list[int]) -> list[int]:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(max_new):
+                x = torch.tensor([ids])
+                logits = model(x, torch.arange(len(ids)).unsqueeze(0), None)[0, -1, :vocab]
+                ids.append(int(logits.argmax()))
+                if ids[-1] == eos:
+                    break
+        return ids[len(prompt):]
+
+    model.eval()
+    expected = [manual(p) for p in prompts]
+    model.train()
+    greedy = Sampling(max_new_tokens=max_new, greedy=True)
+    plain = generate([model], prompts, greedy, eos, vocab, backend="plain")
+    static = generate([model], prompts, greedy, eos, vocab, backend="static")
+    sampled = [generate([model], prompts, Sampling(max_new, temperature=1.0, top_p=0.9, seed=s), eos, vocab,
+                        backend="plain").completions for s in (5, 5, 6)]
+    print("GEN " + json.dumps({"manual": expected, "plain": plain.completions, "static": static.completions,
+                               "plain_finished": plain.finished, "static_finished": static.finished,
+                               "sampled": sampled, "training_after": model.training, "vocab": vocab}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
