@@ -61,9 +61,10 @@ class MoEConfig(Strict):
 
 
 class DataConfig(Strict):
-    kind: Literal["mock", "indexed", "sft", "dpo"] = "mock"
+    kind: Literal["mock", "indexed", "sft", "dpo", "grpo"] = "mock"
     # indexed: path prefixes of .bin/.idx pairs (from `mcorekit data preprocess`); sft: .jsonl files of chats;
-    # dpo: .jsonl files of {prompt, chosen, rejected} preference pairs
+    # dpo: .jsonl files of {prompt, chosen, rejected} preference pairs; grpo: .jsonl files of {prompt, ...} whose
+    # other fields (e.g. answer) go to the reward functions
     paths: list[str] = Field(default_factory=list)
     weights: list[Annotated[float, Field(ge=0)]] | None = None  # blend weights, one per path (indexed)
     # held-out data of the same kind, for the validation loss every schedule.eval_interval steps (mock data
@@ -93,6 +94,48 @@ class DPOConfig(Strict):
     # reference log-probs: live = a frozen copy of the starting weights on the same GPUs (with LoRA: the base with
     # adapters off, no copy); precomputed = one forward pass over the data before training, stored in the run dir
     reference: Literal["live", "precomputed"] = "live"
+
+
+class RewardConfig(Strict):
+    """One reward function: `module:function` (a module on sys.path) or `path/to/file.py:function` (relative to the
+    working directory, like data.paths), called as function(prompt, completion, **fields, **kwargs) -> float."""
+
+    function: str
+    weight: float = 1.0
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # extra keyword arguments, e.g. {pattern: "..."}
+
+    @field_validator("function")
+    @classmethod
+    def _function(cls, v: str) -> str:
+        no_control(v, "reward function")
+        module, sep, name = v.rpartition(":")
+        if not sep or not module or not name.isidentifier():
+            raise ValueError(f"reward function {v!r} must be 'module:function' or 'path/to/file.py:function'")
+        return v
+
+
+class GRPOConfig(Strict):
+    """Group relative policy optimisation (data.kind=grpo, train/tasks/grpo.py): per prompt a group of samples from
+    the policy itself, rewards, group-normalised advantages, the clipped policy-gradient loss and a KL penalty."""
+
+    group_size: int = Field(8, ge=2)  # G: samples per prompt
+    prompts_per_step: int = Field(8, ge=1)  # the step's global batch is prompts_per_step x group_size sequences
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)  # 1.0: no nucleus filtering
+    max_new_tokens: int = Field(256, ge=1)
+    clip_low: float = Field(0.2, ge=0, lt=1)  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO: high 0.28)
+    clip_high: float = Field(0.2, ge=0)
+    kl_coeff: float = Field(0.0, ge=0)  # beta of the k3 KL penalty to the reference (0: no reference model)
+    # token: every completion token weighs the same (DAPO); sequence: mean per completion, then over completions
+    # (the original GRPO)
+    loss_aggregation: Literal["token", "sequence"] = "token"
+    scale_rewards: bool = True  # divide the advantages by the group's std (Dr. GRPO: false)
+    rewards: list[RewardConfig] = Field(default_factory=list)
+    # how rollouts are generated (train/generate.py): auto = Megatron-Core's dynamic engine where flash-attn >= 2.7.3
+    # is importable, else its static engine (KV cache); plain = a sampling loop over the training forward, no KV cache
+    generation: Literal["auto", "dynamic", "static", "plain"] = "auto"
+    kv_cache_gb: float = Field(2.0, gt=0)  # the dynamic engine's KV-cache buffer, allocated per step and freed
+    seed: int = Field(0, ge=0, le=2**31 - 1)  # sampling seed; step s of DP rank r samples with seed + s x 1009 + r
 
 
 class LoraConfig(Strict):
@@ -200,6 +243,7 @@ class Experiment(Strict):
     moe: MoEConfig = Field(default_factory=MoEConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     peft: PeftConfig = Field(default_factory=PeftConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
