@@ -13,7 +13,7 @@ Runs start through tests/slurm_shim (a MOCK of srun giving each task Slurm's env
 tests/gpu_fsdp_driver.py, as tests/test_gpu_multi.py does. Megatron-FSDP needs CUDA_DEVICE_MAX_CONNECTIONS unset or
 > 1, so it is removed from the runs' environment.
 
-    cd /tmp && python3 -m pytest /path/to/checkout/tests/test_gpu_fsdp.py -s -p no:cacheprovider
+    cd tests && python3 -m pytest test_gpu_fsdp.py -v -s     (as make test-gpu-multi runs test_gpu_multi.py)
 """
 
 from __future__ import annotations
