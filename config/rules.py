@@ -84,6 +84,7 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     out += precision_problems(exp, nodes)
     out += transformer_engine_problems(exp, nodes)
     out += data_problems(exp, lay)
+    out += dpo_problems(exp)
     out += context_parallel_problems(exp, te)
     out += moe_problems(exp, lay, te, model)
     out += memory_option_problems(exp, model, lay)
@@ -102,8 +103,6 @@ def unbuilt_problems(exp: Experiment) -> list[str]:
     """Schema keys whose implementation has not landed yet: refused rather than silently ignored. Each entry goes
     when its feature does."""
     out = []
-    if exp.data.kind == "dpo":
-        out.append("data.kind=dpo: the DPO task is not built yet")
     if exp.logging.wandb is not None:
         out.append("logging.wandb: Weights & Biases logging is not built yet")
     return out
@@ -239,8 +238,8 @@ def data_problems(exp: Experiment, lay: Layout) -> list[str]:
     out = []
     if d.dynamic_batching:
         out.append("data.dynamic_batching is not built yet; use data.packing for variable-length SFT data")
-    if d.packing and d.kind != "sft":
-        out.append(f"data.packing applies to SFT data (data.kind=sft), not data.kind={d.kind}")
+    if d.packing and d.kind not in ("sft", "dpo"):
+        out.append(f"data.packing applies to SFT and DPO data (data.kind=sft or dpo), not data.kind={d.kind}")
     if d.packing and s.micro_batch_size != 1:
         out.append("data.packing puts several examples into one sequence: set schedule.micro_batch_size=1 "
                    "(raise data.seq_length to put more tokens in a micro-batch)")
@@ -251,6 +250,27 @@ def data_problems(exp: Experiment, lay: Layout) -> list[str]:
     if d.kind != "mock" and not d.paths:
         out.append(f"data.kind={d.kind} needs data.paths")
     out += validation_problems(exp)
+    return out
+
+
+def dpo_problems(exp: Experiment) -> list[str]:
+    """DPO (data.kind=dpo, train/tasks/dpo.py). Its batch sizes count preference pairs (the model sees 2 x
+    micro_batch_size sequences), or packed rows of whole pairs with data.packing (micro_batch_size 1, as for SFT)."""
+    d, o = exp.data, exp.optimizer
+    if d.kind != "dpo":
+        if exp.dpo.model_fields_set:
+            return [f"the dpo section applies to data.kind=dpo, not data.kind={d.kind}; remove it or set data.kind=dpo"]
+        return []
+    out = []
+    if not d.tokenizer:
+        out.append("data.kind=dpo needs data.tokenizer (an HF tokenizer directory; with a chat template for chat pairs)")
+    if o.tp_comm_overlap and not d.packing:
+        out.append("optimizer.tp_comm_overlap with data.kind=dpo: TE's userbuffers are sized for micro_batch_size "
+                   "sequences and DPO runs 2 x micro_batch_size (a chosen and a rejected one per pair); drop "
+                   "tp_comm_overlap or use data.packing")
+    if exp.parallel.fsdp is not None:
+        out.append(f"data.kind=dpo with parallel.fsdp={exp.parallel.fsdp} is not built (the reference model would be an "
+                   f"unsharded copy beside the sharded policy); drop parallel.fsdp")
     return out
 
 

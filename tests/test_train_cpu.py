@@ -390,7 +390,8 @@ def test_weights_are_gathered_before_a_checkpoint_reads_them() -> None:
 
 
 def test_tasks_are_chosen_by_data_kind_and_share_the_loop() -> None:
-    """Every experiment trains a task from train/tasks: chat jsonl is SFT (masked LM loss), the rest LM."""
+    """Every experiment trains a task from train/tasks: chat jsonl is SFT (masked LM loss), preference pairs DPO,
+    the rest LM."""
     from pathlib import Path
 
     from mcorekit.models.spec import resolve
@@ -400,7 +401,9 @@ def test_tasks_are_chosen_by_data_kind_and_share_the_loop() -> None:
     assert type(task_for(exp(), spec, Path("/tmp"))).name == "lm"
     e = exp("data.kind=sft", "data.paths=[a.jsonl]", "data.tokenizer=tok")
     assert type(task_for(e, spec, Path("/tmp"))).name == "sft"
-    assert set(TASKS) == {"lm", "sft"} and all(cls.metrics[0] == "loss" for cls in TASKS.values())
+    e = exp("data.kind=dpo", "data.paths=[a.jsonl]", "data.tokenizer=tok")
+    assert type(task_for(e, spec, Path("/tmp"))).name == "dpo"
+    assert set(TASKS) == {"lm", "sft", "dpo"} and all(cls.metrics[0] == "loss" for cls in TASKS.values())
 
 
 def test_masked_mean_is_the_mean_over_unmasked_tokens() -> None:

@@ -48,7 +48,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     valid = task.dataset(validation=True) if s.eval_interval else None
     # one iterator per virtual pipeline stage: each model chunk reads the same micro-batches
     data = [task.batches(dataset, step * s.global_batch_size, t.dp_rank, t.dp_size) for _ in t.model]
-    log = StepLog(t, exp, run_dir, peak_tflops, on_step)
+    log = StepLog(t, exp, run_dir, peak_tflops, on_step, task.rows_per_sample)
     losses: list[float] = []
     while step < s.train_iters:
         if stop.requested():  # USR2 before the time limit, or preemption: save together, then requeue
@@ -84,13 +84,14 @@ def train_step(t: Trainer, task: Task, data: list[Any]) -> dict[str, Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     s = t.exp.schedule
+    step_data = task.prepare_step(t, data, micro_batches(t))  # DPO: the reference model's log-probs, before the pass
     for chunk in t.model:
         chunk.zero_grad_buffer()
     t.optimizer.zero_grad()
     out = get_forward_backward_func()(
-        forward_step_func=task.forward_step, data_iterator=data if len(data) > 1 else data[0], model=t.model,
-        num_microbatches=micro_batches(t), seq_length=t.exp.data.seq_length, micro_batch_size=s.micro_batch_size,
-        forward_only=False)
+        forward_step_func=task.forward_step, data_iterator=step_data if len(step_data) > 1 else step_data[0],
+        model=t.model, num_microbatches=micro_batches(t), seq_length=t.exp.data.seq_length,
+        micro_batch_size=s.micro_batch_size * task.rows_per_sample, forward_only=False)
     updated, grad_norm, _ = t.optimizer.step()
     if updated:
         t.scheduler.step(increment=s.global_batch_size)
@@ -116,11 +117,12 @@ class StepLog:
     skipped steps, expert load where they apply); validation results; the time spent validating is left out of
     tokens/s."""
 
-    def __init__(self, t: Trainer, exp: Experiment, run_dir: Path, peak_tflops: float, on_step: Any) -> None:
+    def __init__(self, t: Trainer, exp: Experiment, run_dir: Path, peak_tflops: float, on_step: Any,
+                 rows_per_sample: int = 1) -> None:
         self.t, self.exp, self.peak_tflops, self.on_step = t, exp, peak_tflops, on_step
         self.writer = MetricsWriter(run_dir, exp.logging.tensorboard, dist.get_rank() == 0)
         self.experts = ExpertLoad(t.model, exp.parallel.sequence_parallel) if t.spec.is_moe else None
-        self.tokens_per_step = exp.schedule.global_batch_size * exp.data.seq_length
+        self.tokens_per_step = exp.schedule.global_batch_size * rows_per_sample * exp.data.seq_length
         self.flops_per_step = train_flops_per_token(t.spec, exp.data.seq_length, t.padded_vocab) * self.tokens_per_step
         self.timer, self.eval_seconds, self.skipped = time.perf_counter(), 0.0, 0
 
@@ -170,10 +172,11 @@ def evaluate(t: Trainer, task: Task, dataset: Any) -> dict[str, float]:
         chunk.eval()
     with torch.no_grad(), forward_pre_hooks_off(t.model):
         for _ in range(s.eval_iters):
+            step_data = task.prepare_step(t, data, micro_batches(t))
             out = get_forward_backward_func()(
-                forward_step_func=task.forward_step, data_iterator=data if len(data) > 1 else data[0], model=t.model,
-                num_microbatches=micro_batches(t), seq_length=t.exp.data.seq_length,
-                micro_batch_size=s.micro_batch_size, forward_only=True)
+                forward_step_func=task.forward_step, data_iterator=step_data if len(step_data) > 1 else step_data[0],
+                model=t.model, num_microbatches=micro_batches(t), seq_length=t.exp.data.seq_length,
+                micro_batch_size=s.micro_batch_size * task.rows_per_sample, forward_only=True)
             results.append(_mean_metrics(out, task.metrics))
     for chunk in t.model:
         chunk.train()

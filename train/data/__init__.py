@@ -1,6 +1,6 @@
-"""Training data: mock sequences, Megatron indexed datasets (GPTDataset, blended), and SFT jsonl with loss masks
-and optional packing. Every kind is a dataset indexed by *global sample number*, so the loader can start at
-`step * global_batch_size` after a resume and continue the exact order."""
+"""Training data: mock sequences, Megatron indexed datasets (GPTDataset, blended), SFT jsonl with loss masks
+and optional packing, and DPO preference pairs (preference.py). Every kind is a dataset indexed by *global sample
+number*, so the loader can start at `step * global_batch_size` after a resume and continue the exact order."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def build_dataset(exp: Experiment, spec: ModelSpec, run_dir: Path, validation: b
     paths, weights = (d.valid_paths, None) if validation else (d.paths, d.weights)
     if not paths:
         key = "data.valid_paths" if validation else "data.paths"
-        raise ConfigError(f"data.kind={d.kind} needs {key} (indexed: .bin/.idx prefixes; sft: .jsonl files)")
+        raise ConfigError(f"data.kind={d.kind} needs {key} (indexed: .bin/.idx prefixes; sft, dpo: .jsonl files)")
     cache = Path(d.cache_dir or run_dir / "data_cache")
     tokenizer = d.tokenizer and str(model_dir(d.tokenizer, "tokenizer", "data.tokenizer"))  # org/name: from the Hub
     if d.kind == "indexed":
@@ -35,6 +35,13 @@ def build_dataset(exp: Experiment, spec: ModelSpec, run_dir: Path, validation: b
 
         samples = (s.eval_iters if validation else s.train_iters) * s.global_batch_size
         return build_gpt_dataset(paths, weights, d.seq_length, samples, d.seed, cache, tokenizer, spec.vocab_size)
+    if d.kind == "dpo":
+        from mcorekit.train.data.preference import PreferenceDataset
+
+        if not d.tokenizer:
+            raise ConfigError("data.kind=dpo needs data.tokenizer (an HF tokenizer directory; with a chat template for "
+                              "chat pairs)")
+        return PreferenceDataset(paths, tokenizer, d.seq_length, d.seed, packing=d.packing, vocab_size=spec.vocab_size)
     from mcorekit.train.data.sft import SFTDataset
 
     if not d.tokenizer:

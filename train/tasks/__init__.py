@@ -4,6 +4,7 @@
 Tasks today:
   lm   language modelling on mock or indexed (pretraining) data: next-token loss on every token
   sft  supervised fine-tuning on chat jsonl: next-token loss on the assistant's tokens only (loss masks), packing
+  dpo  direct preference optimisation on {prompt, chosen, rejected} jsonl: sigmoid DPO loss against a reference
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mcorekit.train.tasks.base import Task
+from mcorekit.train.tasks.dpo import DirectPreferenceOptimization
 from mcorekit.train.tasks.lm import LanguageModelling
 from mcorekit.train.tasks.sft import SupervisedFineTuning
 
@@ -20,12 +22,14 @@ if TYPE_CHECKING:
     from mcorekit.config.experiment import Experiment
     from mcorekit.models.spec import ModelSpec
 
-TASKS: dict[str, type[Task]] = {"lm": LanguageModelling, "sft": SupervisedFineTuning}
+TASKS: dict[str, type[Task]] = {"lm": LanguageModelling, "sft": SupervisedFineTuning,
+                                "dpo": DirectPreferenceOptimization}
 
 
 def task_for(exp: Experiment, spec: ModelSpec, run_dir: Path) -> Task:
-    """The task an experiment trains; today chosen by its data kind (chat jsonl is SFT, the rest is LM)."""
-    name = "sft" if exp.data.kind == "sft" else "lm"
+    """The task an experiment trains; today chosen by its data kind (chat jsonl is SFT, preference pairs DPO, the
+    rest LM)."""
+    name = exp.data.kind if exp.data.kind in ("sft", "dpo") else "lm"
     return TASKS[name](exp, spec, run_dir)
 
 

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
 
     from mcorekit.config.experiment import Experiment
     from mcorekit.models.spec import ModelSpec
+    from mcorekit.train.build import Trainer
 
 # What Megatron's pipeline schedule calls per micro-batch: (data iterator, model chunk) -> (output, loss function),
 # where the loss function maps the output to (loss, {metric name: value}). The metrics are averaged over
@@ -20,6 +21,7 @@ LossFunc = Callable[["torch.Tensor"], tuple["torch.Tensor", dict[str, "torch.Ten
 class Task:
     name = "task"
     metrics: tuple[str, ...] = ("loss",)  # the names its loss function reports, "loss" first
+    rows_per_sample = 1  # sequences the model sees per sample of the batch sizes (DPO: 2, a chosen and a rejected)
 
     def __init__(self, exp: Experiment, spec: ModelSpec, run_dir: Path) -> None:
         self.exp, self.spec, self.run_dir = exp, spec, run_dir
@@ -37,3 +39,10 @@ class Task:
 
     def forward_step(self, data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, LossFunc]:
         raise NotImplementedError
+
+    def prepare_step(self, t: Trainer, data: list[Iterator[dict[str, Any]]],
+                     num_microbatches: int) -> list[Iterator[dict[str, Any]]]:
+        """The iterators (one per model chunk) the schedule reads for one step of `num_microbatches` micro-batches,
+        from the task's persistent ones. Most tasks use them as they are; DPO first runs its reference model over
+        the step's micro-batches and attaches the reference log-probs."""
+        return data
