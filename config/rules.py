@@ -33,13 +33,16 @@ class Nodes:
     capability: tuple[int, int] | None = None  # the GPU's compute capability: known on the node itself
     time_limit: str | None = None  # the job's default time limit and the lead of Slurm's pre-timeout signal:
     signal_seconds: int | None = None  # known before queueing, from the profile
+    wandb: bool | None = None  # the wandb package importable there (None: not known before queueing)
 
     @classmethod
     def of(cls, profile: ClusterProfile) -> Nodes:
         """Before queueing: what the profile says its nodes have."""
         return cls(profile.transformer_engine, profile.gpus_per_node > 0, f"profile {profile.name!r}",
                    f"profile {profile.name!r} says transformer_engine: false (use a profile whose nodes have it)",
-                   time_limit=profile.time_limit, signal_seconds=profile.signal_seconds)
+                   time_limit=profile.time_limit, signal_seconds=profile.signal_seconds,
+                   # the nodes run this very interpreter unless the profile names theirs
+                   wandb=_importable("wandb") if profile.python is None else None)
 
     @classmethod
     def here(cls, device: int = 0) -> Nodes:
@@ -49,7 +52,14 @@ class Nodes:
         from mcorekit.models.megatron import te_available
 
         gpus = torch.cuda.is_available()
-        return cls(te_available(), gpus, capability=torch.cuda.get_device_capability(device) if gpus else None)
+        return cls(te_available(), gpus, capability=torch.cuda.get_device_capability(device) if gpus else None,
+                   wandb=_importable("wandb"))
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def uses_te(exp: Experiment, nodes: Nodes) -> bool:
@@ -91,6 +101,7 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     out += fsdp_problems(exp, lay)
     out += time_limit_problems(exp, nodes)
     out += lora_problems(exp)
+    out += logging_problems(exp, nodes)
     out += unbuilt_problems(exp)
     if not out and nodes.gpus:  # then Megatron-Core's own checks, as the ranks will run them
         from mcorekit.config.megatron import megatron_problems
@@ -103,9 +114,16 @@ def unbuilt_problems(exp: Experiment) -> list[str]:
     """Schema keys whose implementation has not landed yet: refused rather than silently ignored. Each entry goes
     when its feature does."""
     out = []
-    if exp.logging.wandb is not None:
-        out.append("logging.wandb: Weights & Biases logging is not built yet")
     return out
+
+
+def logging_problems(exp: Experiment, nodes: Nodes) -> list[str]:
+    """logging.wandb needs the wandb package where rank 0 runs (checked before training starts)."""
+    w = exp.logging.wandb
+    if w is not None and w.mode != "disabled" and nodes.wandb is False:
+        return [f"logging.wandb: the wandb package is not importable on {nodes.where}: pip install 'mcorekit[wandb]' "
+                f"there, or set logging.wandb.mode=disabled"]
+    return []
 
 
 def lora_problems(exp: Experiment) -> list[str]:

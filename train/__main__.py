@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(a.run_dir or Path(a.config).resolve().parent)
     run_dir.mkdir(parents=True, exist_ok=True)
     from mcorekit.train.loop import train
+    from mcorekit.train.metrics import use_wandb
+
+    use_wandb(exp.logging.wandb, exp.name)
 
     try:
         train(exp, run_dir, a.peak_tflops)

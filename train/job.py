@@ -16,10 +16,13 @@ class TrainJob:
         from mcorekit import quiet
         from mcorekit.config.experiment import load_experiment
         from mcorekit.train.loop import train
+        from mcorekit.train.metrics import use_wandb
 
         quiet.install()
 
-        losses = train(load_experiment(self.config_path), Path(self.run_dir), self.peak_tflops)
+        exp = load_experiment(self.config_path)
+        use_wandb(exp.logging.wandb, exp.name)
+        losses = train(exp, Path(self.run_dir), self.peak_tflops)
         return {"steps": len(losses), "final_loss": losses[-1] if losses else None}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:

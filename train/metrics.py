@@ -1,4 +1,4 @@
-"""Where metrics go (stdout, <run>/metrics.jsonl, TensorBoard) and the MoE expert-load statistics."""
+"""Where metrics go (stdout, <run>/metrics.jsonl, TensorBoard, Weights & Biases) and the MoE expert-load statistics."""
 
 from __future__ import annotations
 
@@ -10,17 +10,52 @@ import torch
 import torch.distributed as dist
 
 
+# logging.wandb of the experiment this process trains, set by the entry points (train/job.py, train/__main__.py)
+# before the loop builds its MetricsWriter; a writer built with wandb=... explicitly uses that instead.
+_WANDB: tuple[Any, str] | None = None
+WANDB_ID_FILE = "wandb-run-id"  # in the run folder: a requeued or resumed job continues the same W&B run
+
+
+def use_wandb(config: Any, name: str) -> None:
+    """Log this process's training to W&B as `config` (an experiment's logging.wandb, or None) says; `name` is the
+    experiment's, the run's name when the config names none."""
+    global _WANDB
+    _WANDB = (config, name) if config is not None else None
+
+
+def _wandb_run(run_dir: Path, config: Any, name: str) -> Any:
+    """wandb.init for this run folder: offline runs are written under <run>/wandb (`wandb sync` uploads them)."""
+    import os
+    import secrets
+    import string
+
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = (id_file.read_text().strip() if id_file.is_file() else
+              "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)))
+    id_file.write_text(run_id + "\n")
+    os.environ.setdefault("WANDB_SILENT", "true")  # no banner lines in every rank-0 log
+    return wandb.init(project=config.project, entity=config.entity, name=config.name or name, mode=config.mode,
+                      dir=str(run_dir), id=run_id, resume="allow")
+
+
 class MetricsWriter:
     """Rank 0 writes; other ranks hold a no-op writer."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool, wandb: Any = None, name: str | None = None) -> None:
         self.enabled = enabled
         self.jsonl = run_dir / "metrics.jsonl"
         self.tb = None
+        self.wandb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if wandb is None and _WANDB is not None:
+            wandb, name = _WANDB
+        if enabled and wandb is not None and wandb.mode != "disabled":
+            self.wandb = _wandb_run(run_dir, wandb, name or run_dir.name)
 
     def write(self, step: int, total_steps: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -35,10 +70,15 @@ class MetricsWriter:
             for layer, counts in (metrics.get("expert_tokens") or {}).items():
                 self.tb.add_histogram(f"expert_tokens/layer_{layer}", torch.tensor(counts, dtype=torch.float32), step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 class ExpertLoad:
