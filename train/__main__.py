@@ -1,6 +1,9 @@
 """python -m mcorekit.train --config EXP.yaml [--run-dir DIR] [key=value ...]
 
-What the launcher runs under srun (one process per GPU; ranks from SLURM_*), or by hand with torchrun."""
+What the launcher runs under srun (one process per GPU; ranks from SLURM_*), or by hand with torchrun. Without
+--run-dir, a launched run's config.yaml (cluster.yaml beside it) trains in its own run folder; any other config in
+<run root>/<name>-local (the run root `mcorekit launch` uses: $MCOREKIT_RUN_ROOT, else
+~/.local/state/mcorekit/runs), never next to the config file; a second start there resumes from its checkpoint."""
 
 from __future__ import annotations
 
@@ -13,10 +16,21 @@ from mcorekit.errors import MCoreKitError
 from mcorekit.config.experiment import load_experiment
 
 
+def default_run_dir(config: Path, name: str) -> Path:
+    """The folder of a launched run's config.yaml (it holds cluster.yaml too), else <run root>/<name>-local."""
+    config = config.resolve()
+    if config.name == "config.yaml" and (config.parent / "cluster.yaml").is_file():
+        return config.parent
+    from mcorekit.config.cluster import default_run_root
+
+    return default_run_root() / f"{name}-local"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mcorekit.train", description=__doc__)
-    p.add_argument("--config", required=True)
-    p.add_argument("--run-dir", default=None, help="where metrics and (by default) checkpoints go")
+    p.add_argument("--config", required=True, help="experiment YAML")
+    p.add_argument("--run-dir", default=None, help="where metrics and (by default) checkpoints go (default: the "
+                   "config's run folder if `mcorekit launch` wrote it, else <run root>/<name>-local)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU peak for MFU (H100/H200 bf16: 989)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
@@ -26,7 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     except MCoreKitError as e:  # a bad config: one line that says what to change, before any GPU work
         print(f"mcorekit.train: error: {e}", file=sys.stderr)
         return 2
-    run_dir = Path(a.run_dir or Path(a.config).resolve().parent)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("mcorekit.train: error: no CUDA GPU on this machine: training runs on GPUs (Megatron-Core has no CPU "
+              "forward pass); run it on a GPU node, or submit it with `mcorekit launch --config EXP.yaml` "
+              "(--dry-run shows the job)", file=sys.stderr)
+        return 2
+    run_dir = Path(a.run_dir) if a.run_dir else default_run_dir(Path(a.config), exp.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     from mcorekit.train.loop import train
     from mcorekit.train.metrics import use_wandb
