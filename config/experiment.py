@@ -262,8 +262,21 @@ class Experiment(Strict):
         return v
 
 
+MODEL_SOURCES = ("model.preset", "model.hf_config")  # an experiment names exactly one
+
+
+def _one_model_source(overrides: list[str]) -> list[str]:
+    """An override that names the model one way (model.hf_config=DIR) replaces the file's other way (its
+    model.preset) instead of leaving both: the command line wins, unless it sets both itself."""
+    given = {o.split("=", 1)[0].strip(): o.split("=", 1)[1].strip() for o in overrides if "=" in o}
+    named = [k for k in MODEL_SOURCES if k in given and given[k] not in ("", "null", "~", "None")]
+    if len(named) == 1 and not any(k in given for k in MODEL_SOURCES if k != named[0]):
+        return [f"{k}=null" for k in MODEL_SOURCES if k != named[0]] + overrides
+    return overrides
+
+
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Experiment:
-    return load(Experiment, path, overrides)
+    return load(Experiment, path, _one_model_source(overrides or []))
 
 
 def layout_of(exp: Experiment) -> Layout:

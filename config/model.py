@@ -30,7 +30,10 @@ MAX_HF_CONFIG_BYTES = 10_000_000  # an HF config.json is a few KB
 def resolve_model(preset: str | None, hf_config: str | None, overrides: dict[str, Any] | None) -> ModelSpec:
     """models.spec.resolve, with a broken HF config (not JSON, not an object, keys missing, values of the wrong
     type) reported as one ModelError naming the file instead of the parser's exception."""
-    if hf_config is None or preset is not None:  # resolve refuses both at once before anything is read
+    if hf_config is not None and preset is not None:
+        raise ModelError(f"model.preset={preset} and model.hf_config={shown(hf_config)} both name the model; give "
+                         f"exactly one: set the other to null (e.g. model.preset=null)")
+    if hf_config is None:
         return resolve(preset, hf_config, overrides)
     hf_config = str(model_dir(hf_config, "config", "model.hf_config"))  # a Hub ID: its config.json alone
     path = Path(hf_config) / "config.json" if Path(hf_config).is_dir() else Path(hf_config)

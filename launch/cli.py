@@ -203,7 +203,8 @@ def main_smoke(argv: list[str]) -> int:
         "proves a cluster profile end to end before spending GPU hours.",
     )
     _common(parser)
-    parser.add_argument("--nodes", type=count, default=1)
+    parser.add_argument("--nodes", type=count, default=1, help="nodes to span, every task of each joining the all-reduce "
+                        "(default: 1)")
     args = parser.parse_args(argv)
     profile = load_profile(args.cluster, args.profile_overrides)
     built = api.smoke_job(profile, args.nodes)
