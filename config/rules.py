@@ -95,6 +95,7 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     out += transformer_engine_problems(exp, nodes)
     out += data_problems(exp, lay)
     out += dpo_problems(exp)
+    out += grpo_problems(exp, lay, world)
     out += context_parallel_problems(exp, te)
     out += moe_problems(exp, lay, te, model)
     out += memory_option_problems(exp, model, lay)
@@ -289,6 +290,47 @@ def dpo_problems(exp: Experiment) -> list[str]:
     if exp.parallel.fsdp is not None:
         out.append(f"data.kind=dpo with parallel.fsdp={exp.parallel.fsdp} is not built (the reference model would be an "
                    f"unsharded copy beside the sharded policy); drop parallel.fsdp")
+    return out
+
+
+def grpo_problems(exp: Experiment, lay: Layout, world: int) -> list[str]:
+    """GRPO (data.kind=grpo, train/tasks/grpo.py). A step generates group_size samples for each of prompts_per_step
+    prompts (each data-parallel rank its share of whole groups, so a group's advantages are computed where it was
+    generated) and trains on them in one optimizer step: the global batch is those sequences."""
+    d, g, s = exp.data, exp.grpo, exp.schedule
+    if d.kind != "grpo":
+        if exp.grpo.model_fields_set:
+            return [f"the grpo section applies to data.kind=grpo, not data.kind={d.kind}; remove it or set data.kind=grpo"]
+        return []
+    out = []
+    if not d.tokenizer:
+        out.append("data.kind=grpo needs data.tokenizer (an HF tokenizer directory: prompts are tokenized and "
+                   "completions decoded for the rewards)")
+    if not g.rewards:
+        out.append("data.kind=grpo needs at least one grpo.rewards entry (function: 'module:function', weight)")
+    rollouts = g.prompts_per_step * g.group_size
+    if s.global_batch_size != rollouts:
+        out.append(f"schedule.global_batch_size={s.global_batch_size} must equal grpo.prompts_per_step x "
+                   f"grpo.group_size = {g.prompts_per_step} x {g.group_size} = {rollouts} (one optimizer step per "
+                   f"generation batch); set schedule.global_batch_size={rollouts}")
+    mp = lay.tp * lay.pp * lay.cp
+    if world % mp == 0 and g.prompts_per_step % (world // mp):
+        out.append(f"grpo.prompts_per_step={g.prompts_per_step} is not divisible by the data-parallel size "
+                   f"{world // mp}: each data-parallel rank generates whole groups; use a multiple of {world // mp}")
+    if g.max_new_tokens >= d.seq_length:
+        out.append(f"grpo.max_new_tokens={g.max_new_tokens} leaves no room for the prompt in data.seq_length="
+                   f"{d.seq_length} (a rollout, prompt and completion, is one training sequence)")
+    if lay.cp > 1:
+        out.append("data.kind=grpo with parallel.cp > 1 is not built (generation runs whole sequences); use cp=1")
+    if s.eval_interval:
+        out.append("data.kind=grpo has no validation loss (schedule.eval_interval); measure held-out accuracy with "
+                   "examples/grpo/evaluate.py instead, or set schedule.eval_interval=0")
+    if exp.optimizer.tp_comm_overlap:
+        out.append("optimizer.tp_comm_overlap with data.kind=grpo: TE's userbuffers are sized for the training "
+                   "shapes, generation runs other shapes; drop tp_comm_overlap")
+    if exp.parallel.fsdp is not None:
+        out.append(f"data.kind=grpo with parallel.fsdp={exp.parallel.fsdp} is not built (generation and the reference "
+                   f"model need the whole weights of each layer); drop parallel.fsdp")
     return out
 
 
