@@ -5,6 +5,9 @@ GPTModel. Prints `GEN {json}` with
   plain    greedy completions from generate(backend="plain")
   static   greedy completions from generate(backend="static") (Megatron-Core's static-batch engine, KV cache)
   sampled  two sampled runs with one seed and one with another (plain backend)
+With an argument (the example's data folder, from examples/grpo/make_data.py), also one GRPO step of
+train/tasks/grpo.py on the example's model: its prompts, rollouts (plain backend), rewards, advantages and training
+micro-batches, and the loss of each micro-batch through forward_step with its gradient (`task` in the json).
 Used by test_grpo.py. Megatron-Core runs on CPU once RotaryEmbedding's device is pointed at the CPU (see
 megatron_cpu_logits.py) the static engine's one `.cuda()` is a no-op and its per-step CUDA timing events time nothing."""
 
@@ -70,10 +73,56 @@ def main() -> None:
     static = generate([model], prompts, greedy, eos, vocab, backend="static")
     sampled = [generate([model], prompts, Sampling(max_new, temperature=1.0, top_p=0.9, seed=s), eos, vocab,
                         backend="plain").completions for s in (5, 5, 6)]
-    print("GEN " + json.dumps({"manual": expected, "plain": plain.completions, "static": static.completions,
-                               "plain_finished": plain.finished, "static_finished": static.finished,
-                               "sampled": sampled, "training_after": model.training, "vocab": vocab}))
+    result = {"manual": expected, "plain": plain.completions, "static": static.completions,
+              "plain_finished": plain.finished, "static_finished": static.finished,
+              "sampled": sampled, "training_after": model.training, "vocab": vocab}
+    if len(sys.argv) > 1:
+        result["task"] = grpo_step(sys.argv[1])
+    print("GEN " + json.dumps(result))
     dist.destroy_process_group()
+
+
+def grpo_step(data: str) -> dict:
+    """One prepare_step + forward_step of the GRPO task on the example's model (random weights, CPU, fp32)."""
+    import types
+    from pathlib import Path
+
+    from mcorekit.config.experiment import Experiment
+    from mcorekit.models.megatron import build_gpt, transformer_config
+    from mcorekit.models.spec import from_hf_config, load_hf_config
+    from mcorekit.train.tasks.grpo import GroupRelativePolicyOptimization
+
+    here = Path(__file__).resolve().parent.parent
+    exp = Experiment.model_validate({
+        "name": "cpu-grpo", "model": {"hf_config": f"{data}/model"},
+        "data": {"kind": "grpo", "tokenizer": f"{data}/model", "paths": [f"{data}/train.jsonl"], "seq_length": 16},
+        "grpo": {"group_size": 4, "prompts_per_step": 3, "max_new_tokens": 6, "generation": "plain",
+                 "rewards": [{"function": "mcorekit.train.rewards:math_answer", "weight": 1.0},
+                             {"function": f"{here}/examples/grpo/rewards.py:digits_only", "weight": 0.5}]},
+        "schedule": {"global_batch_size": 12, "micro_batch_size": 4, "train_iters": 5, "warmup_iters": 0}})
+    spec = from_hf_config(load_hf_config(f"{data}/model"))
+    torch.manual_seed(0)
+    model = build_gpt(spec, transformer_config(spec, cpu_init=True), 128, use_te=False)
+    task = GroupRelativePolicyOptimization(exp, spec, Path(data))
+    dataset = task.dataset()
+    trainer = types.SimpleNamespace(model=[model], dp_rank=0, dp_size=1)
+    step = next(task.batches(dataset, 2 * 12, 0, 1))  # the loop starts step 2's iterator at sample 2 x 12
+    batches = list(task.prepare_step(trainer, [task.batches(dataset, 2 * 12, 0, 1)], 3)[0])
+    rows, losses, grads = [], [], []
+    for b in batches:
+        for i in range(b["tokens"].shape[0]):
+            mask = b["loss_mask"][i].bool()
+            rows.append({"tokens": b["tokens"][i].tolist(), "labels": b["labels"][i].tolist(),
+                         "completion": b["labels"][i][mask].tolist(), "advantage": float(b["advantages"][i])})
+        model.zero_grad()
+        out, loss_func = task.forward_step(iter([b]), model)
+        loss, metrics = loss_func(out)
+        loss.backward()
+        losses.append({k: float(v) for k, v in metrics.items()})
+        grads.append(sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None))
+    return {"step": step["step"], "prompts": [dataset.prompts[i].text for i in step["prompts"]],
+            "answers": [dataset.prompts[i].fields["answer"] for i in step["prompts"]], "rows": rows,
+            "metrics": losses, "grads": grads, "token_total": batches[0]["token_total"], "metric_names": task.metrics}
 
 
 if __name__ == "__main__":
