@@ -38,12 +38,13 @@ def _trtllm(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="replace OUT if an earlier mcorekit export wrote it")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    from mcorekit.export.pipeline import export  # torch: imported only once the arguments are valid (fast --help)
-
     from mcorekit.hub import model_dir  # an org/name Hub ID for SRC (HF weights) or --hf-config (config, tokenizer)
 
+    src = str(model_dir(a.src, "model", "SRC"))
     hf_config = a.hf_config and str(model_dir(a.hf_config, "tokenizer", "--hf-config"))
-    s = export(str(model_dir(a.src, "model", "SRC")), a.out, a.target, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype,
+    from mcorekit.export.pipeline import export  # torch: imported only once the arguments are valid (fast --help)
+
+    s = export(src, a.out, a.target, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype,
                use_fp8=a.fp8, calib=a.calib, hf_config=hf_config, force=a.force, quiet=a.quiet)
     print(f"export {a.target} -> {a.out}: {s.bytes / 1e9:.3f} GB in {s.seconds:.1f} s")
     return 0

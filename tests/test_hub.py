@@ -83,6 +83,12 @@ def test_convert_plan_launch_and_preprocess_take_a_hub_id(offline_cache: Path, t
               "HF_DIR nobody/absent: not in the Hugging Face cache", "HF_HUB_OFFLINE=1")
     assert not (tmp_path / "c2").exists()
 
+    code, out, err = run("export", "trtllm", REPO_ID, str(tmp_path / "trt"), "--target", "pytorch", "--quiet")
+    assert code == 0, err
+    assert json.loads((tmp_path / "trt" / "config.json").read_text())["num_hidden_layers"] == 4
+    one_error(run("export", "trtllm", "nobody/absent", str(tmp_path / "t2"), "--target", "pytorch"),
+              "SRC nobody/absent: not in the Hugging Face cache")
+
     code, out, err = run("launch", "plan", "--model", REPO_ID, "--gpus", "2")
     assert code == 0 and out.startswith("llama, 0.00B parameters"), (out, err)
     one_error(run("launch", "plan", "--model", "nobody/absent", "--gpus", "2"), "nobody/absent: not in the Hugging Face cache")
