@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", default="examples/grpo/data/heldout.jsonl")
     p.add_argument("--limit", type=int, default=0, help="the first N prompts only (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=0, help="default: the experiment's grpo.max_new_tokens")
-    p.add_argument("--backend", default="auto", help="train/generate.py backend: auto, dynamic, static or plain")
+    p.add_argument("--backend", default="auto", help="train/generate.py backend: auto, dynamic, static or plain; "
+                   "several, comma-separated, are each timed (the first one's completions are scored)")
     p.add_argument("--batch", type=int, default=512, help="prompts per generate call")
     p.add_argument("--hf", default=None, help="the converted HF model: also time transformers' generate on it")
     p.add_argument("overrides", nargs="*", help="key=value experiment overrides")
@@ -114,23 +115,31 @@ def evaluate(a: argparse.Namespace, exp: Any) -> int:
     ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     greedy = Sampling(max_new_tokens=max_new, greedy=True)
     eos = tok.eos_token_id
-    generate(t.model, ids[: a.batch], greedy, eos, len(tok), a.backend)  # warm-up (kernels, allocator)
-    completions, seconds, backend = [], 0.0, a.backend
-    for i in range(0, len(ids), a.batch):
-        out = generate(t.model, ids[i:i + a.batch], greedy, eos, len(tok), a.backend)
-        completions += out.completions
-        seconds += out.seconds
-        backend = out.backend
 
     def text(c: list[int]) -> str:
         return tok.decode([x for x in c if x != eos], skip_special_tokens=True)
 
+    runs = {}
+    for backend in a.backend.split(","):
+        generate(t.model, ids[: a.batch], greedy, eos, len(tok), backend)  # warm-up (kernels, allocator)
+        completions, seconds, name = [], 0.0, backend
+        for i in range(0, len(ids), a.batch):
+            out = generate(t.model, ids[i:i + a.batch], greedy, eos, len(tok), backend)
+            completions += out.completions
+            seconds += out.seconds
+            name = out.backend
+        runs[name] = (completions, seconds)
+    backend, (completions, seconds) = next(iter(runs.items()))
     correct = [math_answer(r["prompt"], text(c), r["answer"]) for r, c in zip(rows, completions)]
     tokens = sum(len(c) for c in completions)
     result: dict[str, Any] = {"checkpoint": str(start), "prompts": len(rows), "correct": int(sum(correct)),
                               "accuracy": sum(correct) / len(rows), "backend": backend, "gen_seconds": seconds,
                               "gen_tokens": tokens, "gen_tokens_per_s": tokens / max(seconds, 1e-9),
-                              "examples": [[r["prompt"], text(c)] for r, c in zip(rows[:5], completions[:5])]}
+                              "examples": [[r["prompt"], text(c)] for r, c in zip(rows[:5], completions[:5])],
+                              "backends": {name: {"tokens_per_s": sum(len(c) for c in cs) / max(sec, 1e-9),
+                                                  "seconds": sec, "same_as_first": sum(x == y for x, y in
+                                                                                       zip(cs, completions)) / len(rows)}
+                                           for name, (cs, sec) in runs.items()}}
     if a.hf:
         hf = hf_generate(a.hf, tok, [r["prompt"] for r in rows], max_new, a.batch)
         hf_correct = [math_answer(r["prompt"], text(c), r["answer"]) for r, c in zip(rows, hf["completions"])]
