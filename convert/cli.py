@@ -52,10 +52,10 @@ def _hf_to_mcore(argv: list[str]) -> int:
                    help="convert this HF PEFT LoRA adapter of the HF_DIR model instead of the model: OUT_DIR becomes a "
                    "Megatron LoRA checkpoint to continue training from (peft.lora.load)")
     a = p.parse_args(argv)
-    from mcorekit.convert import pipeline
     from mcorekit.hub import model_dir
 
     a.hf_dir = str(model_dir(a.hf_dir, "model", "HF_DIR"))  # an org/name Hub ID: its snapshot in the HF cache
+    from mcorekit.convert import pipeline
     if a.lora:
         from mcorekit.convert import lora
 
