@@ -72,6 +72,7 @@ def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], amap: WeightM
     check_layout(spec, ctx, layout)
     tp, pp, ep, etp, vpp = layout.tp, layout.pp, layout.ep, layout.etp, layout.vpp
     splits = {m.mcore: m.split for m in amap.mappings}
+    entries = amap.by_mcore()
     by_key = {t.fqn: t for t in planned}
     local_experts = (spec.num_experts or 1) // ep
     iter_dir.mkdir(parents=True)
@@ -94,6 +95,8 @@ def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], amap: WeightM
                     _tick(on_tensor, full)
                     continue
                 for i, layer in enumerate(layout[(p, c)]):
+                    if not entries[key].has_layer(layer):  # a dense layer's MLP in an MoE layer, or back
+                        continue
                     if scope == LAYER:
                         full = _produce(planned_tensor, (layer,))
                         for (t, e), chunks in files.items():
@@ -113,15 +116,17 @@ def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], amap: WeightM
                 for (t, e), chunks in files.items():
                     chunks[c][gw.OUTPUT] = shard(splits[gw.EMBEDDING], full, t, tp)
             for (t, e), chunks in files.items():
-                for module, scope in ((te.name, te.scope) for te in amap.te_modules):
+                for te in amap.te_modules:
+                    module, scope = te.name, te.scope
+                    here = [i for i, layer in enumerate(layout[(p, c)]) if te.has_layer(layer)]
                     if scope == GLOBAL:
                         if last:
                             chunks[c][f"{module}._extra_state"] = None
                     elif scope == LAYER:
-                        for i in range(len(layout[(p, c)])):
+                        for i in here:
                             chunks[c][local_name(f"{module}._extra_state", i)] = None
                     else:
-                        for i in range(len(layout[(p, c)])):
+                        for i in here:
                             for j in range(local_experts):
                                 chunks[c][local_name(f"{module}._extra_state", i, j)] = None
         for (t, e), chunks in files.items():
@@ -195,8 +200,9 @@ class LegacyReader:
             raise ConversionError(
                 f"{self.iter_dir}: the rank files hold {layers} layers ({', '.join(str(len(v)) for v in per_stage.values())} "
                 f"per stage) but the config says num_hidden_layers={self.spec.num_layers}; wrong --hf-config?")
-        if self.spec.is_moe:
-            local = _indices(self._sd(0, 0, 0, 0), r"\.local_experts\.(\d+)\.")
+        if self.spec.is_moe:  # any stage: the first may hold only dense layers
+            local = set().union(*(_indices(self._sd(0, p, 0, c), r"\.local_experts\.(\d+)\.")
+                                  for p in range(self.pp) for c in range(self.vpp)))
             if len(local) * self.ep != self.spec.num_experts:
                 raise ConversionError(f"{self.iter_dir}: the rank files hold {len(local)} experts x EP={self.ep} but the "
                                       f"config says {self.spec.num_experts} experts; wrong --hf-config?")
@@ -230,20 +236,23 @@ class LegacyReader:
     def _global_sizes(self) -> dict[str, _Sized]:
         sizes: dict[str, _Sized] = {}
         L, E = self.spec.num_layers, self.spec.num_experts
-        for key in list(self._sd(0, 0, 0, 0)) + list(self._sd(0, self.pp - 1, 0, self.vpp - 1)):
+        # every stage: in a model with dense and MoE layers a tensor need not be in the first or last one
+        stage_keys = [((p, c), key) for p in range(self.pp) for c in range(self.vpp) for key in self._sd(0, p, 0, c)]
+        for (p, c), key in stage_keys:
             if key.endswith("_extra_state"):
                 continue
             parts = key.split(".")
             if key.startswith("decoder.layers.") and parts[2].isdigit():
+                layer = self.layout[(p, c)][int(parts[2])] if int(parts[2]) < len(self.layout[(p, c)]) else 0
                 if "local_experts" in parts:
                     stacked = "decoder.layers." + ".".join(parts[3:5]) + ".experts." + ".".join(parts[7:])
                     if stacked not in sizes:
-                        t = self.read(stacked, (0, 0))
+                        t = self.read(stacked, (layer, 0))
                         sizes[stacked] = _Sized((L, E) + tuple(t.shape), _Properties(t.dtype))
                 else:
                     stacked = "decoder.layers." + ".".join(parts[3:])
                     if stacked not in sizes:
-                        t = self.read(stacked, (0,))
+                        t = self.read(stacked, (layer,))
                         sizes[stacked] = _Sized((L,) + tuple(t.shape), _Properties(t.dtype))
             elif not (key == gw.OUTPUT and self.spec.tie_word_embeddings) and key not in sizes:
                 t = self.read(key)

@@ -139,6 +139,12 @@ def check_counts(reader: HFReader, spec: ModelSpec, amap: WeightMap) -> None:
     """The config's layer and expert counts must be what the weights hold (read with the map's HF names); checked
     first, so that a config claiming a billion layers fails at once instead of planning them."""
     layers, experts = amap.stacked_ids(reader.names())
+    mtp = spec.extra.get("mtp_layers") or 0
+    if mtp and _is_range(layers, spec.num_layers + mtp):
+        raise ConversionError(
+            f"{reader.path}: the weights hold {mtp} multi-token-prediction layer(s) after the {spec.num_layers} decoder "
+            f"layers (num_nextn_predict_layers={mtp}); converting MTP layers is not built, so nothing was written "
+            f"(transformers neither loads nor saves them: a checkpoint saved by transformers converts)")
     if not _is_range(layers, spec.num_layers):
         raise ConversionError(f"{reader.path / 'config.json'}: num_hidden_layers={spec.num_layers}, but the weights hold "
                               f"layers {_listed(layers)}; the config disagrees with the weights")
@@ -188,7 +194,7 @@ def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: WeightMap, ctx: Ctx, d
         lead = () if m.scope == GLOBAL else (spec.num_layers,) if m.scope == LAYER else (spec.num_layers, spec.num_experts)
         chunks = []
         for index in indices:
-            def produce(m: Mapping = m, index: tuple[int, ...] = index) -> torch.Tensor:
+            def produce(m: Mapping = m, index: tuple[int, ...] = index, out_dtype: torch.dtype = out_dtype) -> torch.Tensor:
                 t = m.to_mcore([reader.get(n) for n in hf_names_at(m, index)], ctx).to(out_dtype)
                 return t.reshape((1,) * len(index) + tuple(t.shape))
             chunks.append(torch_dist.ChunkSource(index + (0,) * len(shape), (1,) * len(index) + shape, produce))
@@ -221,13 +227,16 @@ def extra_state_blobs(amap: WeightMap, spec: ModelSpec) -> dict[str, bytes]:
     for te in amap.te_modules:
         if te.scope == GLOBAL:
             blobs[torch_dist.extra_state_key(te.name)] = empty
-        elif te.scope == LAYER:
-            for layer in range(L):
-                blobs[torch_dist.extra_state_key(te.name, layer, L)] = empty
-        else:
-            for layer in range(L):
-                for e in range(E):
-                    blobs[torch_dist.extra_state_key(te.name, layer, L, e, E)] = empty
+            continue
+        for layer in filter(te.has_layer, range(L)):
+            if spec.per_layer_keys:  # one key per layer, no layer dimension (torch_dist.per_layer)
+                name = torch_dist.layer_key(te.name, layer)
+                keys = [torch_dist.extra_state_key(name)] if te.scope == LAYER else \
+                    [torch_dist.extra_state_key(name, e, E) for e in range(E)]
+            else:
+                keys = [torch_dist.extra_state_key(te.name, layer, L)] if te.scope == LAYER else \
+                    [torch_dist.extra_state_key(te.name, layer, L, e, E) for e in range(E)]
+            blobs.update(dict.fromkeys(keys, empty))
     return blobs
 
 
@@ -264,7 +273,8 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, fmt: str = "torch_dist"
                 bar.update(n)
 
             if fmt == "torch_dist":
-                torch_dist.write(tmp / RELEASE, planned, extra_state_blobs(amap, spec), on_chunk=tick)
+                stored = torch_dist.per_layer(planned) if spec.per_layer_keys else planned
+                torch_dist.write(tmp / RELEASE, stored, extra_state_blobs(amap, spec), on_chunk=tick)
             else:
                 legacy.write(tmp / RELEASE, planned, amap, ctx, layout, on_tensor=tick)
             bar.close()
@@ -343,7 +353,8 @@ def open_checkpoint(iter_dir: Path, spec: ModelSpec, amap: WeightMap) -> Any:
         from mcorekit.convert import legacy
 
         return legacy.LegacyReader(iter_dir, spec, amap)
-    return torch_dist.TorchDistReader(iter_dir)
+    reader = torch_dist.TorchDistReader(iter_dir)
+    return torch_dist.LayerStackedView(reader, spec.num_layers) if spec.per_layer_keys else reader
 
 
 def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = None, dtype: str | None = None,
@@ -399,6 +410,8 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
                  + [m for m in amap.mappings if m.scope == GLOBAL and m.mcore != gw.EMBEDDING])
         for item in order:
             m, layer = item if isinstance(item, tuple) else (item, None)
+            if layer is not None and not m.has_layer(layer):
+                continue
             indices = [()] if layer is None else [(layer,)] if m.scope == LAYER else [(layer, e) for e in range(spec.num_experts)]
             for index in indices:
                 part = source.read(m.mcore, index)
@@ -410,7 +423,8 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
                 for name, t, want in zip(hf_names_at(m, index), hf_tensors, hf_shapes[m.mcore]):
                     if tuple(t.shape) != want:
                         raise ConversionError(f"{name}: came out as {tuple(t.shape)}, expected {want} (from {m.mcore})")
-                    t = t.to(out_dtype) if out_dtype else t
+                    cast = dtypes.to_torch(dtype) if dtype else None if m.keep_dtype else out_dtype
+                    t = t.to(cast) if cast else t
                     writer.add(name, t)
                     n = t.numel() * t.element_size()
                     summary.tensors += 1

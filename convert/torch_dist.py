@@ -24,6 +24,7 @@ import io
 import json
 import math
 import pickle
+import re
 import threading
 import warnings
 from contextlib import contextmanager
@@ -491,3 +492,63 @@ class TorchDistReader:
                 raise ConversionError(f"{self.path}: cannot load bytes entry {key!r} with weights_only, so it is not "
                                       f"read ({type(e).__name__}: {_first_line(e)})") from None
         return out
+
+
+# ---------------------------------------------------------------- models whose layers differ: one key per layer
+
+LAYERS = "decoder.layers."
+
+
+def layer_key(stacked: str, layer: int) -> str:
+    """`decoder.layers.<name>` at one layer: `decoder.layers.<layer>.<name>` (Megatron-Core's key for a model
+    whose layers differ, e.g. DeepSeek's dense then MoE layers: TransformerBlock's non_homogeneous_layers)."""
+    return stacked.replace(LAYERS, f"{LAYERS}{layer}.", 1)
+
+
+def per_layer(planned: list[PlannedTensor]) -> list[PlannedTensor]:
+    """The same tensors with one key per layer: each layer-stacked tensor becomes one tensor per layer it has,
+    without the layer dimension (experts keep theirs)."""
+    out = []
+    for t in planned:
+        if t.scope == "global":
+            out.append(t)
+            continue
+        by_layer: dict[int, list[ChunkSource]] = {}
+        for c in t.chunks:
+            def produce(c: ChunkSource = c) -> torch.Tensor:
+                return c.produce().reshape(c.sizes[1:])
+            by_layer.setdefault(c.offsets[0], []).append(ChunkSource(c.offsets[1:], c.sizes[1:], produce))
+        out += [PlannedTensor(layer_key(t.fqn, layer), t.size[1:], t.dtype, chunks, "expert" if t.scope == "expert"
+                              else "global") for layer, chunks in sorted(by_layer.items())]
+    return out
+
+
+class LayerStackedView:
+    """A per-layer torch_dist checkpoint seen with layer-stacked keys (what the weight maps name): tensor_keys()
+    gives `decoder.layers.<name>` with size [num_layers, ...] for the layers that have it, read(key, (l, ...))
+    reads `decoder.layers.<l>.<name>`."""
+
+    _KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+    def __init__(self, reader: TorchDistReader, num_layers: int) -> None:
+        self.reader = reader
+        self.stacked: dict[str, TensorStorageMetadata] = {}
+        self.layers: dict[str, set[int]] = {}
+        for key, md in reader.tensor_keys().items():
+            m = self._KEY.fullmatch(key)
+            if m is None:
+                self.stacked[key] = md
+                continue
+            name = LAYERS + m.group(2)
+            self.layers.setdefault(name, set()).add(int(m.group(1)))
+            self.stacked.setdefault(name, TensorStorageMetadata(md.properties, torch.Size((num_layers, *md.size)), []))
+
+    def tensor_keys(self) -> dict[str, TensorStorageMetadata]:
+        return dict(self.stacked)
+
+    def read(self, fqn: str, index: tuple[int, ...] = ()) -> torch.Tensor:
+        if fqn not in self.layers:
+            return self.reader.read(fqn, index)
+        if not index:
+            raise ConversionError(f"{self.reader.path}: {fqn!r} is stored per layer; read one layer")
+        return self.reader.read(layer_key(fqn, index[0]), index[1:])

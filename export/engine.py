@@ -65,7 +65,9 @@ def trtllm_names(spec: ModelSpec) -> registry.TensorRTLLM:
     except ModelError as e:
         raise ExportError(str(e)) from None
     if names is None:
-        raise ExportError(f"the engine target has no TensorRT-LLM architecture for {spec.architecture}; use --target pytorch")
+        why = registry.family(spec.architecture).no_engine
+        raise ExportError(f"the engine target has no TensorRT-LLM architecture for {spec.architecture}"
+                          f"{f' ({why})' if why else ''}; use --target pytorch")
     return names
 
 

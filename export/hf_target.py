@@ -13,11 +13,17 @@ import yaml
 
 from mcorekit.convert.hf_io import HFReader, HFWriter, copy_assets
 from mcorekit.export import fp8
-from mcorekit.models import dtypes
+from mcorekit.models import dtypes, registry
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec
 
 EXCLUDED = ("lm_head",)  # kept in the model dtype, as ModelOpt does
+
+
+def keep_dtype_names(spec: ModelSpec) -> set[str]:
+    """HF tensors served in their own dtype whatever --dtype says (DeepSeek's fp32 router and its bias)."""
+    amap = registry.weight_map(spec)
+    return {n for m in amap.mappings if m.keep_dtype for index in m.slices(spec) for n in m.hf_names_at(index)}
 
 
 def write(reader: HFReader, spec: ModelSpec, out: Path, layout: Layout, dtype: str,
@@ -26,6 +32,7 @@ def write(reader: HFReader, spec: ModelSpec, out: Path, layout: Layout, dtype: s
     torch_dtype = dtypes.to_torch(dtype)
     writer = HFWriter(out)
     quantized = set(scales or {})
+    keep = keep_dtype_names(spec)
     for name in reader.names():
         t = reader.get(name)
         module = name[: -len(".weight")] if name.endswith(".weight") else None
@@ -35,7 +42,7 @@ def write(reader: HFReader, spec: ModelSpec, out: Path, layout: Layout, dtype: s
             writer.add(f"{module}.weight_scale", w_scale.clone())
             writer.add(f"{module}.input_scale", a_scale.clone())
         else:
-            writer.add(name, t.to(torch_dtype) if t.is_floating_point() else t)
+            writer.add(name, t.to(torch_dtype) if t.is_floating_point() and name not in keep else t)
     writer.finish()
     copy_assets(reader.path, out)
     config = dict(reader.config)

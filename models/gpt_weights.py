@@ -9,8 +9,10 @@ builders add `.weight` / `.bias`) and may hold {layer} and {expert}.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mcorekit.errors import ModelError
-from mcorekit.models.mapping import (EXPERT, GLOBAL, QKV, REPLICATED, ROW, Direct, GatedFC1, Mapping, Part, TEModule,
+from mcorekit.models.mapping import (COLUMN, EXPERT, GLOBAL, QKV, REPLICATED, ROW, Direct, GatedFC1, Mapping, Part, TEModule,
                                      VocabRows)
 from mcorekit.models.spec import ModelSpec
 
@@ -36,6 +38,16 @@ EXPERT_FC2 = f"{MLP}.experts.experts.linear_fc2.weight"
 SHARED_FC1 = f"{MLP}.shared_experts.linear_fc1.weight"
 SHARED_FC2 = f"{MLP}.shared_experts.linear_fc2.weight"
 SHARED_GATE = f"{MLP}.shared_experts.gate_weight"
+EXPERT_BIAS = f"{MLP}.router.expert_bias"
+# Multi-latent attention (MLASelfAttention, TE spec: the q/kv latent norms fused into the up projections)
+MLA_INPUT_NORM = "decoder.layers.input_layernorm.weight"
+MLA_Q = f"{ATTN}.linear_q_proj.weight"
+MLA_Q_DOWN = f"{ATTN}.linear_q_down_proj.weight"
+MLA_Q_NORM = f"{ATTN}.linear_q_up_proj.layer_norm_weight"
+MLA_Q_UP = f"{ATTN}.linear_q_up_proj.weight"
+MLA_KV_DOWN = f"{ATTN}.linear_kv_down_proj.weight"
+MLA_KV_NORM = f"{ATTN}.linear_kv_up_proj.layer_norm_weight"
+MLA_KV_UP = f"{ATTN}.linear_kv_up_proj.weight"
 
 
 def embedding(spec: ModelSpec, hf: str) -> Part:
@@ -75,6 +87,42 @@ def attention(spec: ModelSpec, *, norm: str, q: str, k: str, v: str, o: str, q_n
     return maps, te
 
 
+def on_layers(part: Part, layers: list[int]) -> Part:
+    """The part for some layers only (the dense or the MoE layers of a model that has both)."""
+    maps, te = part
+    return [replace(m, layers=tuple(layers)) for m in maps], [replace(t, layers=tuple(layers)) for t in te]
+
+
+def mla_attention(spec: ModelSpec, *, norm: str, o: str, kv_a: str, kv_norm: str, kv_b: str, q: str | None = None,
+                  q_a: str | None = None, q_norm: str | None = None, q_b: str | None = None) -> Part:
+    """Multi-latent attention with its input norm. q is one projection (q) or, with spec.q_lora_rank, a down
+    projection (q_a), an RMS norm on the latent (q_norm) and an up projection (q_b); k/v come from one down
+    projection [kv latent; shared rope key] (kv_a), a norm on the latent (kv_norm) and an up projection to
+    [k_nope; v] per head (kv_b). Every row order is Megatron's: the tensors map as they are. The down projections
+    are replicated over TP (TE's duplicated linear), the up projections split by heads."""
+    H, heads = spec.hidden_size, spec.num_attention_heads
+    qk, rope, v = spec.qk_head_dim, spec.qk_pos_emb_head_dim, spec.v_head_dim
+    maps: list[Mapping] = [Direct(MLA_INPUT_NORM, (f"{norm}.weight",), shape=(H,))]
+    te = [TEModule("decoder.layers.input_layernorm")]
+    if spec.q_lora_rank:
+        r = spec.q_lora_rank
+        maps += [Direct(MLA_Q_DOWN, (f"{q_a}.weight",), shape=(r, H)),
+                 Direct(MLA_Q_NORM, (f"{q_norm}.weight",), shape=(r,)),
+                 Direct(MLA_Q_UP, (f"{q_b}.weight",), split=COLUMN, shape=(heads * (qk + rope), r))]
+        te += [TEModule(f"{ATTN}.linear_q_down_proj"), TEModule(f"{ATTN}.linear_q_up_proj")]
+    else:
+        maps.append(Direct(MLA_Q, (f"{q}.weight",), split=COLUMN, shape=(heads * (qk + rope), H)))
+        te.append(TEModule(f"{ATTN}.linear_q_proj"))
+    c = spec.kv_lora_rank
+    maps += [Direct(MLA_KV_DOWN, (f"{kv_a}.weight",), shape=(c + rope, H)),
+             Direct(MLA_KV_NORM, (f"{kv_norm}.weight",), shape=(c,)),
+             Direct(MLA_KV_UP, (f"{kv_b}.weight",), split=COLUMN, shape=(heads * (qk + v), c)),
+             Direct(PROJ, (f"{o}.weight",), split=ROW, shape=(H, heads * v))]
+    te += [TEModule(f"{ATTN}.linear_kv_down_proj"), TEModule(f"{ATTN}.linear_kv_up_proj"),
+           TEModule(f"{ATTN}.linear_proj")]
+    return maps, te
+
+
 def dense_mlp(spec: ModelSpec, *, norm: str, gate: str, up: str, down: str) -> Part:
     """SwiGLU MLP with its pre-MLP norm (fused into linear_fc1 in the TE spec)."""
     f, H = spec.ffn_hidden_size, spec.hidden_size
@@ -85,13 +133,23 @@ def dense_mlp(spec: ModelSpec, *, norm: str, gate: str, up: str, down: str) -> P
     ], [TEModule(f"{MLP}.linear_fc1"), TEModule(f"{MLP}.linear_fc2")]
 
 
-def moe_mlp(spec: ModelSpec, *, norm: str, router: str, gate: str, up: str, down: str) -> Part:
+def moe_mlp(spec: ModelSpec, *, norm: str, router: str, gate: str, up: str, down: str,
+            router_bias: str | None = None, router_keep_dtype: bool = False) -> Part:
     """Router [experts, hidden] per layer; expert weights stacked [layers, experts, ...] by global expert id
-    (expert parallelism splits them by expert id, expert tensor parallelism like a dense MLP)."""
+    (expert parallelism splits them by expert id, expert tensor parallelism like a dense MLP). With
+    spec.moe_router_expert_bias, the per-expert bias added to the scores to pick experts (`router_bias` names the
+    full HF tensor: DeepSeek's e_score_correction_bias), kept in its own dtype (fp32), as the router weight is with
+    router_keep_dtype."""
     f, H = spec.moe_ffn_hidden_size or spec.ffn_hidden_size, spec.hidden_size
+    bias: list[Mapping] = []
+    if spec.moe_router_expert_bias:
+        if not router_bias:
+            raise ModelError(f"{spec.architecture}: the model has a router expert bias but its family names no HF one")
+        bias = [Direct(EXPERT_BIAS, (router_bias,), shape=(spec.num_experts,), keep_dtype=True)]
     return [
         Direct(PRE_MLP_NORM, (f"{norm}.weight",), shape=(H,)),
-        Direct(ROUTER, (f"{router}.weight",), shape=(spec.num_experts, H)),
+        Direct(ROUTER, (f"{router}.weight",), shape=(spec.num_experts, H), keep_dtype=router_keep_dtype),
+        *bias,
         GatedFC1(EXPERT_FC1, (f"{gate}.weight", f"{up}.weight"), scope=EXPERT, shape=(2 * f, H)),
         Direct(EXPERT_FC2, (f"{down}.weight",), scope=EXPERT, split=ROW, shape=(H, f)),
     ], [TEModule("decoder.layers.pre_mlp_layernorm"), TEModule(f"{MLP}.experts.experts.linear_fc1", EXPERT),

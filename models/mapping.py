@@ -144,6 +144,8 @@ class Mapping:
     scope: str = LAYER  # GLOBAL: not stacked; LAYER: [layers, ...]; EXPERT: [layers, experts, ...]
     split: str = REPLICATED
     shape: tuple[int, ...] = ()
+    layers: tuple[int, ...] | None = None  # the layers that have it (dense or MoE layers of a mixed model); None: all
+    keep_dtype: bool = False  # written back to HF in its stored dtype, not the config's (DeepSeek's fp32 router)
 
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
         return [n.format(layer=layer, expert=expert) for n in self.hf]
@@ -152,9 +154,13 @@ class Mapping:
         """The leading index of every slice: () when GLOBAL, (layer,) for LAYER, (layer, expert) for EXPERT."""
         if self.scope == GLOBAL:
             return [()]
+        layers = range(spec.num_layers) if self.layers is None else self.layers
         if self.scope == LAYER:
-            return [(layer,) for layer in range(spec.num_layers)]
-        return [(layer, e) for layer in range(spec.num_layers) for e in range(spec.num_experts or 0)]
+            return [(layer,) for layer in layers]
+        return [(layer, e) for layer in layers for e in range(spec.num_experts or 0)]
+
+    def has_layer(self, layer: int) -> bool:
+        return self.scope != GLOBAL and (self.layers is None or layer in self.layers)
 
     def hf_names_at(self, index: tuple[int, ...]) -> list[str]:
         """The HF names of the slice at a leading index of slices()."""
@@ -226,6 +232,10 @@ class TEModule:
 
     name: str  # e.g. "decoder.layers.self_attention.linear_qkv" or "decoder.final_layernorm"
     scope: str = LAYER
+    layers: tuple[int, ...] | None = None  # the layers that have it; None: all
+
+    def has_layer(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
 
 
 Part = tuple[list[Mapping], list[TEModule]]

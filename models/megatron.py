@@ -48,9 +48,62 @@ def rope_scaling_factor(spec: ModelSpec) -> float | None:
     return float(rs.get("factor", 8.0))
 
 
+def mla_fields(spec: ModelSpec) -> dict[str, Any]:
+    """MLATransformerConfig's fields: the latent ranks and head dims, and the rope (YaRN, or plain)."""
+    out: dict[str, Any] = dict(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+                               qk_head_dim=spec.qk_head_dim, qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
+                               v_head_dim=spec.v_head_dim, rotary_base=spec.rope_theta, rope_type="rope",
+                               qk_layernorm=True)  # the q and kv latent RMS norms
+    rs = spec.rope_scaling
+    if rs:
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind != "yarn":
+            raise ModelError(f"rope scaling {kind!r} is not supported with multi-latent attention; supported: yarn")
+        if rs.get("attention_factor") is not None:
+            raise ModelError("yarn rope scaling with attention_factor is not supported (Megatron-Core derives it from "
+                             "mscale and mscale_all_dim)")
+        out.update(rope_type="yarn", rotary_scaling_factor=float(rs["factor"]),
+                   original_max_position_embeddings=int(rs.get("original_max_position_embeddings")
+                                                        or spec.max_position_embeddings),
+                   beta_fast=float(rs.get("beta_fast", 32)), beta_slow=float(rs.get("beta_slow", 1)),
+                   mscale=float(rs.get("mscale", 1)), mscale_all_dim=float(rs.get("mscale_all_dim", 0)))
+    else:
+        out.update(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    return out
+
+
+def moe_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The routing and the expert layers of an MoE spec (the experiment adds dispatch, balancing and kernels)."""
+    out: dict[str, Any] = dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_router_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
+        # top-k then softmax (Mixtral) equals softmax, top-k, renormalise (Qwen3-MoE norm_topk_prob=true)
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.0,
+    )
+    if spec.moe_shared_expert_ffn_hidden_size:  # Qwen2-MoE (gated), DeepSeek (ungated): beside the routed experts
+        out.update(moe_shared_expert_intermediate_size=spec.moe_shared_expert_ffn_hidden_size,
+                   moe_shared_expert_gate=spec.moe_shared_expert_gate)
+    if spec.moe_router_score_function != "softmax":  # DeepSeek-V3: sigmoid scores, fp32 like HF's router
+        out.update(moe_router_score_function=spec.moe_router_score_function, moe_router_dtype="fp32")
+    if spec.moe_router_expert_bias:
+        out.update(moe_router_enable_expert_bias=True)
+    if spec.moe_router_num_groups:
+        out.update(moe_router_num_groups=spec.moe_router_num_groups, moe_router_group_topk=spec.moe_router_group_topk)
+    if spec.moe_router_topk_scaling_factor is not None:
+        out.update(moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor)
+    if spec.moe_first_k_dense:
+        k = spec.moe_first_k_dense
+        out.update(moe_layer_freq=[0] * k + [1] * (spec.num_layers - k))
+    return out
+
+
 def transformer_config(spec: ModelSpec, par: Layout = Layout(), params_dtype: torch.dtype = torch.float32,
                        cpu_init: bool = False, **overrides: Any) -> Any:
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     kwargs: dict[str, Any] = dict(
         num_layers=spec.num_layers,
@@ -85,30 +138,25 @@ def transformer_config(spec: ModelSpec, par: Layout = Layout(), params_dtype: to
         use_cpu_initialization=cpu_init,
     )
     if spec.is_moe:
-        kwargs.update(
-            num_moe_experts=spec.num_experts,
-            moe_router_topk=spec.moe_router_topk,
-            moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
-            # top-k then softmax (Mixtral) equals softmax, top-k, renormalise (Qwen3-MoE norm_topk_prob=true)
-            moe_router_pre_softmax=not spec.moe_norm_topk_prob,
-            moe_token_dispatcher_type="alltoall",
-            moe_router_load_balancing_type="aux_loss",
-            moe_aux_loss_coeff=0.0,
-        )
-        if spec.moe_shared_expert_ffn_hidden_size:  # Qwen2-MoE: a gated shared expert beside the routed ones
-            kwargs.update(moe_shared_expert_intermediate_size=spec.moe_shared_expert_ffn_hidden_size,
-                          moe_shared_expert_gate=spec.moe_shared_expert_gate)
+        kwargs.update(moe_fields(spec))
+    if spec.is_mla:
+        kwargs.update(mla_fields(spec))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if spec.is_mla else TransformerConfig)(**kwargs)
 
 
-def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False, torch_expert_gemm: bool = False) -> Any:
+def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False, torch_expert_gemm: bool = False,
+               moe: bool | None = None) -> Any:
+    """One layer's spec: with experts when the model has them (or when `moe` says so, for mixed models)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    moe = spec.is_moe if moe is None else moe
+    experts = spec.num_experts if moe else None
     if use_te:
         te_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=spec.num_experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=spec.qk_layernorm)
-        if spec.is_moe and grouped_gemm and torch_expert_gemm:
+            num_experts=experts, moe_grouped_gemm=grouped_gemm and moe, qk_layernorm=spec.qk_layernorm,
+            multi_latent_attention=spec.is_mla)
+        if moe and grouped_gemm and torch_expert_gemm:
             from mcorekit.models.grouped_mm_experts import use_grouped_mm_experts
 
             te_spec = use_grouped_mm_experts(te_spec)
@@ -116,10 +164,20 @@ def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False, torch_
     from mcorekit.models.sdpa_attention import SDPAttention
 
     local = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=spec.num_experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+        num_experts=experts, moe_grouped_gemm=grouped_gemm and moe, qk_layernorm=spec.qk_layernorm or spec.is_mla,
+        normalization="RMSNorm", multi_latent_attention=spec.is_mla)
     # PyTorch's fused SDPA instead of Megatron's unfused local attention (no parameters: checkpoints unchanged)
     local.submodules.self_attention.submodules.core_attention = SDPAttention
-    if spec.is_moe:
+    if spec.is_mla:
+        # The TE spec fuses the q/kv latent norms into the up projections and a dense MLP's norm into linear_fc1;
+        # the local MLA spec keeps them apart. Store them under the TE names, as for the standard attention.
+        keys_map = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
+        if not moe:
+            keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+        local.submodules.sharded_state_dict_keys_map = keys_map
+        return local
+    if moe:
         # The local spec renames pre_mlp_layernorm to the dense TE name (mlp.linear_fc1.layer_norm_weight) even in
         # MoE layers, where the TE spec keeps decoder.layers.pre_mlp_layernorm.weight; keep the TE name so
         # checkpoints move between the two specs.
@@ -129,15 +187,36 @@ def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False, torch_
     return local
 
 
+def block_spec(spec: ModelSpec, config: Any, use_te: bool, grouped_gemm: bool = False, torch_expert_gemm: bool = False,
+               vp_stage: int | None = None) -> Any:
+    """The decoder's spec: one layer spec for a model whose layers are alike, else this pipeline stage's list of
+    them (DeepSeek's first dense layers), sliced as Megatron-Core's get_gpt_decoder_block_spec does."""
+    if not spec.per_layer_keys:
+        return layer_spec(spec, use_te, grouped_gemm, torch_expert_gemm)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    dense = layer_spec(spec, use_te, grouped_gemm, torch_expert_gemm, moe=False)
+    moe = layer_spec(spec, use_te, grouped_gemm, torch_expert_gemm, moe=True)
+    layers = [dense if i < spec.moe_first_k_dense else moe for i in range(spec.num_layers)]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    local = layers[offset: offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm as norm
+    else:
+        norm = dense.submodules.input_layernorm
+    return TransformerBlockSubmodules(layer_specs=local, layer_norm=norm)
+
+
 def build_gpt(spec: ModelSpec, config: Any, padded_vocab: int, use_te: bool, grouped_gemm: bool = False,
               pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
               torch_expert_gemm: bool = False) -> Any:
     from megatron.core.models.gpt import GPTModel
 
-    factor = rope_scaling_factor(spec)
+    factor = None if spec.is_mla else rope_scaling_factor(spec)  # MLA: its own rope (mla_fields)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec, use_te, grouped_gemm, torch_expert_gemm),
+        transformer_layer_spec=block_spec(spec, config, use_te, grouped_gemm, torch_expert_gemm, vp_stage),
         vocab_size=padded_vocab,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,

@@ -39,6 +39,7 @@ class Family:
     weights: Callable[[ModelSpec], WeightMap]  # the HF <-> Megatron weight map of one model
     problems: Callable[[dict[str, Any]], list[str]] = _no_problems  # config features the map does not cover
     trtllm: TensorRTLLM | None = None  # None: the engine target cannot express it
+    no_engine: str = ""  # why not, when trtllm is None (the engine target's refusal says it)
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -16,6 +16,13 @@ from megatron.core.transformer.enums import AttnMaskType
 
 
 class SDPAttention(DotProductAttention):
+    def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any) -> None:
+        """k_channels / v_channels: multi-latent attention's q/k and v head sizes (TE's attention takes them,
+        Megatron-Core's local one does not); the softmax scale then comes from MLA itself."""
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: AttnMaskType | None = None, attention_bias: Any = None,
                 packed_seq_params: Any = None) -> torch.Tensor:

@@ -36,11 +36,43 @@ class ModelSpec:
     moe_norm_topk_prob: bool = True  # Mixtral always renormalises the top-k; Qwen3-MoE says in its config
     moe_shared_expert_ffn_hidden_size: int | None = None  # a shared expert every token passes through (Qwen2-MoE)
     moe_shared_expert_gate: bool = False  # its output scaled by sigmoid(x @ gate), a [1, hidden] weight
+    # DeepSeek-V3 routing: sigmoid scores, a per-expert bias that only picks the experts (e_score_correction_bias,
+    # Megatron's expert_bias), group-limited top-k, and the routed weights scaled by a factor
+    moe_router_score_function: str = "softmax"
+    moe_router_expert_bias: bool = False
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_first_k_dense: int = 0  # the first k layers have a dense MLP (ffn_hidden_size), the rest experts
+    # Multi-latent attention (DeepSeek-V2/V3), set when kv_lora_rank is: q_lora_rank None means q is one projection
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None  # per-head q/k size without rope (HF qk_nope_head_dim)
+    qk_pos_emb_head_dim: int | None = None  # per-head q/k size with rope (HF qk_rope_head_dim)
+    v_head_dim: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
+
+    @property
+    def is_mla(self) -> bool:
+        return bool(self.kv_lora_rank)
+
+    def moe_layers(self) -> list[int]:
+        """The layers with experts (every layer of an MoE model but the first moe_first_k_dense)."""
+        return list(range(self.moe_first_k_dense, self.num_layers)) if self.is_moe else []
+
+    def dense_layers(self) -> list[int]:
+        return list(range(self.moe_first_k_dense if self.is_moe else self.num_layers))
+
+    @property
+    def per_layer_keys(self) -> bool:
+        """Megatron-Core stores a model whose layers differ (dense and MoE layers) with one key per layer,
+        `decoder.layers.<global layer>.<name>`, instead of layer-stacked keys (TransformerBlock's
+        non_homogeneous_layers, set by a list moe_layer_freq)."""
+        return self.is_moe and self.moe_first_k_dense > 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -48,17 +80,25 @@ class ModelSpec:
     def num_parameters(self) -> int:
         """Parameter count (embeddings and output layer included, untied counted once)."""
         h, kv = self.hidden_size, self.kv_channels
-        attn = h * (self.num_attention_heads + 2 * self.num_query_groups) * kv + self.num_attention_heads * kv * h
-        if self.qkv_bias:
-            attn += (self.num_attention_heads + 2 * self.num_query_groups) * kv
-        if self.is_moe:
-            ffn = self.num_experts * 3 * h * (self.moe_ffn_hidden_size or self.ffn_hidden_size) + h * self.num_experts
-            ffn += 3 * h * (self.moe_shared_expert_ffn_hidden_size or 0) + (h if self.moe_shared_expert_gate else 0)
+        heads = self.num_attention_heads
+        if self.is_mla:
+            qk = (self.qk_head_dim or 0) + (self.qk_pos_emb_head_dim or 0)
+            q = h * heads * qk if not self.q_lora_rank else self.q_lora_rank * (h + 1 + heads * qk)
+            attn = q + h * (self.kv_lora_rank + (self.qk_pos_emb_head_dim or 0)) + self.kv_lora_rank
+            attn += self.kv_lora_rank * heads * ((self.qk_head_dim or 0) + (self.v_head_dim or 0))
+            attn += heads * (self.v_head_dim or 0) * h
         else:
-            ffn = 3 * h * self.ffn_hidden_size
-        per_layer = attn + ffn + 2 * h
+            attn = h * (heads + 2 * self.num_query_groups) * kv + heads * kv * h
+            if self.qkv_bias:
+                attn += (heads + 2 * self.num_query_groups) * kv
+        dense = 3 * h * self.ffn_hidden_size
+        moe = 0
+        if self.is_moe:
+            moe = self.num_experts * 3 * h * (self.moe_ffn_hidden_size or self.ffn_hidden_size) + h * self.num_experts
+            moe += 3 * h * (self.moe_shared_expert_ffn_hidden_size or 0) + (h if self.moe_shared_expert_gate else 0)
+        layers = self.num_layers * (attn + 2 * h) + len(self.moe_layers()) * moe + len(self.dense_layers()) * dense
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        return layers + emb + h
 
 
 def from_hf_config(config: dict[str, Any]) -> ModelSpec:
@@ -69,8 +109,9 @@ def from_hf_config(config: dict[str, Any]) -> ModelSpec:
     return registry.for_config(config).read(config)
 
 
-def decoder_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The ModelSpec fields every decoder family reads from the same HF config fields (a family adds its own)."""
+def decoder_fields(config: dict[str, Any], rope_types: tuple[str, ...] = ("llama3",)) -> dict[str, Any]:
+    """The ModelSpec fields every decoder family reads from the same HF config fields (a family adds its own);
+    `rope_types`: the rope scalings the family's Megatron model implements."""
     heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope = config.get("rope_parameters") or {}
@@ -78,8 +119,8 @@ def decoder_fields(config: dict[str, Any]) -> dict[str, Any]:
     rope_scaling = config.get("rope_scaling")
     if rope.get("rope_type", "default") != "default":
         rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in ("llama3", "default", None):
-        raise ModelError(f"unsupported rope scaling {rope_scaling!r}; supported: llama3")
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (*rope_types, "default", None):
+        raise ModelError(f"unsupported rope scaling {rope_scaling!r}; supported: {', '.join(rope_types)}")
     return dict(
         num_layers=config["num_hidden_layers"],
         hidden_size=hidden,

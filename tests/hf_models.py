@@ -63,3 +63,39 @@ def make_tokenizer(out: Path) -> Path:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return out
+
+
+# ---------------------------------------------------------------- the MoE families of issue 19 (tests/test_families.py)
+
+# DeepSeek-V3: MLA with a q LoRA (q_lora_rank) or without, YaRN rope, one dense layer then MoE layers with a shared
+# expert, sigmoid routing with 4 groups of which 2 are picked (top-4 of 8: 4 / 2 = DeepSeek's top-2 group scores)
+DEEPSEEK_V3 = dict(vocab_size=250, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                   routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+                   qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
+                   max_position_embeddings=256, rms_norm_eps=1e-6,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                                    "mscale": 1.0, "mscale_all_dim": 1.0})
+FAMILY_CONFIGS = {
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**DEEPSEEK_V3),
+    "deepseek_v3_noqlora": lambda: transformers.DeepseekV3Config(**{**DEEPSEEK_V3, "q_lora_rank": None,
+                                                                    "first_k_dense_replace": 2, "n_shared_experts": 2}),
+}
+
+
+def make_family_model(name: str, out: Path, seed: int = 0) -> Path:
+    """A tiny random model of FAMILY_CONFIGS[name] with random norms and, for DeepSeek, a random router bias
+    (transformers initialises e_score_correction_bias to zeros, which would not show a lost or swapped bias)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILY_CONFIGS[name](), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    model.save_pretrained(out, max_shard_size="200KB")
+    (out / "tokenizer_config.json").write_text('{"model_max_length": 256}')
+    return out

@@ -1,0 +1,104 @@
+"""Run as a script, for tests/test_families.py: Megatron-Core's own model of a converted HF config, on CPU.
+
+    keys HF TP PP EP    build train/'s model at a layout (one gloo process per rank) and print `KEYS <json>`: the
+                        union of its sharded_state_dict keys with global shapes
+    logits HF CKPT      load a converted torch_dist checkpoint into it (TP1, local spec) and print
+                        `LOGITS <max |diff|> <cosine> <top-1 agreement>` against the HF model in fp32
+
+Megatron-Core puts RotaryEmbedding's frequencies and the MoE router's expert-bias buffers on
+torch.cuda.current_device(); that one call is pointed at the CPU here. Everything else is Megatron-Core's code."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _cpu() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def keys_rank(rank: int, world: int, hf: str, tp: int, pp: int, ep: int, out: str) -> None:
+    import torch.distributed as dist
+
+    _cpu()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("KEYS_PORT", "29633"))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from mcorekit.models.megatron import build_gpt, padded_vocab_size, transformer_config
+    from mcorekit.models.parallel import Layout
+    from mcorekit.models.spec import from_hf_config, load_hf_config
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    spec = from_hf_config(load_hf_config(hf))
+    cfg = transformer_config(spec, Layout(tp=tp, pp=pp, ep=ep), cpu_init=True, moe_token_dispatcher_type="allgather")
+    model = build_gpt(spec, cfg, padded_vocab_size(spec.vocab_size, 128), use_te=False,
+                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    sd = model.sharded_state_dict()
+    apply_factories(sd)
+    keys = {v.key: list(v.global_shape) for v in nested_values(sd) if isinstance(v, ShardedTensor)}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(keys, f)
+    dist.destroy_process_group()
+
+
+def keys(hf: str, tp: int, pp: int, ep: int) -> None:
+    world = math.lcm(tp, ep) * pp
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "keys")
+        mp.spawn(keys_rank, args=(world, hf, tp, pp, ep, out), nprocs=world, join=True)
+        merged: dict[str, list[int]] = {}
+        for r in range(world):
+            with open(f"{out}.{r}") as f:
+                merged.update(json.load(f))
+    print("KEYS " + json.dumps(merged, sort_keys=True))
+
+
+def logits(hf: str, ckpt: str) -> None:
+    import torch.distributed as dist
+
+    _cpu()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("LOGITS_PORT", "29677"))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    import transformers
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from mcorekit.convert.torch_dist import TorchDistReader
+    from mcorekit.convert.verify import compare_logits
+    from mcorekit.models.megatron import build_gpt, transformer_config
+    from mcorekit.models.spec import from_hf_config, load_hf_config
+
+    ps.initialize_model_parallel(1, 1)
+    spec = from_hf_config(load_hf_config(hf))
+    padded = tuple(TorchDistReader(ckpt).tensor_keys()["embedding.word_embeddings.weight"].size)[0]
+    cfg = transformer_config(spec, cpu_init=True, moe_token_dispatcher_type="allgather")
+    model = build_gpt(spec, cfg, padded, use_te=False).eval()
+    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    model.load_state_dict(state)
+    ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got = model(ids, torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids), attention_mask=None)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()(ids).logits
+    got = got[..., : spec.vocab_size].float()
+    report = compare_logits(ref.float(), got)
+    print(f"LOGITS {(ref - got).abs().max().item()} {report.cosine} {report.top1_agreement}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "keys":
+        keys(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        logits(sys.argv[2], sys.argv[3])

@@ -1,0 +1,147 @@
+"""The MoE families of issue 19 (DeepSeek-V3, GPT-OSS) on CPU: HF -> Megatron -> HF bitwise in torch_dist and in
+the legacy format at TP2 PP2 EP2 (and TP2 EP2 ETP2), the torch_dist keys and shapes equal to those of the
+Megatron-Core model built from the same config, and that model's logits (loaded from the converted checkpoint)
+equal to transformers' in fp32. Tiny random models from the transformers classes (tests/hf_models.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_models import make_family_model
+from mcorekit.convert import pipeline
+from mcorekit.convert.torch_dist import TorchDistReader
+from mcorekit.convert.verify import compare_hf
+from mcorekit.errors import ConversionError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {n: make_family_model(n, root / n) for n in ("deepseek_v3", "deepseek_v3_noqlora")}
+
+
+def assert_bitwise(a: Path, b: Path) -> None:
+    reports = compare_hf(a, b)
+    assert reports and all(r.status == "equal" for r in reports), [r for r in reports if r.status != "equal"][:3]
+
+
+def run_helper(*args: str, port: int) -> str:
+    env = {**os.environ, "PYTHONPATH": str(HERE), "KEYS_PORT": str(port), "LOGITS_PORT": str(port)}
+    proc = subprocess.run([sys.executable, str(HERE / "family_megatron.py"), *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(("KEYS ", "LOGITS "))), None)
+    assert line, proc.stderr[-3000:]
+    return line
+
+
+# ---------------------------------------------------------------- DeepSeek-V3
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_noqlora"])
+def test_deepseek_v3_round_trips_bitwise(family_models, tmp_path: Path, name: str) -> None:
+    """torch_dist (one key per layer: dense and MoE layers differ) and the legacy format at TP2 PP2 EP2 and
+    TP2 EP2 ETP2; the fp32 router and its e_score_correction_bias stay fp32 in a bf16 model."""
+    hf = family_models[name]
+    pipeline.hf_to_mcore(hf, tmp_path / "td", quiet=True)
+    keys = TorchDistReader(tmp_path / "td/release").tensor_keys()
+    k = 1 if name == "deepseek_v3" else 2  # first_k_dense_replace
+    assert f"decoder.layers.{k - 1}.mlp.linear_fc1.weight" in keys and f"decoder.layers.{k}.mlp.linear_fc1.weight" not in keys
+    assert keys[f"decoder.layers.{k}.mlp.router.expert_bias"].properties.dtype == torch.float32
+    assert tuple(keys[f"decoder.layers.{k}.mlp.experts.experts.linear_fc1.weight"].size) == (8, 64, 64)
+    pipeline.mcore_to_hf(tmp_path / "td", tmp_path / "td_back", quiet=True)
+    assert_bitwise(hf, tmp_path / "td_back")
+    for layout in (dict(tp=2, pp=2, ep=2), dict(tp=2, ep=2, etp=2)):
+        out = tmp_path / "_".join(f"{a}{b}" for a, b in layout.items())
+        pipeline.hf_to_mcore(hf, out / "m", fmt="torch", quiet=True, **layout)
+        pipeline.mcore_to_hf(out / "m", out / "back", quiet=True)
+        assert_bitwise(hf, out / "back")
+
+
+def test_deepseek_v3_legacy_ranks_hold_megatron_splits(family_models, tmp_path: Path) -> None:
+    from mcorekit.convert.hf_io import HFReader
+
+    hf = family_models["deepseek_v3"]
+    pipeline.hf_to_mcore(hf, tmp_path / "m", fmt="torch", tp=2, pp=2, ep=2, quiet=True)
+    src = HFReader(hf)
+    r1 = torch.load(tmp_path / "m/release/mp_rank_01_000_001/model_optim_rng.pt", weights_only=True)["model"]
+    # PP stage 0 holds layers 0 (dense) and 1 (MoE); TP rank 1 the second half of the heads; down projections whole
+    assert torch.equal(r1["decoder.layers.0.self_attention.linear_kv_down_proj.weight"],
+                       src.get("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"))
+    assert torch.equal(r1["decoder.layers.1.self_attention.linear_q_up_proj.weight"],
+                       src.get("model.layers.1.self_attn.q_b_proj.weight").chunk(2)[1])
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in r1 and "decoder.layers.0.mlp.router.weight" not in r1
+    # EP rank 1 holds experts 4-7 as local 0-3, whole (expert TP 1); the shared expert is split by TP
+    assert torch.equal(r1["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"],
+                       src.get("model.layers.1.mlp.experts.4.down_proj.weight"))
+    assert torch.equal(r1["decoder.layers.1.mlp.shared_experts.linear_fc2.weight"],
+                       src.get("model.layers.1.mlp.shared_experts.down_proj.weight").chunk(2, dim=1)[1])
+    assert torch.equal(r1["decoder.layers.1.mlp.router.expert_bias"], src.get("model.layers.1.mlp.gate.e_score_correction_bias"))
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 2)])
+def test_deepseek_v3_keys_equal_megatron_model_keys(family_models, tmp_path: Path, tp: int, pp: int, ep: int) -> None:
+    hf = family_models["deepseek_v3"]
+    pipeline.hf_to_mcore(hf, tmp_path / "m", tp=tp, pp=pp, ep=ep, quiet=True)
+    ckpt = {k: list(v.size) for k, v in TorchDistReader(tmp_path / "m/release").tensor_keys().items()}
+    model = json.loads(run_helper("keys", str(hf), str(tp), str(pp), str(ep), port=29641)[5:])
+    assert model == ckpt
+
+
+def test_deepseek_v3_megatron_logits_equal_transformers(family_models, tmp_path: Path) -> None:
+    """MLA (q LoRA, YaRN, interleaved rope), a dense first layer, shared experts, sigmoid routing with group
+    top-k, the expert bias and the routed scaling factor: Megatron-Core's model gives transformers' logits."""
+    hf = family_models["deepseek_v3"]
+    pipeline.hf_to_mcore(hf, tmp_path / "m", dtype="fp32", quiet=True)
+    max_diff, cosine, top1 = map(float, run_helper("logits", str(hf), str(tmp_path / "m/release"), port=29651).split()[1:])
+    assert max_diff < 1e-5 and cosine > 0.99999 and top1 == 1.0, (max_diff, cosine, top1)
+
+
+def test_deepseek_v3_refusals(family_models, tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import save_file
+
+    hf = shutil.copytree(family_models["deepseek_v3"], tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    for change, needle in ((dict(rope_interleave=False), "rope_interleave=false is not supported"),
+                           (dict(norm_topk_prob=False), "norm_topk_prob=false is not supported"),
+                           (dict(topk_group=1), "num_experts_per_tok=4 / topk_group=1 != 2"),
+                           (dict(quantization_config={"quant_method": "fp8"}), "quantized weights (fp8) are not converted")):
+        (hf / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ConversionError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            pipeline.hf_to_mcore(hf, tmp_path / "out", quiet=True)
+    (hf / "config.json").write_text(json.dumps(cfg))
+    # an MTP layer after the decoder layers (DeepSeek's own checkpoints carry one): refused, nothing written
+    save_file({"model.layers.4.input_layernorm.weight": torch.ones(64, dtype=torch.bfloat16)}, hf / "mtp.safetensors")
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.4.input_layernorm.weight"] = "mtp.safetensors"
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match="1 multi-token-prediction layer"):
+        pipeline.hf_to_mcore(hf, tmp_path / "out", quiet=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_deepseek_v3_exports_for_the_pytorch_backend_and_the_engine_target_says_why_not(family_models, tmp_path: Path) -> None:
+    from mcorekit.errors import ExportError
+    from mcorekit.export.pipeline import export
+
+    hf = family_models["deepseek_v3"]
+    pipeline.hf_to_mcore(hf, tmp_path / "m", quiet=True)
+    export(tmp_path / "m", tmp_path / "trt", "pytorch", tp=2, ep=2, quiet=True)  # from the Megatron checkpoint
+    assert_bitwise(hf, tmp_path / "trt")
+    assert json.loads((tmp_path / "trt/config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+    with pytest.raises(ExportError, match=r"no TensorRT-LLM architecture for deepseek_v3 \(TensorRT-LLM serves "
+                                          r"DeepSeek-V3 .* PyTorch backend only.*use --target pytorch"):
+        export(hf, tmp_path / "engine", "engine", tp=2, quiet=True)
+    assert not (tmp_path / "engine").exists()
+    with pytest.raises(ExportError, match="FP8 export of MoE models is not supported"):
+        export(hf, tmp_path / "fp8", "pytorch", use_fp8=True, quiet=True)
