@@ -277,7 +277,7 @@ def dpo_problems(exp: Experiment) -> list[str]:
     micro_batch_size sequences), or packed rows of whole pairs with data.packing (micro_batch_size 1, as for SFT)."""
     d, o = exp.data, exp.optimizer
     if d.kind != "dpo":
-        if exp.dpo.model_fields_set:
+        if exp.dpo != type(exp.dpo)():  # a dpo section other than the defaults (a resolved config.yaml holds them all)
             return [f"the dpo section applies to data.kind=dpo, not data.kind={d.kind}; remove it or set data.kind=dpo"]
         return []
     out = []
@@ -299,7 +299,7 @@ def grpo_problems(exp: Experiment, lay: Layout, world: int) -> list[str]:
     generated) and trains on them in one optimizer step: the global batch is those sequences."""
     d, g, s = exp.data, exp.grpo, exp.schedule
     if d.kind != "grpo":
-        if exp.grpo.model_fields_set:
+        if exp.grpo != type(exp.grpo)():  # a grpo section other than the defaults (a resolved config.yaml holds them all)
             return [f"the grpo section applies to data.kind=grpo, not data.kind={d.kind}; remove it or set data.kind=grpo"]
         return []
     out = []
