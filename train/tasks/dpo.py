@@ -292,14 +292,16 @@ class Reference:
     def __init__(self, t: Trainer, task: DirectPreferenceOptimization) -> None:
         self.t, self.task = t, task
         self.lora = task.exp.peft.lora is not None
-        self.chunks = None if self.lora else frozen_copy(t)
+        self.chunks: list[Any] | None = None  # the frozen copy, built on first use (never with LoRA)
 
     def logps(self, batches: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Each micro-batch's per-sequence log-probs under the reference (on the last pipeline stage; an empty list
         on the others), through the same (pipeline) schedule as training, forward only."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        chunks = self.t.model if self.chunks is None else self.chunks
+        if self.chunks is None and not self.lora:
+            self.chunks = frozen_copy(self.t)
+        chunks = self.t.model if self.lora else self.chunks
         data = [iter(batches) for _ in chunks]
         with torch.no_grad(), self._adapters_off(), evaluation(chunks):
             out = get_forward_backward_func()(
