@@ -131,8 +131,9 @@ class GRPOConfig(Strict):
     loss_aggregation: Literal["token", "sequence"] = "token"
     scale_rewards: bool = True  # divide the advantages by the group's std (Dr. GRPO: false)
     rewards: list[RewardConfig] = Field(default_factory=list)
-    # how rollouts are generated (train/generate.py): auto = Megatron-Core's dynamic engine where flash-attn >= 2.7.3
-    # is importable, else its static engine (KV cache); plain = a sampling loop over the training forward, no KV cache
+    # how rollouts are generated (train/generate.py): static = Megatron-Core's static-batch engine (KV cache);
+    # dynamic = its DynamicInferenceEngine (needs flash-attn >= 2.7.3); plain = a sampling loop over the training
+    # forward, no KV cache; auto = static, or plain where the engines do not apply (VPP, EP, SP, FP8)
     generation: Literal["auto", "dynamic", "static", "plain"] = "auto"
     kv_cache_gb: float = Field(2.0, gt=0)  # the dynamic engine's KV-cache buffer, allocated per step and freed
     seed: int = Field(0, ge=0, le=2**31 - 1)  # sampling seed; step s of DP rank r samples with seed + s x 1009 + r

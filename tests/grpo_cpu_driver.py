@@ -73,7 +73,10 @@ def main() -> None:
     static = generate([model], prompts, greedy, eos, vocab, backend="static")
     sampled = [generate([model], prompts, Sampling(max_new, temperature=1.0, top_p=0.9, seed=s), eos, vocab,
                         backend="plain").completions for s in (5, 5, 6)]
-    result = {"manual": expected, "plain": plain.completions, "static": static.completions,
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope_cached = RotaryEmbedding.forward.cache_info().currsize  # after generate: its tables are not kept
+    result = {"rope_cached_after_generate": rope_cached, "manual": expected, "plain": plain.completions, "static": static.completions,
               "plain_finished": plain.finished, "static_finished": static.finished,
               "sampled": sampled, "training_after": model.training, "vocab": vocab}
     if len(sys.argv) > 1:

@@ -367,6 +367,7 @@ def test_generation_backends_give_the_greedy_completions(driver: dict) -> None:
     a, b, c = out["sampled"]
     assert a == b and a != c and all(t < out["vocab"] for row in a + c for t in row)
     assert out["training_after"] is True
+    assert out["rope_cached_after_generate"] == 0  # no inference-mode RoPE table left for a training forward
 
 
 def test_one_grpo_step_builds_what_the_formulas_say(driver: dict, example: Path) -> None:

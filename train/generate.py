@@ -13,10 +13,11 @@ frees what generation allocated and switches back. Three backends, one result:
            StaticInferenceEngine(legacy=True) runs it. Needs no flash-attn.
   plain    a sampling loop over the training forward with no KV cache (each step recomputes the whole prefix),
            through Megatron's forward-only schedule: works at every layout training runs (PP, VPP, SP, EP, FP8).
-auto picks dynamic where flash-attn is importable, else static; plain where the engines do not apply: virtual
-pipeline stages (the engines take one model chunk), expert parallelism (direct-mode engines step each data-parallel
-rank on its own, while the experts' all-to-all needs every rank of the expert group in each step), sequence
-parallelism (the static engine refuses it for dense models), FP8 (the engines convert the model for FP8 inference).
+auto picks static (the engine whose output has been checked against a hand-written greedy loop, tests/test_grpo.py),
+and plain where the engines do not apply: virtual pipeline stages (the engines take one model chunk), expert
+parallelism (direct-mode engines step each data-parallel rank on its own, while the experts' all-to-all needs every
+rank of the expert group in each step), sequence parallelism (the static engine refuses it for dense models), FP8
+(the engines convert the model for FP8 inference). dynamic is chosen explicitly (grpo.generation: dynamic).
 
 Sampling is the same on every rank of a model-parallel group (TP ranks sample from the same gathered logits with
 the same seed; PP stages receive the last stage's logits or tokens), and seeded per call (Sampling.seed), so a
@@ -94,7 +95,7 @@ def choose_backend(chunks: list[Any], asked: str) -> str:
         raise ConfigError(f"generation backend {asked!r}: choose one of {', '.join(BACKENDS)}")
     reason = why_not_engine(chunks)
     if asked == "auto":
-        return "plain" if reason else ("dynamic" if flash_attn_ok() else "static")
+        return "plain" if reason else "static"
     if asked in ("dynamic", "static") and reason:
         raise ConfigError(f"grpo.generation={asked}: Megatron-Core's engines do not run {reason}; use auto or plain")
     if asked == "dynamic" and not flash_attn_ok():
@@ -147,7 +148,8 @@ def generate(chunks: list[Any], prompts: list[list[int]], sampling: Sampling, eo
 @contextmanager
 def generation_mode(chunks: list[Any], inference: bool) -> Iterator[None]:
     """eval() (no dropout), no autograd, DDP's forward pre-hooks off (which gathers every weight first), Megatron's
-    inference flag on for the engines; everything as it was afterwards, random states included."""
+    inference flag on for the engines; everything as it was afterwards, random states included, and no RoPE table
+    made during generation left in Megatron's cache."""
     from megatron.core.inference.utils import InferenceMode
 
     modes = [c.training for c in chunks]
@@ -164,6 +166,7 @@ def generation_mode(chunks: list[Any], inference: bool) -> Iterator[None]:
         with torch.no_grad():
             yield
     finally:
+        clear_rope_caches(chunks)
         InferenceMode.unset_active()
         for c, mode in zip(chunks, modes):
             c.train(mode)
@@ -172,6 +175,17 @@ def generation_mode(chunks: list[Any], inference: bool) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng)
+
+
+def clear_rope_caches(chunks: list[Any]) -> None:
+    """Megatron's rotary embeddings memoise their tables per sequence length (functools.lru_cache on forward). Tables
+    made under the engines' torch.inference_mode are inference tensors, which autograd refuses to save (TE's fused
+    RoPE saves them) if a training forward of the same length found them in the cache: drop them all."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            forward = getattr(type(module), "forward", None)
+            if hasattr(forward, "cache_clear") and "rotary" in type(module).__module__:
+                forward.cache_clear()
 
 
 def _tokenizer_shim(eos_id: int, vocab_size: int) -> Any:
