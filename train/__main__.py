@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mcorekit import quiet
 from mcorekit.errors import MCoreKitError
-from mcorekit.config.experiment import load_experiment
+from mcorekit.config.experiment import Experiment, load_experiment
 
 
 def default_run_dir(config: Path, name: str) -> Path:
@@ -24,6 +24,19 @@ def default_run_dir(config: Path, name: str) -> Path:
     from mcorekit.config.cluster import default_run_root
 
     return default_run_root() / f"{name}-local"
+
+
+def check_layout(exp: Experiment) -> None:
+    """The layout against the ranks started (torchrun's or Slurm's environment, else one process), before anything
+    else: a TP2 run started as one process is told so, on a GPU node or not."""
+    from mcorekit.config.experiment import layout_of
+    from mcorekit.config.rules import layout_problems, listed, model_of
+    from mcorekit.errors import LayoutError
+    from mcorekit.runtime.env import from_environ
+
+    world = from_environ().world_size
+    if bad := layout_problems(model_of(exp), layout_of(exp), world):
+        raise LayoutError(listed(f"cannot train on {world} ranks", bad))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet.install()
     try:
         exp = load_experiment(a.config, a.overrides)
+        check_layout(exp)
     except MCoreKitError as e:  # a bad config: one line that says what to change, before any GPU work
         print(f"mcorekit.train: error: {e}", file=sys.stderr)
         return 2
