@@ -403,7 +403,7 @@ def test_tasks_are_chosen_by_data_kind_and_share_the_loop() -> None:
     assert type(task_for(e, spec, Path("/tmp"))).name == "sft"
     e = exp("data.kind=dpo", "data.paths=[a.jsonl]", "data.tokenizer=tok")
     assert type(task_for(e, spec, Path("/tmp"))).name == "dpo"
-    assert set(TASKS) == {"lm", "sft", "dpo"} and all(cls.metrics[0] == "loss" for cls in TASKS.values())
+    assert set(TASKS) == {"lm", "sft", "dpo", "grpo"} and all(cls.metrics[0] == "loss" for cls in TASKS.values())
 
 
 def test_masked_mean_is_the_mean_over_unmasked_tokens() -> None:
