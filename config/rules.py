@@ -322,6 +322,9 @@ def grpo_problems(exp: Experiment, lay: Layout, world: int) -> list[str]:
                    f"{d.seq_length} (a rollout, prompt and completion, is one training sequence)")
     if lay.cp > 1:
         out.append("data.kind=grpo with parallel.cp > 1 is not built (generation runs whole sequences); use cp=1")
+    if lay.vpp:
+        out.append("data.kind=grpo with parallel.vpp is not built (generation steps one micro-batch through the "
+                   "pipeline, which the interleaved schedule does not take); drop parallel.vpp")
     if s.eval_interval:
         out.append("data.kind=grpo has no validation loss (schedule.eval_interval); measure held-out accuracy with "
                    "examples/grpo/evaluate.py instead, or set schedule.eval_interval=0")

@@ -238,6 +238,7 @@ def test_grpo_rules() -> None:
     assert "at least one grpo.rewards entry" in " ".join(problems(grpo_exp(grpo__rewards=[]), 1, NODE))
     assert "data.kind=grpo needs data.tokenizer" in " ".join(problems(grpo_exp(data__tokenizer=None), 1, NODE))
     assert any("parallel.cp > 1 is not built" in p for p in problems(grpo_exp(parallel__cp=2), 2, NODE))
+    assert any("parallel.vpp is not built" in p for p in problems(grpo_exp(parallel__pp=2, parallel__vpp=2), 2, NODE))
     assert any("no validation loss" in p for p in problems(grpo_exp(schedule__eval_interval=5), 1, NODE))
     assert any("data.packing applies to" in p for p in problems(grpo_exp(data__packing=True, schedule__micro_batch_size=1,
                                                                            ), 1, NODE))
