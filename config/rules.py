@@ -396,7 +396,8 @@ def memory_option_problems(exp: Experiment, model: ModelSpec, lay: Layout) -> li
 def fsdp_problems(exp: Experiment, lay: Layout) -> list[str]:
     """What Megatron-FSDP (parallel.fsdp, Megatron-Core 0.19) does not combine with. It shards over the
     data-parallel (x context-parallel) ranks inside one device mesh of DP x EP x TP ranks, through the distributed
-    optimizer in its FSDP mode, and writes checkpoints only in its own fsdp_dtensor format."""
+    optimizer in its FSDP mode, and writes checkpoints only in its own fsdp_dtensor format (train/checkpoint.py: a
+    run resumes its own checkpoints of either format; checkpoint.load gives weights only)."""
     f = exp.parallel.fsdp
     if f is None:
         return []
@@ -420,14 +421,26 @@ def fsdp_problems(exp: Experiment, lay: Layout) -> list[str]:
     if exp.precision.fp8_params:
         out.append(f"parallel.fsdp={f} with precision.fp8_params: FP8 weights in Megatron-FSDP's buffers are not "
                    f"wired here; keep precision.fp8 with bf16 weights (fp8_params=false)")
-    if exp.checkpoint.load:
-        out.append(f"parallel.fsdp={f} with checkpoint.load: a torch_dist checkpoint (converted from HF, or from a "
-                   f"run without parallel.fsdp) does not load into Megatron-FSDP's sharded parameters in "
-                   f"Megatron-Core 0.19; start from it without parallel.fsdp")
+    if exp.checkpoint.load and not exp.checkpoint.finetune and not _is_release(exp.checkpoint.load):
+        out.append(f"parallel.fsdp={f} with checkpoint.load: only its weights load into Megatron-FSDP (another run's "
+                   f"optimizer state does not); set checkpoint.finetune=true (weights only, fresh optimizer, step 0)")
     if exp.checkpoint.async_save:
         out.append(f"parallel.fsdp={f} with checkpoint.async_save: Megatron-FSDP checkpoints are written "
                    f"synchronously; set checkpoint.async_save=false")
     return out
+
+
+def _is_release(load: str) -> bool:
+    """checkpoint.load names a converted `release` checkpoint (weights only anyway): the folder itself, or a root
+    whose tracker (train/checkpoint.py's TRACKER) says release. Unknown where the path is not readable here."""
+    from pathlib import Path
+
+    path = Path(load)
+    tracker = path / "latest_checkpointed_iteration.txt"
+    try:
+        return path.name == "release" or (tracker.is_file() and tracker.read_text().strip() == "release")
+    except OSError:
+        return False
 
 
 def time_limit_problems(exp: Experiment, nodes: Nodes) -> list[str]:

@@ -64,6 +64,8 @@ def prepare(experiment: Experiment, profile: ClusterProfile, run_dir: Path | Non
         time=experiment.resources.time,
         exclusive=experiment.resources.exclusive,
         max_restarts=experiment.resources.max_restarts,
+        # Megatron-FSDP overlaps its collectives on side streams: several CUDA queues, not submit.GPU_ENV's one
+        env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"} if experiment.parallel.fsdp else {},
     )
     spec.task_command = train_command(profile, spec.run_dir)
     return Prepared(experiment, profile, model, spec, warnings)

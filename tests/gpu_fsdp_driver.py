@@ -5,8 +5,8 @@ As tests/gpu_train_driver.py: with STOP_AT_STEP > 0 the process sends itself SIG
 before a time limit), so the loop saves a checkpoint and exits for requeue (exit code 3 here). Each rank writes
 RUN_DIR/memory.rank<R>.json at the end: its peak allocated and reserved GPU memory in bytes.
 
---no-save: the runs that measure losses, memory and tokens/s skip the loop's checkpoint writes (the final one
-included), so they measure training alone; saving and resuming are the checkpoint runs' subject."""
+--no-save: the 3B runs that measure memory and tokens/s skip the loop's checkpoint writes (the final one included),
+so they measure training alone (and keep the suite short); every small run saves as training does."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ the memory estimate of each strategy against hand-computed bytes for the 0.89B a
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
@@ -50,7 +51,8 @@ def test_fsdp_combines_with_expert_parallelism() -> None:
     (["parallel.tp=2", "parallel.sequence_parallel=true", "optimizer.tp_comm_overlap=true"],
      "with optimizer.tp_comm_overlap: TE's TP overlap needs one CUDA hardware queue"),
     (["precision.fp8=delayed", "precision.fp8_params=true"], "with precision.fp8_params"),
-    (["checkpoint.load=/ckpt/converted"], "with checkpoint.load: a torch_dist checkpoint"),
+    (["checkpoint.load=/ckpt/run/iter_0000100"], "with checkpoint.load: only its weights load into Megatron-FSDP "
+                                                 "(another run's optimizer state does not); set checkpoint.finetune=true"),
     (["checkpoint.async_save=true"], "with checkpoint.async_save"),
 ])
 def test_fsdp_refusals_name_the_rule(overrides: list[str], needle: str) -> None:
@@ -259,3 +261,148 @@ def test_plan_suggests_presets_for_a_near_miss_name() -> None:
     assert err.strip().splitlines() == [
         "mcorekit: error: --model llama-3 is neither a preset nor an HF model directory or config.json; did you "
         "mean 'llama-3b' or 'llama-tiny'? (presets: llama-tiny, llama-0.9b, llama-3b, mixtral-tiny, moe-8x-1.4b)"]
+
+
+# ---------------------------------------------------------------- checkpoints (train/checkpoint.py)
+
+
+def test_checkpoint_load_under_fsdp_takes_weights(tmp_path: Any) -> None:
+    """Weights of any checkpoint load (finetune, or a converted release, which has nothing else); continuing another
+    run's optimizer state does not, and the refusal says to set finetune."""
+    assert problems(exp("parallel.fsdp=optim_grads_params", "checkpoint.load=/ckpt/run",
+                        "checkpoint.finetune=true"), 2, NODE) == []
+    assert problems(exp("parallel.fsdp=optim", "checkpoint.load=/ckpt/hf/release"), 2, NODE) == []
+    (tmp_path / "conv").mkdir()
+    (tmp_path / "conv" / "latest_checkpointed_iteration.txt").write_text("release\n")
+    assert problems(exp("parallel.fsdp=optim", f"checkpoint.load={tmp_path / 'conv'}"), 2, NODE) == []
+    got = problems(exp("parallel.fsdp=optim", "checkpoint.load=/ckpt/run"), 2, NODE)
+    assert len(got) == 1 and "set checkpoint.finetune=true (weights only, fresh optimizer, step 0)" in got[0]
+
+
+def test_launcher_gives_fsdp_jobs_several_cuda_queues() -> None:
+    from mcorekit.config.cluster import load_profile
+    from mcorekit.launch.api import prepare
+    from mcorekit.launch.submit import render
+
+    profile = load_profile("example-h100", ["python=/opt/venv/bin/python"])
+    fsdp_job = prepare(exp("parallel.fsdp=optim_grads_params", "schedule.global_batch_size=64"), profile,
+                       run_dir=Path("/runs/x"))
+    text = render(profile, fsdp_job.spec)
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=8" in text and "CUDA_DEVICE_MAX_CONNECTIONS=1" not in text
+    plain = prepare(exp("schedule.global_batch_size=64"), profile, run_dir=Path("/runs/y"))
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in render(profile, plain.spec)
+
+
+def _iteration(root: Path, step: int, marker: str | None) -> Path:
+    from mcorekit.train import checkpoint
+
+    path = checkpoint.iter_dir(root, step)
+    path.mkdir(parents=True)
+    if marker:
+        (path / marker).write_text("{}")
+    (root / checkpoint.TRACKER).write_text(str(step))
+    return path
+
+
+def test_latest_finds_fsdp_checkpoints(tmp_path: Any) -> None:
+    """A run that saved under FSDP resumes from that folder (not from step 0): the marker counts as complete."""
+    from mcorekit.train import checkpoint
+
+    fsdp = _iteration(tmp_path / "a", 20, checkpoint.FSDP_JSON)
+    assert checkpoint.latest(tmp_path / "a") == fsdp and checkpoint.format_of(fsdp) == checkpoint.FSDP_DTENSOR
+    dist_ckpt = _iteration(tmp_path / "b", 20, "metadata.json")
+    assert checkpoint.latest(tmp_path / "b") == dist_ckpt and checkpoint.format_of(dist_ckpt) == checkpoint.TORCH_DIST
+    half = _iteration(tmp_path / "c", 20, None)  # DCP files without the marker: the save did not finish
+    (half / ".metadata").write_text("")
+    assert checkpoint.latest(tmp_path / "c") is None and checkpoint.format_of(half) is None
+
+
+def test_which_weights_an_fsdp_run_loads_before_wrapping(tmp_path: Any) -> None:
+    from mcorekit.train import checkpoint
+
+    conv = tmp_path / "conv"
+    (conv / "release").mkdir(parents=True)
+    (conv / "release" / "metadata.json").write_text("{}")
+    (conv / checkpoint.TRACKER).write_text("release")
+    e = exp("parallel.fsdp=optim", f"checkpoint.load={conv}")
+    assert checkpoint.weights_before_wrap(e, tmp_path / "own") == conv / "release"  # no checkpoint of its own yet
+    assert checkpoint.weights_before_wrap(exp("parallel.fsdp=optim"), tmp_path / "own") is None  # random init
+    own = _iteration(tmp_path / "own", 10, "metadata.json")  # saved without FSDP: weights now, scheduler+step later
+    assert checkpoint.weights_before_wrap(e, tmp_path / "own") == own
+    _iteration(tmp_path / "own", 12, checkpoint.FSDP_JSON)  # saved under FSDP: loads whole after wrapping
+    assert checkpoint.weights_before_wrap(e, tmp_path / "own") is None
+
+
+def test_optimizer_state_splits_into_tensors_and_json() -> None:
+    """What DCP writes (tensors) and what the marker records (plain values, JSON) put back together unchanged,
+    tuples and a chained optimizer's integer keys included; anything else is refused rather than lost."""
+    import json
+
+    import torch
+
+    from mcorekit.train import checkpoint
+
+    sd = {0: {"state": {"module.w": {"exp_avg": torch.ones(2), "step": 3}},
+              "param_to_group_meta": {"module.w": {"betas": (0.9, 0.95), "lr": 1e-4, "wd_mult": None}}},
+          1: {"state": {}, "param_to_group_meta": {}}}
+    tensors, rest = checkpoint.split_tensors(sd)
+    assert list(tensors[0]["state"]["module.w"]) == ["exp_avg"] and tensors[0]["param_to_group_meta"] == {"module.w": {}}
+    back = checkpoint.from_json(json.loads(json.dumps(checkpoint.to_json(rest))))
+    merged = checkpoint.merge(tensors, back)
+    assert merged[0]["param_to_group_meta"]["module.w"]["betas"] == (0.9, 0.95)
+    assert merged[0]["state"]["module.w"]["step"] == 3 and merged[0]["state"]["module.w"]["exp_avg"] is sd[0]["state"][
+        "module.w"]["exp_avg"]
+    assert set(merged) == {0, 1} and merged[1] == {"state": {}, "param_to_group_meta": {}}
+    with pytest.raises(TypeError, match="cannot record a dtype"):
+        checkpoint.to_json({"x": torch.float32})
+
+
+def test_tp_slices_of_a_whole_tensor() -> None:
+    import torch
+
+    from mcorekit.train.checkpoint import local_slice
+
+    full = torch.arange(24.0).reshape(4, 6)
+    col = type("P", (), {"tensor_model_parallel": True, "partition_dim": 0})()
+    row = type("P", (), {"tensor_model_parallel": True, "partition_dim": 1})()
+    assert torch.equal(local_slice(full, col, 1, 2), full[2:])
+    assert torch.equal(local_slice(full, row, 0, 2), full[:, :3])
+    assert local_slice(full, type("P", (), {})(), 1, 2) is full  # replicated (norms)
+    assert local_slice(full, col, 0, 1) is full
+
+
+def test_expert_keys_are_global_in_fsdp_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EP rank 1 of 2 with 8 experts holds local experts 0-3, saved (and read) as experts 4-7; the rest unchanged."""
+    from megatron.core import parallel_state as ps
+
+    from mcorekit.train.checkpoint import fsdp_model_keys
+
+    monkeypatch.setattr(ps, "get_expert_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(ps, "get_expert_model_parallel_rank", lambda: 1)
+    keys = ["decoder.layers.0.mlp.experts.linear_fc1.weight0", "decoder.layers.0.mlp.experts.linear_fc2.weight3",
+            "decoder.layers.0.mlp.router.weight", "decoder.layers.0.self_attention.linear_qkv._extra_state"]
+    assert fsdp_model_keys(keys, 8) == {
+        "decoder.layers.0.mlp.experts.linear_fc1.weight0": "decoder.layers.0.mlp.experts.linear_fc1.weight4",
+        "decoder.layers.0.mlp.experts.linear_fc2.weight3": "decoder.layers.0.mlp.experts.linear_fc2.weight7",
+        "decoder.layers.0.mlp.router.weight": "decoder.layers.0.mlp.router.weight"}
+
+
+def test_fsdp_checkpoint_weights_load_without_fsdp(tmp_path: Any) -> None:
+    """tests/fsdp_cpu_driver.py: a checkpoint in the fsdp_dtensor layout is found by latest() and its weights load
+    bit-exactly into a differently initialised model without FSDP (load_weights: weights only; load: also scheduler
+    and step, with the optimizer refreshed from the weights)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = Path(__file__).parent
+    proc = subprocess.run([sys.executable, str(here / "fsdp_cpu_driver.py"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path, env={**os.environ, "FSDP_PORT": "29591"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("FSDP "))[5:])
+    assert got["format"] == "fsdp_dtensor" and got["latest"] == "iter_0000010" and got["keys"] == 15
+    assert got["differs_before"] and got["equal_weights"] and got["resumed_equal"]
+    assert got["step"] == 10 and got["reloaded"] == 1
+    assert got["scheduler"] == {"max_lr": 0.001, "lr_warmup_steps": 16, "num_steps": 80, "lr_decay_style": "cosine"}
+    assert "OPTIMIZER STARTS FRESH" in proc.stderr

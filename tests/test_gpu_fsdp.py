@@ -6,8 +6,12 @@ checkpoints move to and from plain data parallelism.
 - On the 3B shape (24 x 3072, GQA 24/8, FFN 8192, vocab 32768; seq 2048, mbs 1), each strategy's peak memory per
   GPU next to the launcher's estimate (launch/plan.py), and its tokens/s next to the distributed optimizer's
   (these runs go one at a time, so the two GPUs are theirs alone).
-- A checkpoint saved at FSDP2 resumes at DP2 (distributed optimizer), and one saved at DP2 resumes at FSDP2, and
-  the resumed steps follow the uninterrupted run's losses.
+- Checkpoints (train/checkpoint.py): every small run saves at its last step (fsdp_dtensor under FSDP). Saved at
+  FSDP2 after step 10 and resumed at FSDP2, steps 11-20 give the uninterrupted run's losses (model, optimizer,
+  scheduler, step all restored). Across formats only the weights, scheduler and step move (the optimizer starts
+  fresh): saved at FSDP2 and resumed at DP2, and the reverse, step 11's loss (computed with the loaded weights,
+  before any update) equals the uninterrupted run's step 11, and the later steps stay finite and below step 1's
+  loss (fresh Adam moments change the trajectory, so they are not compared step by step).
 
 Runs start through tests/slurm_shim (a MOCK of srun giving each task Slurm's environment) and
 tests/gpu_fsdp_driver.py, as tests/test_gpu_multi.py does. Megatron-FSDP needs CUDA_DEVICE_MAX_CONNECTIONS unset or
@@ -19,6 +23,7 @@ tests/gpu_fsdp_driver.py, as tests/test_gpu_multi.py does. Megatron-FSDP needs C
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -94,12 +99,13 @@ def fsdp(strategy: str | None) -> dict:
 def runs(tmp_path_factory: pytest.TempPathFactory, shim_env: dict) -> dict:
     """name -> (exit code, log, run folder). The small runs share the GPUs at once; the 3B runs go one at a time."""
     tmp = tmp_path_factory.mktemp("fsdp")
-    started = {"1gpu": start(shim_env, tmp / "1gpu", TINY, 1, save=False) + (tmp / "1gpu",),
-               "dp2": start(shim_env, tmp / "dp2", TINY, 2, save=False) + (tmp / "dp2",)}
-    for s in STRATEGIES:
-        started[s] = start(shim_env, tmp / s, {**TINY, **fsdp(s)}, 2, save=False) + (tmp / s,)
-    # Saved after step 10 (exit for requeue), then resumed in the same run folder at the other layout.
-    moves = {"fsdp-to-dp2": ("optim_grads_params", None), "dp2-to-fsdp": (None, "optim_grads_params")}
+    started = {"1gpu": start(shim_env, tmp / "1gpu", TINY, 1) + (tmp / "1gpu",),
+               "dp2": start(shim_env, tmp / "dp2", TINY, 2) + (tmp / "dp2",)}
+    for s in STRATEGIES:  # each saves at step 20: the fsdp_dtensor save of every strategy
+        started[s] = start(shim_env, tmp / s, {**TINY, **fsdp(s)}, 2) + (tmp / s,)
+    # Saved after step 10 (exit for requeue), then resumed in the same run folder at the same or the other layout.
+    moves = {"fsdp-to-fsdp": ("optim_grads_params", "optim_grads_params"),
+             "fsdp-to-dp2": ("optim_grads_params", None), "dp2-to-fsdp": (None, "optim_grads_params")}
     for name, (first, _) in moves.items():
         started[f"{name}-first"] = start(shim_env, tmp / name, {**TINY, **fsdp(first)}, 2, stop_at=10) + (tmp / name,)
     results = {name: (proc.wait(timeout=600), log, out) for name, (proc, log, out) in started.items()}
@@ -175,23 +181,41 @@ def test_3b_memory_and_throughput_per_strategy(runs: dict) -> None:
         assert 0.5 * r["est_no_overhead"] <= r["allocated"] <= 1.1 * r["est"], (s, r)
 
 
-def resume_check(runs: dict, name: str, reference: str) -> None:
+def resumed(runs: dict, name: str, reference: str) -> tuple[list[float], list[float], dict[str, float]]:
     assert runs[f"{name}-first"][0] == 3, tail(runs[f"{name}-first"][1])  # 3: saved at step 10, exit for requeue
     assert runs[f"{name}-resumed"][0] == 0, tail(runs[f"{name}-resumed"][1])
+    assert runs[reference][0] == 0, tail(runs[reference][1])
     steps = [json.loads(x)["step"] for x in (runs[f"{name}-resumed"][2] / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))
-    resumed, full = metric(runs[f"{name}-resumed"])[10:], metric(runs[reference])[10:]
-    d = compare(resumed, full)
-    print(f"{name}, steps 11-20: {[round(x, 4) for x in resumed]}\n  uninterrupted {reference}: "
-          f"{[round(x, 4) for x in full]}\n  |diff| max {d['max']:.2e}, mean {d['mean']:.2e}")
-    assert d["max"] <= STEP_TOL and d["mean"] <= MEAN_TOL, d
+    got, full = metric(runs[f"{name}-resumed"]), metric(runs[reference])
+    d = compare(got[10:], full[10:])
+    print(f"{name}, steps 11-20: {[round(x, 4) for x in got[10:]]}\n  uninterrupted {reference}: "
+          f"{[round(x, 4) for x in full[10:]]}\n  |diff| step 11 {d['step1']:.2e}, max {d['max']:.2e}, "
+          f"mean {d['mean']:.2e}")
+    return got, full, d
+
+
+@needs_two
+def test_fsdp2_checkpoint_resumes_at_fsdp2_exactly(runs: dict) -> None:
+    """Model, optimizer, scheduler and step come back: the resumed steps are the uninterrupted run's."""
+    _, _, d = resumed(runs, "fsdp-to-fsdp", "optim_grads_params")
+    assert d["max"] <= STEP1_TOL and d["mean"] <= STEP1_TOL, d
+
+
+def weights_only_check(runs: dict, name: str, reference: str) -> None:
+    """Across the FSDP boundary: weights, scheduler and step; fresh optimizer (a loud warning says so)."""
+    got, full, d = resumed(runs, name, reference)
+    assert d["step1"] <= STEP1_TOL, d  # step 11's loss comes from the loaded weights alone
+    assert all(math.isfinite(x) and x < got[0] for x in got[10:]), got[10:]
+    log = runs[f"{name}-resumed"][1]
+    assert "OPTIMIZER STARTS FRESH" in Path(f"{log}.0").read_text(), tail(log)
 
 
 @needs_two
 def test_checkpoint_saved_at_fsdp2_resumes_at_dp2(runs: dict) -> None:
-    resume_check(runs, "fsdp-to-dp2", "optim_grads_params")
+    weights_only_check(runs, "fsdp-to-dp2", "optim_grads_params")
 
 
 @needs_two
 def test_checkpoint_saved_at_dp2_resumes_at_fsdp2(runs: dict) -> None:
-    resume_check(runs, "dp2-to-fsdp", "dp2")
+    weights_only_check(runs, "dp2-to-fsdp", "dp2")

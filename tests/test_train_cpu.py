@@ -319,7 +319,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
 
-    def load(self, path: Any, model: Any, optimizer: Any, scheduler: Any) -> int:
+    def load(self, path: Any, model: Any, optimizer: Any, scheduler: Any, weights_loaded: bool = False) -> int:
         self.calls.append(("everything", path.name))
         return 7
 
@@ -345,7 +345,7 @@ def test_where_training_starts(tmp_path: Any, monkeypatch: Any, tracker: str, fi
     monkeypatch.setattr(checkpoint, "load", rec.load)
     monkeypatch.setattr(checkpoint, "load_weights", rec.load_weights)
     e = exp(f"checkpoint.load={src}", f"checkpoint.finetune={str(finetune).lower()}")
-    step = loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None})(), tmp_path / "own", e)
+    step = loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None, "weights_from": None})(), tmp_path / "own", e)
     assert rec.calls == expected and step == (7 if expected[0][0] == "everything" else 0)
     # this run's own checkpoint wins over checkpoint.load (a requeued fine-tune resumes, it does not restart)
     own = tmp_path / "own"
@@ -353,7 +353,7 @@ def test_where_training_starts(tmp_path: Any, monkeypatch: Any, tracker: str, fi
     (own / "iter_0000004" / "metadata.json").write_text("{}")
     (own / checkpoint.TRACKER).write_text("4")
     rec.calls.clear()
-    assert loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None})(), own, e) == 7
+    assert loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None, "weights_from": None})(), own, e) == 7
     assert rec.calls == [("everything", "iter_0000004")]
 
 

@@ -30,6 +30,7 @@ class Trainer:
     padded_vocab: int
     dp_size: int
     dp_rank: int
+    weights_from: Any = None  # parallel.fsdp: the checkpoint whose weights went into the model before wrapping
 
 
 def init_distributed(exp: Experiment) -> DistEnv:
@@ -57,7 +58,8 @@ def check(exp: Experiment, spec: ModelSpec, world: int, nodes: Nodes) -> None:
         raise LayoutError(listed(f"cannot train on {world} ranks", bad))
 
 
-def build(exp: Experiment) -> Trainer:
+def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
+    """`checkpoints`: the run's checkpoint folder (parallel.fsdp loads weights before wrapping: see checkpoint.py)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
@@ -76,6 +78,7 @@ def build(exp: Experiment) -> Trainer:
     padded_vocab = padded_vocab_size(spec.vocab_size, 128 * exp.parallel.tp)
     ddp_config = margs.ddp_config(exp)
     torch_expert_gemm = use_torch_expert_gemm(exp, use_te)
+    weights_from = _weights_before_wrap(exp, ddp_config, checkpoints)
     chunks = []
     for vp in range(exp.parallel.vpp or 1):
         vp_stage = vp if exp.parallel.vpp else None
@@ -87,6 +90,8 @@ def build(exp: Experiment) -> Trainer:
             _add_lora(exp, spec, chunk)
         if config.params_dtype != torch.float32:
             chunk = Float16Module(config, chunk)
+        if weights_from is not None:  # Megatron-FSDP copies the whole weights into its buffers when it wraps
+            _load_before_wrap(weights_from, chunk)
         chunks.append(wrap_chunk(config, ddp_config, chunk, first=vp == 0))  # DDP, or Megatron-FSDP (parallel.fsdp)
     # The schedule calls these: grad sync hooks of the overlapped DDP and the loss scale of the optimizer.
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
@@ -99,7 +104,26 @@ def build(exp: Experiment) -> Trainer:
     config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(optimizer, **margs.scheduler_kwargs(exp))
     return Trainer(exp, spec, env, chunks, optimizer, scheduler, padded_vocab,
-                   ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+                   ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), weights_from)
+
+
+def _weights_before_wrap(exp: Experiment, ddp_config: Any, checkpoints: Any) -> Any:
+    if not ddp_config.use_megatron_fsdp:
+        return None
+    from pathlib import Path
+
+    from mcorekit.train import checkpoint
+
+    return checkpoint.weights_before_wrap(exp, Path(checkpoints) if checkpoints is not None else None)
+
+
+def _load_before_wrap(path: Any, chunk: Any) -> None:
+    import logging
+
+    from mcorekit.train import checkpoint
+
+    checkpoint.load_weights(path, [chunk])
+    logging.getLogger("mcorekit.train").warning("weights from %s loaded before Megatron-FSDP wraps the model", path)
 
 
 def _add_lora(exp: Experiment, spec: ModelSpec, chunk: Any) -> None:

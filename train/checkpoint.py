@@ -4,7 +4,19 @@ fine-tuning takes the weights only.
 
 A LoRA run (train/lora.py) saves and resumes only its adapters (`<layer>.adapter.lora_a/b`), their optimizer state,
 the scheduler and the step, with `lora.json` (rank, alpha, targets, the base checkpoint) in each iteration
-directory; the frozen base comes from checkpoint.load at every start (load_base)."""
+directory; the frozen base comes from checkpoint.load at every start (load_base).
+
+Under Megatron-FSDP (parallel.fsdp) Megatron-Core 0.19 writes model and optimizer only as `fsdp_dtensor` (each
+parameter a DTensor of Megatron-FSDP's uneven shards, written with torch.distributed.checkpoint), as Megatron-LM's
+`--ckpt-format fsdp_dtensor` does. Such an iteration directory holds DCP's files plus `fsdp_dtensor.json` (written
+last: the format marker, the step, the scheduler, the optimizer's non-tensor state and the layout), so nothing in it
+is unpickled but DCP's own .metadata. Across formats (see format_of):
+- FSDP checkpoint -> FSDP run: everything (same TP/ETP; DCP reshards DP).
+- FSDP checkpoint -> run without FSDP: the weights (the fp32 main weights, read whole by key), scheduler and step;
+  the optimizer starts fresh (a loud warning). checkpoint.finetune=true: the weights only, step 0.
+- torch_dist checkpoint -> FSDP run: the weights, loaded into the unwrapped model before Megatron-FSDP copies them
+  into its buffers (train/build.py: weights_before_wrap); from the run's own checkpoint also scheduler and step,
+  with a fresh optimizer (a loud warning)."""
 
 from __future__ import annotations
 
@@ -17,6 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mcorekit.train.fsdp import is_fsdp
 from mcorekit.train.lora import is_adapter_key
 
 log = logging.getLogger("mcorekit.train")
@@ -27,6 +40,9 @@ RELEASE = "release"  # Megatron-LM's name for a checkpoint that did not come fro
 # fully_reshardable: the optimizer state is stored per model parameter, so a checkpoint resumes at another
 # TP/PP/DP layout (saving gathers it over DP; dp_reshardable would be faster but fixes the layout).
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False}
+FSDP_SHARDING = {"distrib_optim_sharding_type": "fsdp_dtensor"}  # the only one Megatron-FSDP's optimizer writes
+FSDP_JSON = "fsdp_dtensor.json"  # an fsdp_dtensor checkpoint's marker, written once DCP's files are complete
+TORCH_DIST, FSDP_DTENSOR = "torch_dist", "fsdp_dtensor"
 
 
 def iter_dir(root: Path, step: int) -> Path:
@@ -42,10 +58,25 @@ def tracked(root: Path) -> Path | None:
     return root / value if value == RELEASE else iter_dir(root, int(value))
 
 
+def format_of(path: Path) -> str | None:
+    """torch_dist (Megatron's metadata.json), fsdp_dtensor (our marker), or None: not a complete checkpoint."""
+    if (path / FSDP_JSON).is_file():
+        return FSDP_DTENSOR
+    if (path / "metadata.json").is_file():
+        return TORCH_DIST
+    return None
+
+
 def latest(root: Path) -> Path | None:
-    """The tracked torch_dist checkpoint, if it is complete on disk."""
+    """The tracked checkpoint (torch_dist or fsdp_dtensor), if it is complete on disk."""
     path = tracked(root)
-    return path if path is not None and (path / "metadata.json").is_file() else None
+    if path is None:
+        return None
+    if format_of(path) is None:
+        log.warning("%s names %s, which is not a complete checkpoint (no metadata.json or %s)", root / TRACKER,
+                    path, FSDP_JSON)
+        return None
+    return path
 
 
 def unwrap(model: Any) -> Any:
@@ -77,6 +108,11 @@ class Saver:
                 (path / LORA_JSON).write_text(json.dumps(info, indent=2) + "\n")
         dist.barrier()
         sync_params(chunks)
+        if is_fsdp(chunks):  # Megatron-FSDP: fsdp_dtensor through torch.distributed.checkpoint, synchronous
+            _save_fsdp(path, step, chunks, optimizer, scheduler)
+            dist.barrier()
+            self._finalize(path, step)
+            return path
         model_sd = _model_state(chunks, ADAPTERS if lora_info(chunks) else ALL)
         state = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=SHARDING),
                  "scheduler": scheduler.state_dict(), "iteration": step}
@@ -184,16 +220,43 @@ def load_weights(path: Path, chunks: list[Any], optimizer: Any | None = None) ->
 
     if lora_info(chunks) is not None:  # the base was loaded by build (load_base), the adapters start as built
         return
-    state = dist_checkpointing.load(_model_state(chunks), str(path), strict=StrictHandling.LOG_UNEXPECTED)
-    _load_model(chunks, state)
+    if is_fsdp(chunks):
+        raise RuntimeError("weights go into a Megatron-FSDP model before it is wrapped (train/build.py: "
+                           "weights_before_wrap), not into the wrapped one")
+    if format_of(path) == FSDP_DTENSOR:
+        load_fsdp_weights(path, chunks)
+    else:
+        state = dist_checkpointing.load(_model_state(chunks), str(path), strict=StrictHandling.LOG_UNEXPECTED)
+        _load_model(chunks, state)
     if optimizer is not None:
         optimizer.reload_model_params()
 
 
-def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) -> int:
+def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_loaded: bool = False) -> int:
     """Everything: model, optimizer (with its fp32 main weights), scheduler; returns the step to continue from.
-    A LoRA model loads its adapters only (the base came from checkpoint.load in build)."""
+    A LoRA model loads its adapters only (the base came from checkpoint.load in build). Across the FSDP boundary
+    (see the module's docstring) the weights, scheduler and step, with a fresh optimizer; `weights_loaded`: an FSDP
+    model whose weights build loaded from `path` before wrapping."""
     from megatron.core import dist_checkpointing
+
+    fmt, fsdp = format_of(path), is_fsdp(chunks)
+    if fmt == FSDP_DTENSOR and fsdp:
+        return _load_fsdp(path, chunks, optimizer, scheduler)
+    if fmt == FSDP_DTENSOR:
+        load_fsdp_weights(path, chunks)
+        optimizer.reload_model_params()
+        info = fsdp_info(path)
+        scheduler.load_state_dict(from_json(info["scheduler"]))
+        _fresh_optimizer_warning(path, "a Megatron-FSDP checkpoint", "a run without parallel.fsdp")
+        return int(info["iteration"])
+    if fsdp:
+        if not weights_loaded:
+            raise RuntimeError(f"{path} is a torch_dist checkpoint: its weights go into the model before Megatron-FSDP "
+                               f"wraps it (train/build.py: weights_before_wrap)")
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        scheduler.load_state_dict(common["scheduler"])
+        _fresh_optimizer_warning(path, "a checkpoint of a run without parallel.fsdp", "parallel.fsdp")
+        return int(common["iteration"])
 
     part = ADAPTERS if lora_info(chunks) is not None else ALL
     if part == ADAPTERS and not (path / LORA_JSON).is_file():
@@ -229,3 +292,229 @@ def _load_part(model: Any, state: dict[str, Any], part: str) -> None:
     wrong = [k for k in missing if is_adapter_key(k) == (part == ADAPTERS) and not k.endswith("_extra_state")]
     if wrong or unexpected:
         raise RuntimeError(f"loading the {part} part: missing {wrong[:4]}, unexpected {list(unexpected)[:4]}")
+
+
+# ---------------------------------------------------------------- Megatron-FSDP (fsdp_dtensor)
+
+
+def weights_before_wrap(exp: Any, root: Path | None) -> Path | None:
+    """For a parallel.fsdp run: the checkpoint whose weights build loads into the unwrapped model (Megatron-FSDP
+    then copies them into its buffers). The run's own latest checkpoint when it is torch_dist (a run continued
+    under FSDP; an fsdp_dtensor one loads whole after wrapping, so None), else checkpoint.load (weights only:
+    rules.fsdp_problems asks for checkpoint.finetune=true unless it is a release)."""
+    own = latest(root) if root is not None else None
+    if own is not None:
+        return own if format_of(own) == TORCH_DIST else None
+    if exp.checkpoint.load:
+        start = Path(exp.checkpoint.load)
+        return latest(start) or start
+    return None
+
+
+def _fresh_optimizer_warning(path: Path, saved: str, run: str) -> None:
+    log.warning("=" * 100)
+    log.warning("%s is %s; this is %s. Loaded its WEIGHTS, scheduler and step only: the OPTIMIZER STARTS FRESH "
+                "(Adam moments zero), so the next steps differ from an uninterrupted run", path, saved, run)
+    log.warning("=" * 100)
+
+
+def fsdp_info(path: Path) -> dict[str, Any]:
+    """The marker of an fsdp_dtensor checkpoint: step, scheduler, the optimizer's non-tensor state, layout."""
+    info = json.loads((path / FSDP_JSON).read_text())
+    if info.get("format") != FSDP_DTENSOR:
+        from mcorekit.errors import ConfigError
+
+        raise ConfigError(f"{path / FSDP_JSON} does not describe an fsdp_dtensor checkpoint")
+    return info
+
+
+def fsdp_model_keys(keys: list[str], num_experts: int | None) -> dict[str, str]:
+    """A GPTModel's state-dict keys -> the keys an fsdp_dtensor checkpoint stores them under: this rank's local
+    expert indices become global ones (Megatron-Core's handle_experts_in_state_dict, as Megatron-LM saves), the
+    rest unchanged. TE's _extra_state entries are left out (Megatron-LM drops them too: FP8 scales restart)."""
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
+
+    named = handle_experts_in_state_dict({k: k for k in keys if not k.endswith("_extra_state")}, num_experts)
+    return {local: saved for saved, local in named.items()}
+
+
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+def _fsdp_model_state(chunks: list[Any]) -> dict[str, Any]:
+    """The model's fsdp_dtensor state: Megatron-FSDP's fp32 main weights as DTensors of its shards (its state-dict
+    pre-hook puts them in place of the training weights), under fsdp_model_keys. One chunk: FSDP has no PP."""
+    model = unwrap(chunks[0])
+    sd = model.state_dict()
+    names = fsdp_model_keys(list(sd), model.config.num_moe_experts)
+    return {names[k]: v for k, v in sd.items() if k in names}
+
+
+def _save_fsdp(path: Path, step: int, chunks: list[Any], optimizer: Any, scheduler: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+
+    model_sd = _fsdp_model_state(chunks)  # first: the optimizer names its parameters by the DTensors now in place
+    optim_sd = optimizer.sharded_state_dict(model_sd, metadata=FSDP_SHARDING)
+    tensors, rest = split_tensors(optim_sd)
+    state = {"model": model_sd, "optimizer": tensors}
+    preprocess_state_dict_for_uneven_dtensor(state)  # each uneven shard's offsets in the global tensor
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        info = {"format": FSDP_DTENSOR, "iteration": step, "scheduler": to_json(scheduler.state_dict()),
+                "optimizer": to_json(rest), "layout": _layout(),
+                "num_moe_experts": unwrap(chunks[0]).config.num_moe_experts}
+        tmp = path / (FSDP_JSON + ".tmp")
+        tmp.write_text(json.dumps(info, indent=1) + "\n")
+        os.replace(tmp, path / FSDP_JSON)
+
+
+def _load_fsdp(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) -> int:
+    """An fsdp_dtensor checkpoint into a Megatron-FSDP model: DCP reads the main weights and the optimizer state in
+    place (resharded over DP if that changed), the optimizer takes its non-tensor state from the marker, and the
+    main weights are copied into the training weights and gathered."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+
+    from mcorekit.errors import ConfigError
+
+    info = fsdp_info(path)
+    now, saved = _layout(), info["layout"]
+    if (now["tp"], now["etp"]) != (saved["tp"], saved["etp"]):
+        raise ConfigError(f"{path} was saved at tp={saved['tp']}, etp={saved['etp']}; this run has tp={now['tp']}, "
+                          f"etp={now['etp']}: a Megatron-FSDP checkpoint resumes under parallel.fsdp only at the same "
+                          f"TP/ETP (the data-parallel size may change)")
+    model_sd = _fsdp_model_state(chunks)
+    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=FSDP_SHARDING)
+    tensors, _ = split_tensors(optim_sd)
+    state = {"model": model_sd, "optimizer": tensors}
+    preprocess_state_dict_for_uneven_dtensor(state)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))  # in place: the DTensors are the parameters
+    optimizer.load_state_dict(merge(state["optimizer"], from_json(info["optimizer"])))
+    for chunk in chunks:
+        chunk.module.install_optimized_model_weights()  # main (fp32) -> training weights (Megatron-FSDP's buffers)
+        chunk.start_param_sync(force_sync=True)
+    scheduler.load_state_dict(from_json(info["scheduler"]))
+    return int(info["iteration"])
+
+
+def load_fsdp_weights(path: Path, chunks: list[Any]) -> None:
+    """The weights of an fsdp_dtensor checkpoint into a model that is not Megatron-FSDP-wrapped (unwrapped, or in
+    DDP): DCP reads each tensor whole by its global shape (fp32 main weights, cast on load), this rank takes its
+    TP/ETP slice. Same TP/ETP as saved (a SwiGLU fc1 is two halves per TP rank); PP=1; EP may differ."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from megatron.core import parallel_state as ps
+
+    from mcorekit.errors import ConfigError
+
+    info = fsdp_info(path)
+    saved, now = info["layout"], _layout()
+    if len(chunks) != 1 or now["pp"] != 1 or (now["tp"], now["etp"]) != (saved["tp"], saved["etp"]):
+        raise ConfigError(f"{path} is a Megatron-FSDP checkpoint saved at tp={saved['tp']}, etp={saved['etp']}: its "
+                          f"weights load at the same tp/etp with pp=1 (this run: tp={now['tp']}, etp={now['etp']}, "
+                          f"pp={now['pp']})")
+    model = unwrap(chunks[0])
+    own = model.state_dict()
+    names = fsdp_model_keys(list(own), model.config.num_moe_experts)
+    reader = dcp.FileSystemReader(str(path))
+    meta = reader.read_metadata().state_dict_metadata
+    absent = [saved_key for saved_key in names.values() if f"model.{saved_key}" not in meta]
+    if absent:
+        raise ConfigError(f"{path} lacks {len(absent)} of this model's tensors (e.g. {absent[:3]}): a different model")
+    read = {k: torch.empty(tuple(meta[f"model.{k}"].size), dtype=meta[f"model.{k}"].properties.dtype)
+            for k in names.values()}
+    dcp.load({"model": read}, storage_reader=reader)
+    params = dict(model.named_parameters())
+    ranks = {False: (ps.get_tensor_model_parallel_rank(), now["tp"]),
+             True: (ps.get_expert_tensor_parallel_rank(), now["etp"])}
+    state = {}
+    for local, saved_key in names.items():
+        p = params.get(local)
+        rank, size = ranks[p is not None and not getattr(p, "allreduce", True)]
+        state[local] = local_slice(read[saved_key], p, rank, size)
+        if state[local].shape != own[local].shape:
+            raise ConfigError(f"{path}: {saved_key} has shape {tuple(read[saved_key].shape)}, this model's {local} "
+                              f"{tuple(own[local].shape)}: a different model")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if [k for k in missing if not k.endswith("_extra_state")] or unexpected:
+        raise RuntimeError(f"loading {path}: missing {list(missing)[:4]}, unexpected {list(unexpected)[:4]}")
+
+
+def local_slice(full: Any, param: Any, rank: int, size: int) -> Any:
+    """This TP (or expert-TP) rank's part of a tensor saved whole: a tensor-parallel parameter's chunk along its
+    partition dimension (an fsdp_dtensor checkpoint's global tensor is the TP ranks' parts side by side)."""
+    if param is None or size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    return full.chunk(size, dim=param.partition_dim)[rank].contiguous()
+
+
+# The optimizer's fsdp_dtensor state holds tensors (DCP writes them) and plain values (parameter-group settings,
+# written as JSON in the marker, so that loading unpickles nothing of ours).
+_ABSENT = object()
+
+
+def split_tensors(tree: Any) -> tuple[Any, Any]:
+    """(tensors, rest): nested dicts with the tensor leaves only, and with every other leaf."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return tree, _ABSENT
+    if not isinstance(tree, dict):
+        return _ABSENT, tree
+    tensors, rest = {}, {}
+    for k, v in tree.items():
+        t, r = split_tensors(v)
+        if t is not _ABSENT:
+            tensors[k] = t
+        if r is not _ABSENT:
+            rest[k] = r
+    return tensors, rest
+
+
+def merge(tensors: Any, rest: Any) -> Any:
+    """split_tensors undone."""
+    if not isinstance(tensors, dict) or not isinstance(rest, dict):
+        return tensors if rest is _ABSENT else rest
+    out = dict(tensors)
+    for k, v in rest.items():
+        out[k] = merge(out[k], v) if k in out else v
+    return out
+
+
+def to_json(x: Any) -> Any:
+    """Plain values as JSON, keeping what JSON would lose: tuples and non-string dict keys (a chained optimizer's
+    indices)."""
+    if isinstance(x, dict):
+        if all(isinstance(k, str) for k in x):
+            return {k: to_json(v) for k, v in x.items()}
+        return {"__items__": [[k, to_json(v)] for k, v in x.items()]}
+    if isinstance(x, tuple):
+        return {"__tuple__": [to_json(v) for v in x]}
+    if isinstance(x, list):
+        return [to_json(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"cannot record a {type(x).__name__} of the optimizer's state in {FSDP_JSON}: {x!r}")
+
+
+def from_json(x: Any) -> Any:
+    if isinstance(x, dict):
+        if set(x) == {"__items__"}:
+            return {k: from_json(v) for k, v in x["__items__"]}
+        if set(x) == {"__tuple__"}:
+            return tuple(from_json(v) for v in x["__tuple__"])
+        return {k: from_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [from_json(v) for v in x]
+    return x

@@ -34,12 +34,12 @@ def experts_note(model_chunks: list[Any]) -> str:
 def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: Any = None) -> list[float]:
     """Build, resume, then one train_step per iteration until schedule.train_iters: logging, validation and saving
     at their intervals, a save and requeue when Slurm signals. Returns this process's losses."""
-    t = build(exp)
+    root = Path(exp.checkpoint.dir or run_dir / "checkpoints")
+    t = build(exp, checkpoints=root)
     announce(t, exp)
     task = task_for(exp, t.spec, run_dir)
     stop = StopSignal()
-    saver = checkpoint.Saver(Path(exp.checkpoint.dir or run_dir / "checkpoints"), exp.checkpoint.keep_last,
-                             exp.checkpoint.async_save)
+    saver = checkpoint.Saver(root, exp.checkpoint.keep_last, exp.checkpoint.async_save)
     step = _resume(t, saver.root, exp)
     if dist.get_rank() == 0:
         RestartGuard(run_dir, exp.resources.max_restarts).check(step)
@@ -203,14 +203,15 @@ def _resume(t: Trainer, root: Path, exp: Experiment) -> int:
     weights only (finetune, or a converted `release` checkpoint, which has nothing else) or as a whole."""
     found = checkpoint.latest(root)
     if found is not None:
-        step = checkpoint.load(found, t.model, t.optimizer, t.scheduler)
+        step = checkpoint.load(found, t.model, t.optimizer, t.scheduler, weights_loaded=t.weights_from == found)
         log.warning("resumed from %s at step %d", found, step)
         return step
     if not exp.checkpoint.load:
         return 0
     start = checkpoint.latest(Path(exp.checkpoint.load)) or Path(exp.checkpoint.load)
     if exp.checkpoint.finetune or start.name == checkpoint.RELEASE:
-        checkpoint.load_weights(start, t.model, t.optimizer)
+        if t.weights_from != start:  # parallel.fsdp: build loaded them before wrapping
+            checkpoint.load_weights(start, t.model, t.optimizer)
         log.warning("initialised weights from %s (fresh optimizer, step 0)", start)
         return 0
     step = checkpoint.load(start, t.model, t.optimizer, t.scheduler)
