@@ -74,7 +74,7 @@ def sft(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     metrics = train(tmp, "sft", EXAMPLE / "sft.yaml", [*model, f"data.paths=[{data}/sft.jsonl]", f"checkpoint.dir={ckpt}"])
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     rewards = json.dumps([{"function": "mcorekit.train.rewards:math_answer", "weight": 1.0},
-                          {"function": f"{EXAMPLE}/rewards.py:digits_only", "weight": 0.1}])
+                          {"function": f"{EXAMPLE}/rewards.py:digits_correct", "weight": 0.5}])
     grpo = [*model, f"data.paths=[{data}/train.jsonl]", f"checkpoint.load={ckpt}", f"grpo.rewards={rewards}"]
     return {"tmp": tmp, "data": data, "model": model, "checkpoint": ckpt, "grpo": grpo}
 

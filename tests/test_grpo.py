@@ -345,6 +345,9 @@ def test_example_experiments_pass_the_rules(example: Path) -> None:
     assert grpo.schedule.global_batch_size == grpo.grpo.prompts_per_step * grpo.grpo.group_size
     assert load_function("examples/grpo/rewards.py:digits_only") if Path.cwd() == REPO else True
     assert load_function(f"{REPO}/examples/grpo/rewards.py:digits_only")("1+2=", " 3 ") == 1.0
+    partial = load_function(f"{REPO}/examples/grpo/rewards.py:digits_correct")
+    assert [partial("", c, answer=1234) for c in ("1234", "1235", "234", "91234", "12x4", "")] == [1.0, 0.75, 0.75, 0.8,
+                                                                                                  0.0, 0.0]
 
 
 # ---------------------------------------------------------------- generation on a real (tiny, CPU) Megatron model

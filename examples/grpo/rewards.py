@@ -11,3 +11,14 @@ def digits_only(prompt: str, completion: str, **fields: Any) -> float:
     """1.0 when the completion is a number and nothing else (the format the task asks for)."""
     text = completion.strip()
     return float(bool(text) and text.isdigit())
+
+
+def digits_correct(prompt: str, completion: str, answer: Any = None, **fields: Any) -> float:
+    """Partial credit: the share of digit positions the completion has right, aligned from the units digit, over
+    the longer of the two numbers (so a missing or extra digit costs); 0.0 when the completion is not a number.
+    Near misses then score above wild guesses, which gives a group of mostly wrong answers something to learn from."""
+    want, got = str(answer), completion.strip()
+    if answer is None or not got.isdigit():
+        return 0.0
+    right = sum(a == b for a, b in zip(reversed(want), reversed(got)))
+    return right / max(len(want), len(got))
