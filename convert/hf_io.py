@@ -151,23 +151,31 @@ class HFReader:
     def shard_files(self) -> list[Path]:
         return [self.path / s for s in sorted(set(self.weight_map.values()))]
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, row: int | None = None) -> torch.Tensor:
+        """Tensor `name`, or with `row` only its slice [row] on dim 0 (one expert of a tensor that holds them all),
+        read alone."""
         entry = self.entries.get(name)
         if entry is None:
             raise ConversionError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
         fd = self._fds.get(entry.shard)
         if fd is None:
             fd = self._fds[entry.shard] = os.open(self.path / entry.shard, os.O_RDONLY)
-        if entry.nbytes == 0:
-            return torch.empty(entry.shape, dtype=entry.dtype)
-        buf = bytearray(entry.nbytes)  # the header check bounds this by the file size
+        shape, offset, nbytes = entry.shape, entry.offset, entry.nbytes
+        if row is not None:
+            if not entry.shape or not 0 <= row < entry.shape[0]:
+                raise ConversionError(f"{self.path / entry.shard}: tensor {name!r} of shape {entry.shape} has no row {row}")
+            nbytes //= entry.shape[0]
+            shape, offset = entry.shape[1:], offset + row * nbytes
+        if nbytes == 0:
+            return torch.empty(shape, dtype=entry.dtype)
+        buf = bytearray(nbytes)  # the header check bounds this by the file size
         view, done = memoryview(buf), 0
-        while done < entry.nbytes:
-            got = os.preadv(fd, [view[done:]], entry.offset + done)
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
                 raise ConversionError(f"{self.path / entry.shard}: file ended inside tensor {name!r}")
             done += got
-        return torch.frombuffer(buf, dtype=entry.dtype).reshape(entry.shape)
+        return torch.frombuffer(buf, dtype=entry.dtype).reshape(shape)
 
     def close(self) -> None:
         for fd in self._fds.values():

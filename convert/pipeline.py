@@ -148,7 +148,8 @@ def check_counts(reader: HFReader, spec: ModelSpec, amap: WeightMap) -> None:
     if not _is_range(layers, spec.num_layers):
         raise ConversionError(f"{reader.path / 'config.json'}: num_hidden_layers={spec.num_layers}, but the weights hold "
                               f"layers {_listed(layers)}; the config disagrees with the weights")
-    if spec.is_moe:
+    per_expert_names = any("{expert}" in n for m in amap.mappings for n in m.hf)  # else shapes say the count
+    if spec.is_moe and per_expert_names:
         if not _is_range(experts, spec.num_experts):
             raise ConversionError(f"{reader.path / 'config.json'}: {spec.num_experts} experts per layer, but the weights "
                                   f"hold experts {_listed(experts)}; the config disagrees with the weights")
@@ -181,6 +182,8 @@ def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: WeightMap, ctx: Ctx, d
     for m in amap.mappings:
         shape = shapes[m.mcore]
         want_hf = hf_slice_shapes(m, shape, ctx)
+        if m.hf_experts:  # one HF tensor holds every expert
+            want_hf = [(spec.num_experts, *w) for w in want_hf]
         indices = slice_indices(m, spec)
         dtypes = set()
         for index in indices:
@@ -195,7 +198,8 @@ def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: WeightMap, ctx: Ctx, d
         chunks = []
         for index in indices:
             def produce(m: Mapping = m, index: tuple[int, ...] = index, out_dtype: torch.dtype = out_dtype) -> torch.Tensor:
-                t = m.to_mcore([reader.get(n) for n in hf_names_at(m, index)], ctx).to(out_dtype)
+                row = index[1] if m.hf_experts else None
+                t = m.to_mcore([reader.get(n, row) for n in hf_names_at(m, index)], ctx).to(out_dtype)
                 return t.reshape((1,) * len(index) + tuple(t.shape))
             chunks.append(torch_dist.ChunkSource(index + (0,) * len(shape), (1,) * len(index) + shape, produce))
         planned.append(torch_dist.PlannedTensor(m.mcore, lead + shape, out_dtype, chunks, m.scope))
@@ -413,6 +417,7 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
             if layer is not None and not m.has_layer(layer):
                 continue
             indices = [()] if layer is None else [(layer,)] if m.scope == LAYER else [(layer, e) for e in range(spec.num_experts)]
+            stacked: dict[str, list[torch.Tensor]] = {}
             for index in indices:
                 part = source.read(m.mcore, index)
                 if tuple(part.shape) != shapes[m.mcore]:
@@ -425,11 +430,20 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
                         raise ConversionError(f"{name}: came out as {tuple(t.shape)}, expected {want} (from {m.mcore})")
                     cast = dtypes.to_torch(dtype) if dtype else None if m.keep_dtype else out_dtype
                     t = t.to(cast) if cast else t
+                    if m.hf_experts:  # every expert's slice, written below as one tensor
+                        stacked.setdefault(name, []).append(t)
+                        continue
                     writer.add(name, t)
                     n = t.numel() * t.element_size()
                     summary.tensors += 1
                     summary.bytes += n
                     bar.update(n)
+            for name, parts in stacked.items():
+                t = torch.stack(parts)
+                writer.add(name, t)
+                summary.tensors += 1
+                summary.bytes += t.numel() * t.element_size()
+                bar.update(t.numel() * t.element_size())
         writer.finish()
         bar.close()
         copy_assets(assets, tmp)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mcorekit.errors import ModelError
-from mcorekit.models.mapping import (COLUMN, EXPERT, GLOBAL, QKV, REPLICATED, ROW, Direct, GatedFC1, Mapping, Part, TEModule,
-                                     VocabRows)
+from mcorekit.models.mapping import (COLUMN, EXPERT, GLOBAL, QKV, REPLICATED, ROW, Direct, GatedFC1,
+                                     InterleavedGateUp, Mapping, Part, TEModule, TransposedExpert, VocabRows)
 from mcorekit.models.spec import ModelSpec
 
 ATTN = "decoder.layers.self_attention"
@@ -39,6 +39,12 @@ SHARED_FC1 = f"{MLP}.shared_experts.linear_fc1.weight"
 SHARED_FC2 = f"{MLP}.shared_experts.linear_fc2.weight"
 SHARED_GATE = f"{MLP}.shared_experts.gate_weight"
 EXPERT_BIAS = f"{MLP}.router.expert_bias"
+# GPT-OSS: biases on the output projection, the router and the experts; the attention sinks
+PROJ_BIAS = f"{ATTN}.linear_proj.bias"
+SINKS = f"{ATTN}.core_attention.softmax_offset"
+ROUTER_BIAS = f"{MLP}.router.bias"
+EXPERT_FC1_BIAS = f"{MLP}.experts.experts.linear_fc1.bias"
+EXPERT_FC2_BIAS = f"{MLP}.experts.experts.linear_fc2.bias"
 # Multi-latent attention (MLASelfAttention, TE spec: the q/kv latent norms fused into the up projections)
 MLA_INPUT_NORM = "decoder.layers.input_layernorm.weight"
 MLA_Q = f"{ATTN}.linear_q_proj.weight"
@@ -173,3 +179,34 @@ def shared_expert(spec: ModelSpec, *, gate: str, up: str, down: str, gate_weight
         maps.append(Direct(SHARED_GATE, (f"{gate_weight}.weight",), split=REPLICATED, shape=(1, H)))
     return maps, [TEModule(f"{MLP}.shared_experts.linear_fc1"), TEModule(f"{MLP}.shared_experts.linear_fc2")]
 
+
+
+def attention_extras(spec: ModelSpec, *, o: str, sinks: str | None = None) -> Part:
+    """With spec.linear_bias the output projection's bias (replicated: added once after the row-parallel
+    reduction), with spec.attention_sinks the learned per-head softmax sink (Megatron's softmax_offset of
+    softmax_type=learnable; split with the heads)."""
+    maps: list[Mapping] = []
+    if spec.linear_bias:
+        maps.append(Direct(PROJ_BIAS, (f"{o}.bias",), shape=(spec.hidden_size,)))
+    if spec.attention_sinks:
+        maps.append(Direct(SINKS, (sinks,), split=COLUMN, shape=(spec.num_attention_heads,)))
+    return maps, []
+
+
+def stacked_experts_mlp(spec: ModelSpec, *, norm: str, router: str, gate_up: str, down: str) -> Part:
+    """A mixture of experts whose HF tensors hold every expert (GPT-OSS: `gate_up` [experts, hidden, 2 * ffn] with
+    gate and up alternating, `down` [experts, ffn, hidden], both x @ W, and with spec.linear_bias their biases
+    `<name>_bias` and the router's bias)."""
+    f, H, E = spec.moe_ffn_hidden_size or spec.ffn_hidden_size, spec.hidden_size, spec.num_experts
+    maps: list[Mapping] = [
+        Direct(PRE_MLP_NORM, (f"{norm}.weight",), shape=(H,)),
+        Direct(ROUTER, (f"{router}.weight",), shape=(E, H)),
+        InterleavedGateUp(EXPERT_FC1, (gate_up,), shape=(2 * f, H)),
+        TransposedExpert(EXPERT_FC2, (down,), shape=(H, f)),
+    ]
+    if spec.linear_bias:
+        maps += [Direct(ROUTER_BIAS, (f"{router}.bias",), shape=(E,)),
+                 InterleavedGateUp(EXPERT_FC1_BIAS, (f"{gate_up}_bias",), shape=(2 * f,)),
+                 Direct(EXPERT_FC2_BIAS, (f"{down}_bias",), scope=EXPERT, shape=(H,), hf_experts=True)]
+    return maps, [TEModule("decoder.layers.pre_mlp_layernorm"), TEModule(f"{MLP}.experts.experts.linear_fc1", EXPERT),
+                  TEModule(f"{MLP}.experts.experts.linear_fc2", EXPERT)]

@@ -146,6 +146,7 @@ class Mapping:
     shape: tuple[int, ...] = ()
     layers: tuple[int, ...] | None = None  # the layers that have it (dense or MoE layers of a mixed model); None: all
     keep_dtype: bool = False  # written back to HF in its stored dtype, not the config's (DeepSeek's fp32 router)
+    hf_experts: bool = False  # EXPERT scope: one HF tensor holds every expert on its dim 0 (GPT-OSS), no {expert}
 
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
         return [n.format(layer=layer, expert=expert) for n in self.hf]
@@ -223,6 +224,53 @@ class GatedFC1(Mapping):
 
     def to_hf(self, tensor: torch.Tensor, ctx: Ctx) -> list[torch.Tensor]:
         return list(split_gate_up(tensor))
+
+
+def deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """[g0, u0, g1, u1, ...] on dim 0 -> [g0, g1, ...; u0, u1, ...] (GPT-OSS's gate/up -> Megatron's [gate; up])."""
+    import torch
+
+    return torch.cat([t[0::2], t[1::2]], dim=0).contiguous()
+
+
+def interleave(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    gate, up = torch.chunk(t, 2, dim=0)
+    return torch.stack([gate, up], dim=1).reshape(t.shape).contiguous()
+
+
+@dataclass(frozen=True)
+class InterleavedGateUp(Mapping):
+    """GPT-OSS experts' gate_up_proj [experts, hidden, 2 * ffn] (x @ W, gate and up alternating on the last dim)
+    or its bias [experts, 2 * ffn] -> one expert's Megatron fc1 [gate; up] ([2 * ffn, hidden] or [2 * ffn])."""
+
+    scope: str = EXPERT
+    split: str = GATED_COLUMN
+    hf_experts: bool = True
+
+    def to_mcore(self, tensors: list[torch.Tensor], ctx: Ctx) -> torch.Tensor:
+        (t,) = tensors
+        return deinterleave(t.t() if t.dim() == 2 else t)
+
+    def to_hf(self, tensor: torch.Tensor, ctx: Ctx) -> list[torch.Tensor]:
+        t = interleave(tensor)
+        return [t.t().contiguous() if t.dim() == 2 else t]
+
+
+@dataclass(frozen=True)
+class TransposedExpert(Mapping):
+    """GPT-OSS experts' down_proj [experts, ffn, hidden] (x @ W) -> one expert's Megatron fc2 [hidden, ffn]."""
+
+    scope: str = EXPERT
+    split: str = ROW
+    hf_experts: bool = True
+
+    def to_mcore(self, tensors: list[torch.Tensor], ctx: Ctx) -> torch.Tensor:
+        return tensors[0].t().contiguous()
+
+    def to_hf(self, tensor: torch.Tensor, ctx: Ctx) -> list[torch.Tensor]:
+        return [tensor.t().contiguous()]
 
 
 @dataclass(frozen=True)

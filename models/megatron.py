@@ -141,8 +141,54 @@ def transformer_config(spec: ModelSpec, par: Layout = Layout(), params_dtype: to
         kwargs.update(moe_fields(spec))
     if spec.is_mla:
         kwargs.update(mla_fields(spec))
+    kwargs.update(gpt_oss_fields(spec))
     kwargs.update(overrides)
-    return (MLATransformerConfig if spec.is_mla else TransformerConfig)(**kwargs)
+    config = (MLATransformerConfig if spec.is_mla else TransformerConfig)(**kwargs)
+    for key, value in yarn_fields(spec).items():
+        # GPTModel's YaRN rope and the attention's concentration factor read these when present; they are not
+        # TransformerConfig fields in Megatron-Core 0.19 (Megatron-Bridge sets them on its config the same way)
+        setattr(config, key, value)
+    return config
+
+
+def gpt_oss_fields(spec: ModelSpec) -> dict[str, Any]:
+    """Linear biases, attention sinks, sliding windows on some layers, and the clamped SwiGLU."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    out: dict[str, Any] = {}
+    if spec.linear_bias:
+        out.update(add_bias_linear=True)
+    if spec.attention_sinks:
+        out.update(softmax_type="learnable")
+    if spec.sliding_window:
+        # HF lets token i see j when i - j < sliding_window; Megatron's window (left, right) sees i - left .. i
+        out.update(window_size=(spec.sliding_window - 1, 0), window_attn_skip_freq=list(spec.window_layers or ()))
+    if spec.activation == "gpt_oss":  # (up + 1) * quick_gelu(gate): quick_gelu is g * sigmoid(1.702 g)
+        out.update(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=spec.glu_clamp)
+    elif spec.activation != "silu":
+        raise ModelError(f"activation {spec.activation!r} is not supported; supported: silu, gpt_oss")
+    return out
+
+
+def uses_yarn(spec: ModelSpec) -> bool:
+    """Standard attention with YaRN rope (GPT-OSS); multi-latent attention has its own (mla_fields)."""
+    rs = spec.rope_scaling or {}
+    return not spec.is_mla and rs.get("rope_type", rs.get("type")) == "yarn"
+
+
+def yarn_fields(spec: ModelSpec) -> dict[str, Any]:
+    if not uses_yarn(spec):
+        return {}
+    rs = spec.rope_scaling
+    if rs.get("attention_factor") is not None:
+        raise ModelError("yarn rope scaling with attention_factor is not supported (Megatron-Core derives it from "
+                         "mscale and mscale_all_dim)")
+    return dict(yarn_rotary_scaling_factor=float(rs["factor"]),
+                yarn_original_max_position_embeddings=int(rs.get("original_max_position_embeddings")
+                                                          or spec.max_position_embeddings),
+                yarn_beta_fast=float(rs.get("beta_fast", 32)), yarn_beta_slow=float(rs.get("beta_slow", 1)),
+                yarn_mscale=rs.get("mscale"), yarn_mscale_all_dim=rs.get("mscale_all_dim"),
+                yarn_correction_range_round_to_int=bool(rs.get("truncate", True)))
 
 
 def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False, torch_expert_gemm: bool = False,
@@ -166,8 +212,10 @@ def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False, torch_
     local = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=experts, moe_grouped_gemm=grouped_gemm and moe, qk_layernorm=spec.qk_layernorm or spec.is_mla,
         normalization="RMSNorm", multi_latent_attention=spec.is_mla)
-    # PyTorch's fused SDPA instead of Megatron's unfused local attention (no parameters: checkpoints unchanged)
-    local.submodules.self_attention.submodules.core_attention = SDPAttention
+    # PyTorch's fused SDPA instead of Megatron's unfused local attention (no parameters: checkpoints unchanged);
+    # attention sinks and sliding windows stay with Megatron's own, which implements them
+    if not (spec.attention_sinks or spec.sliding_window):
+        local.submodules.self_attention.submodules.core_attention = SDPAttention
     if spec.is_mla:
         # The TE spec fuses the q/kv latent norms into the up projections and a dense MLP's norm into linear_fc1;
         # the local MLA spec keeps them apart. Store them under the TE names, as for the standard attention.
@@ -213,7 +261,7 @@ def build_gpt(spec: ModelSpec, config: Any, padded_vocab: int, use_te: bool, gro
               torch_expert_gemm: bool = False) -> Any:
     from megatron.core.models.gpt import GPTModel
 
-    factor = None if spec.is_mla else rope_scaling_factor(spec)  # MLA: its own rope (mla_fields)
+    factor = None if spec.is_mla or uses_yarn(spec) else rope_scaling_factor(spec)  # MLA: its own rope (mla_fields)
     return GPTModel(
         config=config,
         transformer_layer_spec=block_spec(spec, config, use_te, grouped_gemm, torch_expert_gemm, vp_stage),
@@ -222,7 +270,7 @@ def build_gpt(spec: ModelSpec, config: Any, padded_vocab: int, use_te: bool, gro
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if uses_yarn(spec) else "rope",
         rotary_percent=1.0,
         rotary_base=int(spec.rope_theta),
         rope_scaling=factor is not None,

@@ -89,6 +89,8 @@ def layout_problems(spec: ModelSpec, layout: Layout, runtime: str = MEGATRON, pa
             out.append(f"EP={ep} does not divide num_experts={spec.num_experts}")
         if expert_ffn % etp:
             out.append(f"ETP={etp} does not divide the expert FFN size {expert_ffn}")
+        if spec.linear_bias and etp > 1:
+            out.append(f"ETP={etp}: Megatron-Core supports biased experts ({spec.architecture}) only at expert TP 1")
     elif tp % ep:
         out.append(f"EP={ep} must divide TP={tp} (TensorRT-LLM places experts inside the TP group: moe_tp * moe_ep = tp)")
     elif spec.num_experts % ep:

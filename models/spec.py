@@ -50,6 +50,15 @@ class ModelSpec:
     qk_head_dim: int | None = None  # per-head q/k size without rope (HF qk_nope_head_dim)
     qk_pos_emb_head_dim: int | None = None  # per-head q/k size with rope (HF qk_rope_head_dim)
     v_head_dim: int | None = None
+    # GPT-OSS: biases on every linear (o_proj, router, experts; q/k/v by qkv_bias), a learned softmax sink per head,
+    # sliding-window attention on the layers window_layers marks 1, and the clamped SwiGLU
+    # (up + 1) * g * sigmoid(1.702 g) with g = min(gate, limit), up clamped to +-limit (activation "gpt_oss")
+    linear_bias: bool = False
+    attention_sinks: bool = False
+    sliding_window: int | None = None
+    window_layers: tuple[int, ...] | None = None
+    activation: str = "silu"
+    glu_clamp: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

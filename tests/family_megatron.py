@@ -2,11 +2,15 @@
 
     keys HF TP PP EP    build train/'s model at a layout (one gloo process per rank) and print `KEYS <json>`: the
                         union of its sharded_state_dict keys with global shapes
-    logits HF CKPT      load a converted torch_dist checkpoint into it (TP1, local spec) and print
-                        `LOGITS <max |diff|> <cosine> <top-1 agreement>` against the HF model in fp32
+    logits HF CKPT      build it at TP1 (local spec), print its `KEYS <json>`, load a converted torch_dist
+                        checkpoint into it and print `LOGITS <max |diff|> <cosine> <top-1 agreement>` against the
+                        HF model in fp32 (one process: Megatron-Core's import is most of a run on 2 cores)
 
 Megatron-Core puts RotaryEmbedding's frequencies and the MoE router's expert-bias buffers on
-torch.cuda.current_device(); that one call is pointed at the CPU here. Everything else is Megatron-Core's code."""
+torch.cuda.current_device(), and its local attention's causal and sliding-window masks on "cuda"; those are
+pointed at the CPU here (the masks rebuilt as Megatron-Core's utils build them), and the CUDA RNG fork around
+its attention dropout (p = 0) is skipped. Everything else is Megatron-Core's
+code."""
 
 from __future__ import annotations
 
@@ -22,6 +26,23 @@ import torch.multiprocessing as mp
 
 def _cpu() -> None:
     torch.cuda.current_device = lambda: "cpu"
+    # Megatron-Core's local attention builds its causal and sliding-window masks on "cuda"; the same masks on CPU
+    from megatron.core.fusions import fused_softmax
+
+    def causal(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    def sliding(sq: int, skv: int, window: tuple[int, int]) -> torch.Tensor:
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window[0]), diagonal=skv - sq + window[1])
+
+    fused_softmax.get_default_causal_mask, fused_softmax.get_sliding_window_causal_mask = causal, sliding
+    # its attention dropout (p = 0 here) forks the CUDA RNG tracker
+    import contextlib
+
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
 
 
 def keys_rank(rank: int, world: int, hf: str, tp: int, pp: int, ep: int, out: str) -> None:
@@ -85,6 +106,13 @@ def logits(hf: str, ckpt: str) -> None:
     padded = tuple(TorchDistReader(ckpt).tensor_keys()["embedding.word_embeddings.weight"].size)[0]
     cfg = transformer_config(spec, cpu_init=True, moe_token_dispatcher_type="allgather")
     model = build_gpt(spec, cfg, padded, use_te=False).eval()
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sd = model.sharded_state_dict()
+    apply_factories(sd)
+    keys = {v.key: list(v.global_shape) for v in nested_values(sd) if isinstance(v, ShardedTensor)}
+    print("KEYS " + json.dumps(keys, sort_keys=True))
     state = dist_checkpointing.load(model.sharded_state_dict(), ckpt, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
     model.load_state_dict(state)
     ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))

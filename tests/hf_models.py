@@ -85,17 +85,30 @@ FAMILY_CONFIGS = {
 
 
 def make_family_model(name: str, out: Path, seed: int = 0) -> Path:
-    """A tiny random model of FAMILY_CONFIGS[name] with random norms and, for DeepSeek, a random router bias
-    (transformers initialises e_score_correction_bias to zeros, which would not show a lost or swapped bias)."""
+    """A tiny random model of FAMILY_CONFIGS[name] with random norms, biases and sinks, and for DeepSeek a random
+    router bias (transformers initialises e_score_correction_bias and GPT-OSS's biases to zeros, which would not
+    show a lost or swapped bias)."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(FAMILY_CONFIGS[name](), dtype=torch.bfloat16)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif n.endswith(("bias", "sinks")):  # GPT-OSS initialises its biases to zeros
+                p.copy_(0.1 * torch.randn_like(p))
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(out, max_shard_size="200KB")
     (out / "tokenizer_config.json").write_text('{"model_max_length": 256}')
     return out
+
+
+# GPT-OSS: sliding window 8 on even layers (shorter than the 24-token prompts), YaRN (truncate=false), 4 experts top-2,
+# a SwiGLU limit small enough that the tiny model's activations are clamped
+GPT_OSS = dict(vocab_size=250, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+               max_position_embeddings=256, rms_norm_eps=1e-5, swiglu_limit=0.1,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False})
+FAMILY_CONFIGS["gpt_oss"] = lambda: transformers.GptOssConfig(**GPT_OSS)

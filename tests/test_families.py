@@ -26,7 +26,7 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {n: make_family_model(n, root / n) for n in ("deepseek_v3", "deepseek_v3_noqlora")}
+    return {n: make_family_model(n, root / n) for n in ("deepseek_v3", "deepseek_v3_noqlora", "gpt_oss")}
 
 
 def assert_bitwise(a: Path, b: Path) -> None:
@@ -34,13 +34,28 @@ def assert_bitwise(a: Path, b: Path) -> None:
     assert reports and all(r.status == "equal" for r in reports), [r for r in reports if r.status != "equal"][:3]
 
 
-def run_helper(*args: str, port: int) -> str:
-    env = {**os.environ, "PYTHONPATH": str(HERE), "KEYS_PORT": str(port), "LOGITS_PORT": str(port)}
-    proc = subprocess.run([sys.executable, str(HERE / "family_megatron.py"), *args], capture_output=True, text=True,
-                          env=env, timeout=600)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(("KEYS ", "LOGITS "))), None)
-    assert line, proc.stderr[-3000:]
-    return line
+def megatron_keys_and_logits(hf: Path, ckpt: Path, port: int) -> tuple[dict[str, list[int]], tuple[float, float, float]]:
+    """Megatron-Core's model of `hf` (tests/family_megatron.py, one process): its tensor keys with global shapes,
+    and (max |diff|, cosine, top-1 agreement) of its logits, loaded from `ckpt`, against transformers'."""
+    env = {**os.environ, "PYTHONPATH": str(HERE), "LOGITS_PORT": str(port)}
+    proc = subprocess.run([sys.executable, str(HERE / "family_megatron.py"), "logits", str(hf), str(ckpt)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith(("KEYS ", "LOGITS "))}
+    assert set(lines) == {"KEYS", "LOGITS"}, proc.stderr[-3000:]
+    max_diff, cosine, top1 = map(float, lines["LOGITS"].split())
+    return json.loads(lines["KEYS"]), (max_diff, cosine, top1)
+
+
+def assert_megatron_agrees(hf: Path, tmp_path: Path, port: int) -> None:
+    """The converted checkpoint holds exactly the tensors (keys, global shapes) of Megatron-Core's model of the
+    same config, and that model, loaded from it, gives transformers' logits in fp32. torch_dist keys have no
+    layout (the global shapes are the same at every TP/PP/EP); the legacy tests cover the splits."""
+    pipeline.hf_to_mcore(hf, tmp_path / "m", dtype="fp32", quiet=True)
+    ckpt = {k: list(v.size) for k, v in TorchDistReader(tmp_path / "m/release").tensor_keys().items()}
+    keys, (max_diff, cosine, top1) = megatron_keys_and_logits(hf, tmp_path / "m/release", port)
+    assert keys == ckpt
+    print(f"{hf.name}: max |diff| {max_diff:.2e}, cosine {cosine:.7f}, top-1 {top1:.3f}")
+    assert max_diff < 1e-5 and cosine > 0.99999 and top1 == 1.0, (max_diff, cosine, top1)
 
 
 # ---------------------------------------------------------------- DeepSeek-V3
@@ -87,22 +102,11 @@ def test_deepseek_v3_legacy_ranks_hold_megatron_splits(family_models, tmp_path: 
     assert torch.equal(r1["decoder.layers.1.mlp.router.expert_bias"], src.get("model.layers.1.mlp.gate.e_score_correction_bias"))
 
 
-@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 2)])
-def test_deepseek_v3_keys_equal_megatron_model_keys(family_models, tmp_path: Path, tp: int, pp: int, ep: int) -> None:
-    hf = family_models["deepseek_v3"]
-    pipeline.hf_to_mcore(hf, tmp_path / "m", tp=tp, pp=pp, ep=ep, quiet=True)
-    ckpt = {k: list(v.size) for k, v in TorchDistReader(tmp_path / "m/release").tensor_keys().items()}
-    model = json.loads(run_helper("keys", str(hf), str(tp), str(pp), str(ep), port=29641)[5:])
-    assert model == ckpt
-
-
-def test_deepseek_v3_megatron_logits_equal_transformers(family_models, tmp_path: Path) -> None:
+def test_deepseek_v3_megatron_keys_and_logits_equal(family_models, tmp_path: Path) -> None:
     """MLA (q LoRA, YaRN, interleaved rope), a dense first layer, shared experts, sigmoid routing with group
-    top-k, the expert bias and the routed scaling factor: Megatron-Core's model gives transformers' logits."""
-    hf = family_models["deepseek_v3"]
-    pipeline.hf_to_mcore(hf, tmp_path / "m", dtype="fp32", quiet=True)
-    max_diff, cosine, top1 = map(float, run_helper("logits", str(hf), str(tmp_path / "m/release"), port=29651).split()[1:])
-    assert max_diff < 1e-5 and cosine > 0.99999 and top1 == 1.0, (max_diff, cosine, top1)
+    top-k, the expert bias and the routed scaling factor: Megatron-Core's model has the converter's keys and gives
+    transformers' logits."""
+    assert_megatron_agrees(family_models["deepseek_v3"], tmp_path, port=29651)
 
 
 def test_deepseek_v3_refusals(family_models, tmp_path: Path) -> None:
@@ -145,3 +149,61 @@ def test_deepseek_v3_exports_for_the_pytorch_backend_and_the_engine_target_says_
     assert not (tmp_path / "engine").exists()
     with pytest.raises(ExportError, match="FP8 export of MoE models is not supported"):
         export(hf, tmp_path / "fp8", "pytorch", use_fp8=True, quiet=True)
+
+
+# ---------------------------------------------------------------- GPT-OSS
+
+
+def test_gpt_oss_round_trips_bitwise(family_models, tmp_path: Path) -> None:
+    """The experts' HF tensors hold every expert (gate/up interleaved, x @ W): de-interleaved and transposed into
+    Megatron's per-expert [gate; up] and back, exactly; torch_dist and legacy TP2 PP2 EP2."""
+    hf = family_models["gpt_oss"]
+    pipeline.hf_to_mcore(hf, tmp_path / "td", quiet=True)
+    keys = TorchDistReader(tmp_path / "td/release").tensor_keys()
+    assert tuple(keys["decoder.layers.self_attention.core_attention.softmax_offset"].size) == (4, 4)
+    assert tuple(keys["decoder.layers.mlp.experts.experts.linear_fc1.bias"].size) == (4, 4, 64)
+    pipeline.mcore_to_hf(tmp_path / "td", tmp_path / "td_back", quiet=True)
+    assert_bitwise(hf, tmp_path / "td_back")
+    pipeline.hf_to_mcore(hf, tmp_path / "lg", fmt="torch", tp=2, pp=2, ep=2, quiet=True)
+    pipeline.mcore_to_hf(tmp_path / "lg", tmp_path / "lg_back", quiet=True)
+    assert_bitwise(hf, tmp_path / "lg_back")
+
+
+def test_gpt_oss_expert_layout_and_refusals(family_models, tmp_path: Path) -> None:
+    import shutil
+
+    from mcorekit.convert.hf_io import HFReader
+
+    hf = family_models["gpt_oss"]
+    pipeline.hf_to_mcore(hf, tmp_path / "m", fmt="torch", tp=2, ep=2, quiet=True)
+    r1 = torch.load(tmp_path / "m/release/mp_rank_01_001/model_optim_rng.pt", weights_only=True)["model"]
+    gate_up = HFReader(hf).get("model.layers.2.mlp.experts.gate_up_proj")[3]  # [hidden, 2 * ffn], gate/up alternating
+    fc1 = r1["decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"]  # expert 3 = EP rank 1, local 1
+    assert torch.equal(fc1, torch.cat([gate_up[:, 0::2].t(), gate_up[:, 1::2].t()]))
+    assert torch.equal(r1["decoder.layers.2.self_attention.core_attention.softmax_offset"],
+                       HFReader(hf).get("model.layers.2.self_attn.sinks").chunk(2)[1])  # TP rank 1: heads 2-3
+    with pytest.raises(ConversionError, match="ETP=2: Megatron-Core supports biased experts"):
+        pipeline.hf_to_mcore(hf, tmp_path / "etp", fmt="torch", tp=2, ep=2, etp=2, quiet=True)
+    bad = shutil.copytree(hf, tmp_path / "hf")
+    cfg = json.loads((bad / "config.json").read_text())
+    for change, needle in ((dict(quantization_config={"quant_method": "mxfp4"}), "mxfp4 weights are not converted"),
+                           (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5 is not supported")):
+        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ConversionError, match=needle):
+            pipeline.hf_to_mcore(bad, tmp_path / "out", quiet=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpt_oss_megatron_keys_and_logits_equal(family_models, tmp_path: Path) -> None:
+    """Attention sinks, sliding windows of 8 on every other layer (24-token prompts), YaRN without truncation,
+    biases everywhere and the clamped SwiGLU (limit 0.1: the tiny model's activations are clamped). Without the
+    window or with the default limit 7, transformers' own logits move by 0.18 and 0.13."""
+    assert_megatron_agrees(family_models["gpt_oss"], tmp_path, port=29671)
+
+
+def test_gpt_oss_engine_target_says_why_not(family_models, tmp_path: Path) -> None:
+    from mcorekit.errors import ExportError
+    from mcorekit.export.pipeline import export
+
+    with pytest.raises(ExportError, match=r"no TensorRT-LLM architecture for gpt_oss \(TensorRT-LLM serves GPT-OSS"):
+        export(family_models["gpt_oss"], tmp_path / "engine", "engine", tp=2, quiet=True)

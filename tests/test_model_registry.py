@@ -108,12 +108,13 @@ def test_a_registered_family_exports_to_both_targets(toy, tmp_path: Path) -> Non
 
 
 def test_registry_lookups(toy) -> None:
-    with pytest.raises(ModelError, match=r"supported: deepseek_v3, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, toy_llama"):
+    with pytest.raises(ModelError, match=r"supported: deepseek_v3, gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, toy_llama"):
         registry.for_config({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="already registered"):
         registry.register(toy_llama.FAMILY)
-    # the engine target (TensorRT-LLM <= 1.2) has no DeepSeek-V3 architecture: that family says so
-    assert [f.name for f in registry.families().values() if not f.trtllm] == ["deepseek_v3"]
+    # the engine target (TensorRT-LLM <= 1.2) has no DeepSeek-V3 or GPT-OSS architecture: those families say why
+    assert sorted(f.name for f in registry.families().values() if not f.trtllm) == ["deepseek_v3", "gpt_oss"]
+    assert all(f.no_engine for f in registry.families().values() if not f.trtllm)
 
 
 def test_each_architecture_is_spelled_in_one_file() -> None:
