@@ -31,8 +31,8 @@ def main(config: str, run_dir: str, base: str) -> None:
     built = {}
     build = loop.build
 
-    def keep(e):  # noqa: ANN001, ANN202
-        built["t"] = build(e)
+    def keep(e, **kw):  # noqa: ANN001, ANN003, ANN202
+        built["t"] = build(e, **kw)
         return built["t"]
 
     loop.build = keep

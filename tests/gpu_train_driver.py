@@ -50,11 +50,11 @@ def probe_first_step(run_dir: Path) -> None:
     """Wrap the trainer's optimizer step: before the first one, write this rank's gradient norms."""
     build = loop.build
 
-    def build_and_probe(exp):  # noqa: ANN001, ANN202
+    def build_and_probe(exp, **kw):  # noqa: ANN001, ANN003, ANN202
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        t = build(exp)
+        t = build(exp, **kw)
         whole = ps.get_data_parallel_world_size(with_context_parallel=True) == 1  # else only a reduced shard
         step = t.optimizer.step
 

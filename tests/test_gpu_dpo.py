@@ -87,6 +87,8 @@ def dpo_config(tokenizer: Path, pairs: Path, **sections: dict) -> dict:
            "logging": {"log_interval": 1}}
     for key, value in sections.items():
         cfg[key] = {**cfg.get(key, {}), **value}
+    s = cfg["schedule"]  # a short run keeps a warmup shorter than itself (the rules refuse warmup >= train_iters)
+    s["warmup_iters"] = min(s["warmup_iters"], s["train_iters"] - 1)
     return cfg
 
 
