@@ -10,6 +10,8 @@ Levers (applied inside the training process, on top of `python -m mcorekit.train
            the flag to APEX's kernel for its own output layer; here that one layer keeps the plain path.
   graphs   Megatron-Core's own ("local") CUDA graphs of the static part of each layer: attention, router and
            dispatch preprocessing (the experts' token counts vary, so they stay eager), with TE's RNG tracker.
+  graphs-attn  the same for attention only: with the alltoall dispatcher `graphs` fails at capture (its
+           preprocess records a device-to-host event inside the graph; measured 2026-12-01)
   router   TE's fused router (top-k + softmax + aux loss in one kernel): moe.router_fusion=true.
 Levers combine with '+'. Tokens/s is the median over logged intervals after the first; one process per lever.
 """
@@ -35,12 +37,12 @@ def kwargs(exp, spec, use_te, fusions=True):
     kw = base_kwargs(exp, spec, use_te, fusions)
     if "gaf" in levers:
         kw["gradient_accumulation_fusion"] = True
-    if "graphs" in levers:
-        kw.update(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe_router", "moe_preprocess"],
-                  use_te_rng_tracker=True)
+    if "graphs" in levers or "graphs-attn" in levers:
+        modules = ["attn"] if "graphs-attn" in levers else ["attn", "moe_router", "moe_preprocess"]
+        kw.update(cuda_graph_impl="local", cuda_graph_modules=modules, use_te_rng_tracker=True)
     return kw
 margs.transformer_kwargs = kwargs
-if "graphs" in levers:  # local CUDA graphs need a graph-safe RNG tracker
+if levers & {"graphs", "graphs-attn"}:  # local CUDA graphs need a graph-safe RNG tracker
     import megatron.core.tensor_parallel.random as rnd
     rnd.model_parallel_cuda_manual_seed = functools.partial(rnd.model_parallel_cuda_manual_seed, te_rng_tracker=True)
 if "gaf" in levers:  # TE's layers fuse without APEX; Megatron's own output layer would need APEX's kernel
