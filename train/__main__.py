@@ -64,9 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(a.run_dir) if a.run_dir else default_run_dir(Path(a.config), exp.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     from mcorekit.train.loop import train
-    from mcorekit.train.metrics import use_wandb
-
-    use_wandb(exp.logging.wandb, exp.name)
 
     try:
         train(exp, run_dir, a.peak_tflops)

@@ -16,12 +16,10 @@ class TrainJob:
         from mcorekit import quiet
         from mcorekit.config.experiment import load_experiment
         from mcorekit.train.loop import train
-        from mcorekit.train.metrics import use_wandb
 
         quiet.install()
 
         exp = load_experiment(self.config_path)
-        use_wandb(exp.logging.wandb, exp.name)
         losses = train(exp, Path(self.run_dir), self.peak_tflops)
         return {"steps": len(losses), "final_loss": losses[-1] if losses else None}
 

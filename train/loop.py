@@ -120,7 +120,8 @@ class StepLog:
     def __init__(self, t: Trainer, exp: Experiment, run_dir: Path, peak_tflops: float, on_step: Any,
                  rows_per_sample: int = 1) -> None:
         self.t, self.exp, self.peak_tflops, self.on_step = t, exp, peak_tflops, on_step
-        self.writer = MetricsWriter(run_dir, exp.logging.tensorboard, dist.get_rank() == 0)
+        self.writer = MetricsWriter(run_dir, exp.logging.tensorboard, dist.get_rank() == 0, exp.logging.wandb,
+                                    exp.name)
         self.experts = ExpertLoad(t.model, exp.parallel.sequence_parallel) if t.spec.is_moe else None
         self.tokens_per_step = exp.schedule.global_batch_size * rows_per_sample * exp.data.seq_length
         self.flops_per_step = train_flops_per_token(t.spec, exp.data.seq_length, t.padded_vocab) * self.tokens_per_step

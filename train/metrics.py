@@ -10,17 +10,7 @@ import torch
 import torch.distributed as dist
 
 
-# logging.wandb of the experiment this process trains, set by the entry points (train/job.py, train/__main__.py)
-# before the loop builds its MetricsWriter; a writer built with wandb=... explicitly uses that instead.
-_WANDB: tuple[Any, str] | None = None
 WANDB_ID_FILE = "wandb-run-id"  # in the run folder: a requeued or resumed job continues the same W&B run
-
-
-def use_wandb(config: Any, name: str) -> None:
-    """Log this process's training to W&B as `config` (an experiment's logging.wandb, or None) says; `name` is the
-    experiment's, the run's name when the config names none."""
-    global _WANDB
-    _WANDB = (config, name) if config is not None else None
 
 
 def _wandb_run(run_dir: Path, config: Any, name: str) -> Any:
@@ -41,7 +31,8 @@ def _wandb_run(run_dir: Path, config: Any, name: str) -> Any:
 
 
 class MetricsWriter:
-    """Rank 0 writes; other ranks hold a no-op writer."""
+    """Rank 0 writes metrics.jsonl, and TensorBoard and W&B where asked (`wandb`: an experiment's logging.wandb;
+    `name`: the run's W&B name when that names none); other ranks hold a no-op writer."""
 
     def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool, wandb: Any = None, name: str | None = None) -> None:
         self.enabled = enabled
@@ -52,8 +43,6 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        if wandb is None and _WANDB is not None:
-            wandb, name = _WANDB
         if enabled and wandb is not None and wandb.mode != "disabled":
             self.wandb = _wandb_run(run_dir, wandb, name or run_dir.name)
 
