@@ -8,7 +8,7 @@ CONFIG ?= examples/llama-tiny.yaml
 ARGS ?=
 NODES ?=
 
-.PHONY: help setup demo test test-cpu test-gpu test-gpu-multi cluster-up cluster-down cluster-status train sweep dry-run status logs cancel convert export data bench-train bench-overlap bench-profile
+.PHONY: help setup demo test test-cpu test-gpu test-gpu-post test-gpu-multi cluster-up cluster-down cluster-status train sweep dry-run status logs cancel convert export data bench-train bench-overlap bench-profile
 
 help:
 	@echo "make demo            bring up the dev Slurm cluster and run the toolchain end to end"
@@ -20,7 +20,8 @@ help:
 	@echo "make sweep CONFIG=... GRID=\"optimizer.lr=1e-4,3e-4\" [MAX_PARALLEL=2]"
 	@echo "make status | make logs JOB=id | make cancel JOB=id"
 	@echo "make data ARGS=\"preprocess corpus.jsonl --tokenizer DIR --output-prefix data/corpus\""
-	@echo "make test-gpu        (GPU machine) the one-GPU suite in one call; make test-gpu-multi on 2 GPUs"
+	@echo "make test-gpu        (GPU machine) the one-GPU suite in one call; test-gpu-post: DPO/LoRA/GRPO/families;"
+	@echo "                     make test-gpu-multi on 2 GPUs (layouts, FSDP, DPO and GRPO layouts)"
 	@echo "make bench-train     (GPU) training tokens/s and MFU vs HF transformers, docs/train.md"
 	@echo "make bench-overlap   (2+ GPUs) hidden vs exposed communication, DP and TP overlaps, docs/train.md"
 	@echo "make bench-profile   (GPU) where a training step's time goes: GPU busy vs host, top kernels and ops"
@@ -68,14 +69,20 @@ convert export data: setup
 	$(MK) $@ $(ARGS)
 
 # On the GPU machine (where the GPU stack is staged, not .venv): the one-GPU suite in one call (-n 4 shares the one
-# GPU; 265 s measured on one H200), and the two-GPU suite (220 s on two H200s). From tests/: run from the repository
-# root, its mcorekit/ folder would shadow the installed package. GPU_PY is that machine's python.
+# GPU; 290 s measured on one H200), the post-training and model-family tests (DPO, LoRA, GRPO, DeepSeek-V3/GPT-OSS;
+# one GPU, their two-GPU cases skip there), and the two-GPU suites (layouts, Megatron-FSDP). From tests/: run from the
+# repository root, its mcorekit/ folder would shadow the installed package. GPU_PY is that machine's python.
 GPU_PY ?= python3
 test-gpu:
 	cd tests && $(GPU_PY) -m pytest test_gpu_train.py test_gpu_convert.py -n 4 -q --durations=10 $(PYTEST_ARGS)
 
+test-gpu-post:
+	cd tests && $(GPU_PY) -m pytest test_gpu_lora.py test_gpu_dpo.py test_gpu_grpo.py test_gpu_families.py -n 4 \
+		--dist loadfile -q -rA --durations=10 $(PYTEST_ARGS)
+
 test-gpu-multi:
-	cd tests && $(GPU_PY) -m pytest test_gpu_multi.py -v -s $(PYTEST_ARGS)
+	cd tests && $(GPU_PY) -m pytest test_gpu_multi.py test_gpu_fsdp.py test_gpu_dpo.py test_gpu_grpo.py -v -s \
+		-k "multi or fsdp or layouts or tp2" $(PYTEST_ARGS)
 
 # On a GPU machine: both benchmark shapes, mcorekit next to HF transformers (the table in docs/train.md).
 bench-train: setup
