@@ -79,8 +79,8 @@ DEEPSEEK_V3 = dict(vocab_size=250, hidden_size=64, intermediate_size=128, moe_in
                                     "mscale": 1.0, "mscale_all_dim": 1.0})
 FAMILY_CONFIGS = {
     "deepseek_v3": lambda: transformers.DeepseekV3Config(**DEEPSEEK_V3),
-    "deepseek_v3_noqlora": lambda: transformers.DeepseekV3Config(**{**DEEPSEEK_V3, "q_lora_rank": None,
-                                                                    "first_k_dense_replace": 2, "n_shared_experts": 2}),
+    "deepseek_v3_2dense": lambda: transformers.DeepseekV3Config(**{**DEEPSEEK_V3, "first_k_dense_replace": 2,
+                                                                   "n_shared_experts": 2}),
 }
 
 
@@ -112,3 +112,10 @@ GPT_OSS = dict(vocab_size=250, hidden_size=64, intermediate_size=32, num_hidden_
                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                                 "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False})
 FAMILY_CONFIGS["gpt_oss"] = lambda: transformers.GptOssConfig(**GPT_OSS)
+
+# DeepSeek-V2: softmax routing (group-limited greedy: 3 of 4 groups, each ranked by its best expert; unnormalised)
+# scaled by 1.5, two shared experts, YaRN with mscale = mscale_all_dim
+DEEPSEEK_V2 = {**DEEPSEEK_V3, "n_group": 4, "topk_group": 3, "n_shared_experts": 2, "routed_scaling_factor": 1.5,
+               "topk_method": "group_limited_greedy",
+               "rope_parameters": {**DEEPSEEK_V3["rope_parameters"], "mscale": 0.707, "mscale_all_dim": 0.707}}
+FAMILY_CONFIGS["deepseek_v2"] = lambda: transformers.DeepseekV2Config(**DEEPSEEK_V2)

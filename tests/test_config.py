@@ -85,7 +85,7 @@ def test_model_from_hf_config_and_presets(tmp_path: Path) -> None:
              "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "tie_word_embeddings": True}
     spec = from_hf_config(qwen3)
     assert (spec.kv_channels, spec.qk_layernorm, spec.rope_theta, spec.tie_word_embeddings) == (32, True, 1e6, True)
-    with pytest.raises(ModelError, match="supported: deepseek_v3, gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"):
+    with pytest.raises(ModelError, match="supported: deepseek_v2, deepseek_v3, gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         from_hf_config({**qwen3, "model_type": "gpt2"})
     with pytest.raises(ModelError, match="did you mean 'llama-tiny'"):
         resolve(preset="lama-tiny")

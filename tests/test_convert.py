@@ -209,7 +209,7 @@ def test_unknown_architecture(models, tmp_path: Path) -> None:
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
     assert_one_line_error(run_cli("hf-to-mcore", str(hf), str(tmp_path / "out")),
-                          "unsupported architecture model_type='gpt_neox'; supported: deepseek_v3, gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe", tmp_path / "out")
+                          "unsupported architecture model_type='gpt_neox'; supported: deepseek_v2, deepseek_v3, gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe", tmp_path / "out")
 
 
 def test_config_that_disagrees_with_weights(models, tmp_path: Path) -> None:

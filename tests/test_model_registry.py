@@ -108,7 +108,7 @@ def test_a_registered_family_exports_to_both_targets(toy, tmp_path: Path) -> Non
 
 
 def test_registry_lookups(toy) -> None:
-    with pytest.raises(ModelError, match=r"supported: deepseek_v3, gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, toy_llama"):
+    with pytest.raises(ModelError, match=r"supported: deepseek_v2, deepseek_v3, gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, toy_llama"):
         registry.for_config({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="already registered"):
         registry.register(toy_llama.FAMILY)

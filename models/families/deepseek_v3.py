@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (and R1, Kimi-K2-style configs of the same model_type): multi-latent attention
+"""DeepSeek-V3 (and R1, Kimi-K2-style configs of the same model_type), and DeepSeek-V2 / V2-Lite (`deepseek_v2`:
+the same layout without the router bias, softmax routing kept unnormalised, see v2_routing_problems): multi-latent attention
 (`self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj`),
 the first `first_k_dense_replace` layers with a dense MLP (`mlp.{gate,up,down}_proj`), the others a mixture of
 experts (`mlp.experts.E.{gate,up,down}_proj`) with `n_shared_experts` ungated shared experts
@@ -12,7 +13,8 @@ moe_router_enable_expert_bias (the `expert_bias` buffer), moe_router_num_groups 
 moe_router_topk_scaling_factor. Weights map as they are (no re-layout); the router and its bias keep their
 dtype (fp32 in DeepSeek's checkpoints).
 
-Not covered, refused with the reason: the multi-token-prediction layer(s) of a checkpoint that carries them
+Not covered, refused with the reason: q_lora_rank=null (V2-Lite; Megatron-Core 0.19 adds a norm before
+linear_q_proj then), the multi-token-prediction layer(s) of a checkpoint that carries them
 (`model.layers.<num_hidden_layers>.*`; transformers neither builds nor saves them), rope_interleave=false,
 FP8 block-quantized weights (weight_scale_inv), and routings Megatron-Core computes differently
 (norm_topk_prob=false with top-k > 1, group scores from other than the top-2 experts of a group)."""
@@ -36,18 +38,25 @@ SIZES = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "
          "n_routed_experts", "num_experts_per_tok")
 
 
+def is_v2(config: dict[str, Any]) -> bool:
+    return config.get("model_type") == "deepseek_v2"
+
+
 def read(config: dict[str, Any]) -> ModelSpec:
     fields = decoder_fields(config, rope_types=("yarn",))
     heads = config["num_attention_heads"]
     experts = config.get("n_routed_experts")
     groups = config.get("n_group") or 1
     shared = (config.get("n_shared_experts") or 0) * config["moe_intermediate_size"]
+    # V3: sigmoid scores, the bias picks, top-k renormalised. V2: softmax over all experts, top-k kept as they are
+    # (Megatron's pre-softmax routing), its router ignores norm_topk_prob.
+    v2 = is_v2(config)
     return ModelSpec(
         "deepseek_v3", **{**fields, "num_query_groups": heads, "kv_channels": config["v_head_dim"]},
         num_experts=experts, moe_router_topk=config["num_experts_per_tok"],
-        moe_ffn_hidden_size=config["moe_intermediate_size"], moe_norm_topk_prob=True,
+        moe_ffn_hidden_size=config["moe_intermediate_size"], moe_norm_topk_prob=not v2,
         moe_shared_expert_ffn_hidden_size=shared or None,
-        moe_router_score_function="sigmoid", moe_router_expert_bias=True,
+        moe_router_score_function="softmax" if v2 else "sigmoid", moe_router_expert_bias=not v2,
         moe_router_num_groups=groups if groups > 1 else None,
         moe_router_group_topk=config.get("topk_group") if groups > 1 else None,
         moe_router_topk_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
@@ -67,14 +76,22 @@ def problems(config: dict[str, Any]) -> list[str]:
     if config.get("n_shared_experts") is not None and (type(config["n_shared_experts"]) is not int
                                                       or config["n_shared_experts"] < 0):
         out.append(f"n_shared_experts={config['n_shared_experts']!r} must be an integer >= 0")
-    if config.get("rope_interleave", True) is not True:
-        out.append("rope_interleave=false is not supported (Megatron-Core's MLA rope takes DeepSeek's interleaved "
-                   "layout only)")
+    if config.get("mlp_bias"):
+        out.append("mlp_bias=true is not supported")
+    if not config.get("q_lora_rank"):
+        out.append("q_lora_rank=null (a plain q_proj, as in DeepSeek-V2-Lite) is not supported: Megatron-Core 0.19's "
+                   "MLA with q/kv latent norms then puts an RMS norm in front of linear_q_proj (fused into it), which "
+                   "HF's q_proj does not have")
     if config.get("attention_bias"):
-        out.append("attention_bias=true is not supported for deepseek_v3")
+        out.append(f"attention_bias=true is not supported for {config.get('model_type')}")
     if config.get("quantization_config"):
         out.append(f"quantized weights ({config['quantization_config'].get('quant_method', '?')}) are not converted; "
                    f"convert a bf16 checkpoint (DeepSeek's fp8_cast_bf16.py)")
+    if is_v2(config):  # V2's rope multiplies interleaved pairs as complex numbers: no switch
+        return out + v2_routing_problems(config)
+    if config.get("rope_interleave", True) is not True:
+        out.append("rope_interleave=false is not supported (Megatron-Core's MLA rope takes DeepSeek's interleaved "
+                   "layout only)")
     topk, experts = config["num_experts_per_tok"], config["n_routed_experts"]
     groups, pick = config.get("n_group") or 1, config.get("topk_group") or 1
     if groups > 1:
@@ -92,6 +109,22 @@ def problems(config: dict[str, Any]) -> list[str]:
     return out
 
 
+def v2_routing_problems(config: dict[str, Any]) -> list[str]:
+    topk, method = config["num_experts_per_tok"], config.get("topk_method", "greedy")
+    groups, pick = config.get("n_group") or 1, config.get("topk_group") or 1
+    if method == "greedy":
+        return []
+    if method != "group_limited_greedy":
+        return [f"topk_method={method!r} is not supported; supported: greedy, group_limited_greedy"]
+    if config["n_routed_experts"] % groups or pick > groups:
+        return [f"n_group={groups}, topk_group={pick}: n_group must divide n_routed_experts and topk_group be at "
+                f"most n_group"]
+    if topk // pick != 1:
+        return [f"num_experts_per_tok={topk} / topk_group={pick}: DeepSeek-V2 ranks a group by its best expert, "
+                f"Megatron-Core by the sum of its top-(top_k // group_topk); they agree only when that is 1"]
+    return []
+
+
 def weights(spec: ModelSpec) -> WeightMap:
     q = (dict(q_a=f"{ATTN}.q_a_proj", q_norm=f"{ATTN}.q_a_layernorm", q_b=f"{ATTN}.q_b_proj") if spec.q_lora_rank
          else dict(q=f"{ATTN}.q_proj"))
@@ -101,7 +134,8 @@ def weights(spec: ModelSpec) -> WeightMap:
     dense = gw.on_layers(gw.dense_mlp(spec, **llama.MLP), spec.dense_layers())
     moe = gw.on_layers(gw.moe_mlp(spec, norm=llama.POST_ATTENTION_NORM, router=f"{MLP}.gate",
                                   gate=f"{EXPERT}.gate_proj", up=f"{EXPERT}.up_proj", down=f"{EXPERT}.down_proj",
-                                  router_bias=f"{MLP}.gate.e_score_correction_bias", router_keep_dtype=True),
+                                  router_bias=f"{MLP}.gate.e_score_correction_bias" if spec.moe_router_expert_bias
+                                  else None, router_keep_dtype=True),
                        spec.moe_layers())
     shared = gw.on_layers(gw.shared_expert(spec, gate=f"{SHARED}.gate_proj", up=f"{SHARED}.up_proj",
                                            down=f"{SHARED}.down_proj"), spec.moe_layers())
@@ -109,6 +143,6 @@ def weights(spec: ModelSpec) -> WeightMap:
                         gw.final_norm(spec, "model.norm"), gw.output_layer(spec, "lm_head"))
 
 
-FAMILY = Family("deepseek_v3", ("deepseek_v3",), read, weights, problems, trtllm=None,
+FAMILY = Family("deepseek_v3", ("deepseek_v3", "deepseek_v2"), read, weights, problems, trtllm=None,
                 no_engine="TensorRT-LLM serves DeepSeek-V3 (MLA, sigmoid group routing) from its PyTorch backend "
                           "only; its TensorRT engine workflow has no DeepseekV3 checkpoint format")
