@@ -140,12 +140,9 @@ def check_counts(reader: HFReader, spec: ModelSpec, amap: WeightMap) -> None:
     first, so that a config claiming a billion layers fails at once instead of planning them."""
     layers, experts = amap.stacked_ids(reader.names())
     mtp = spec.extra.get("mtp_layers") or 0
-    if mtp and _is_range(layers, spec.num_layers + mtp):
-        raise ConversionError(
-            f"{reader.path}: the weights hold {mtp} multi-token-prediction layer(s) after the {spec.num_layers} decoder "
-            f"layers (num_nextn_predict_layers={mtp}); converting MTP layers is not built, so nothing was written "
-            f"(transformers neither loads nor saves them: a checkpoint saved by transformers converts)")
-    if not _is_range(layers, spec.num_layers):
+    if mtp and _is_range(layers, spec.num_layers + mtp):  # DeepSeek's MTP layers after the decoder: passed through
+        pass
+    elif not _is_range(layers, spec.num_layers):
         raise ConversionError(f"{reader.path / 'config.json'}: num_hidden_layers={spec.num_layers}, but the weights hold "
                               f"layers {_listed(layers)}; the config disagrees with the weights")
     per_expert_names = any("{expert}" in n for m in amap.mappings for n in m.hf)  # else shapes say the count
@@ -153,6 +150,18 @@ def check_counts(reader: HFReader, spec: ModelSpec, amap: WeightMap) -> None:
         if not _is_range(experts, spec.num_experts):
             raise ConversionError(f"{reader.path / 'config.json'}: {spec.num_experts} experts per layer, but the weights "
                                   f"hold experts {_listed(experts)}; the config disagrees with the weights")
+
+
+MTP_DIR = "mtp"
+
+
+def mtp_names(reader: HFReader, spec: ModelSpec, amap: WeightMap) -> list[str]:
+    """The HF tensors of the multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers, numbered after
+    the decoder layers). Megatron-Core's MTP block is not built by mcorekit, so they are carried through the
+    conversion as they are (OUT/mtp/, safetensors) and written back by mcore-to-hf, bit for bit."""
+    if not spec.extra.get("mtp_layers"):
+        return []
+    return [n for n in reader.names() if (ids := amap.stacked_ids([n])[0]) and min(ids) >= spec.num_layers]
 
 
 def check_hf_tensor(reader: HFReader, name: str, want: tuple[int, ...], m: Mapping, mcore_shape: tuple[int, ...]) -> torch.dtype:
@@ -204,6 +213,7 @@ def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: WeightMap, ctx: Ctx, d
             chunks.append(torch_dist.ChunkSource(index + (0,) * len(shape), (1,) * len(index) + shape, produce))
         planned.append(torch_dist.PlannedTensor(m.mcore, lead + shape, out_dtype, chunks, m.scope))
         total += int(torch.Size(shape).numel()) * out_dtype.itemsize * len(indices)
+    used.update(mtp_names(reader, spec, amap))
     unmapped = sorted(n for n in reader.names() if n not in used and not n.endswith(IGNORED_HF))
     if spec.tie_word_embeddings:  # a tied copy of the embedding (the head the family names); Megatron reuses it
         head = registry.weight_map(_untied(spec)).get(gw.OUTPUT)
@@ -282,12 +292,20 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, fmt: str = "torch_dist"
             else:
                 legacy.write(tmp / RELEASE, planned, amap, ctx, layout, on_tensor=tick)
             bar.close()
+            carried = mtp_names(reader, spec, amap)
+            if carried:
+                (tmp / MTP_DIR).mkdir()
+                with HFWriter(tmp / MTP_DIR) as mtp_writer:
+                    for name in carried:
+                        mtp_writer.add(name, reader.get(name))
+                    mtp_writer.finish()
+                (tmp / MTP_DIR / "config.json").write_text(json.dumps(reader.config, indent=2) + "\n")
             (tmp / TRACKER).write_text(RELEASE)
             (tmp / "hf").mkdir()
             copy_assets(reader.path, tmp / "hf")
             sidecar = {"format": fmt, "model": spec.to_dict(), "padded_vocab_size": ctx.padded_vocab,
                        "layout": {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "vpp": vpp} if fmt == "torch" else None,
-                       "source": str(reader.path)}
+                       "source": str(reader.path), "mtp_passthrough": len(carried)}
             (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2) + "\n")
     finally:
         reader.close()
@@ -368,7 +386,8 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
     start = time.monotonic()
     root = Path(ckpt)
     iter_dir = find_iteration_dir(root)
-    config, config_file, assets = hf_config_for(root if iter_dir != root else root.parent, hf_config)
+    ckpt_root = root if iter_dir != root else root.parent
+    config, config_file, assets = hf_config_for(ckpt_root, hf_config)
     if dtype is not None and dtype not in dtypes.NAMES:
         raise ConversionError(f"unknown dtype {dtype!r}; supported: {', '.join(dtypes.NAMES)}")
     spec = spec_for(config, config_file)
@@ -444,6 +463,16 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
                 summary.tensors += 1
                 summary.bytes += t.numel() * t.element_size()
                 bar.update(t.numel() * t.element_size())
+        if spec.extra.get("mtp_layers") and (ckpt_root / MTP_DIR / "config.json").is_file():
+            # the MTP layers hf-to-mcore carried through, back after the decoder as they came (a checkpoint training
+            # wrote has none: train/ builds no MTP block, and the result is what transformers itself saves)
+            carried = HFReader(ckpt_root / MTP_DIR)
+            try:
+                for name in carried.names():
+                    t = carried.get(name)
+                    writer.add(name, t.to(dtypes.to_torch(dtype)) if dtype else t)
+            finally:
+                carried.close()
         writer.finish()
         bar.close()
         copy_assets(assets, tmp)

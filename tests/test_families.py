@@ -135,15 +135,42 @@ def test_deepseek_v3_refusals(family_models, tmp_path: Path) -> None:
         (hf / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ConversionError, match=needle.replace("(", r"\(").replace(")", r"\)")):
             pipeline.hf_to_mcore(hf, tmp_path / "out", quiet=True)
-    (hf / "config.json").write_text(json.dumps(cfg))
-    # an MTP layer after the decoder layers (DeepSeek's own checkpoints carry one): refused, nothing written
-    save_file({"model.layers.4.input_layernorm.weight": torch.ones(64, dtype=torch.bfloat16)}, hf / "mtp.safetensors")
+
+
+def test_deepseek_v3_mtp_layer_is_carried_through_bitwise(family_models, tmp_path: Path) -> None:
+    """DeepSeek's own checkpoints carry the MTP layer(s) after the decoder (`model.layers.<num_hidden_layers>.*`:
+    enorm, hnorm, eh_proj, shared_head and a whole decoder layer); transformers neither loads nor saves them.
+    mcorekit does not build Megatron-Core's MTP block, so they travel beside the Megatron checkpoint (OUT/mtp/)
+    and come back bit for bit, in both formats."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from mcorekit.convert.hf_io import HFReader
+
+    hf = shutil.copytree(family_models["deepseek_v3"], tmp_path / "hf")
+    src = HFReader(hf)
+    mtp = {n.replace("model.layers.3.", "model.layers.4.", 1): src.get(n).clone() for n in src.names()
+           if n.startswith("model.layers.3.")}
+    mtp.update({f"model.layers.4.{k}": torch.randn(*shape, dtype=torch.bfloat16) for k, shape in
+                (("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
+                 ("shared_head.norm.weight", (64,)))})
+    save_file(mtp, hf / "mtp.safetensors", metadata={"format": "pt"})
     index = json.loads((hf / "model.safetensors.index.json").read_text())
-    index["weight_map"]["model.layers.4.input_layernorm.weight"] = "mtp.safetensors"
+    index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ConversionError, match="1 multi-token-prediction layer"):
+    for fmt, layout in (("torch_dist", {}), ("torch", dict(tp=2, pp=2, ep=2))):
+        out = tmp_path / fmt
+        pipeline.hf_to_mcore(hf, out / "m", fmt=fmt, quiet=True, **layout)
+        assert len(HFReader(out / "m/mtp").names()) == len(mtp)
+        assert json.loads((out / "m/mcorekit.json").read_text())["mtp_passthrough"] == len(mtp)
+        pipeline.mcore_to_hf(out / "m", out / "back", quiet=True)
+        assert_bitwise(hf, out / "back")
+    # more layers than the decoder and its MTP layers: the config disagrees with the weights
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ConversionError, match="num_hidden_layers=4, but the weights hold layers 0, 1, 2, 3, 4"):
         pipeline.hf_to_mcore(hf, tmp_path / "out", quiet=True)
-    assert not (tmp_path / "out").exists()
 
 
 def test_deepseek_v3_exports_for_the_pytorch_backend_and_the_engine_target_says_why_not(family_models, tmp_path: Path) -> None:

@@ -13,9 +13,13 @@ moe_router_enable_expert_bias (the `expert_bias` buffer), moe_router_num_groups 
 moe_router_topk_scaling_factor. Weights map as they are (no re-layout); the router and its bias keep their
 dtype (fp32 in DeepSeek's checkpoints).
 
+The multi-token-prediction layer(s) of a checkpoint that carries them (`model.layers.<num_hidden_layers>.*`;
+transformers neither builds nor saves them) are carried through the conversion as they are (convert/pipeline.py
+mtp_names: OUT/mtp/ beside the Megatron checkpoint, written back by mcore-to-hf): Megatron-Core's MTP block is
+not built by mcorekit, so training does not train them.
+
 Not covered, refused with the reason: q_lora_rank=null (V2-Lite; Megatron-Core 0.19 adds a norm before
-linear_q_proj then), the multi-token-prediction layer(s) of a checkpoint that carries them
-(`model.layers.<num_hidden_layers>.*`; transformers neither builds nor saves them), rope_interleave=false,
+linear_q_proj then), rope_interleave=false,
 FP8 block-quantized weights (weight_scale_inv), and routings Megatron-Core computes differently
 (norm_topk_prob=false with top-k > 1, group scores from other than the top-2 experts of a group)."""
 
