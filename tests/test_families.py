@@ -228,8 +228,9 @@ def test_gpt_oss_expert_layout_and_refusals(family_models, tmp_path: Path) -> No
     for change, needle in ((dict(quantization_config={"quant_method": "mxfp4"}), "mxfp4 weights are not converted"),
                            (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5 is not supported")):
         (bad / "config.json").write_text(json.dumps({**cfg, **change}))
-        with pytest.raises(ConversionError, match=needle):
+        with pytest.raises(ConversionError, match=needle) as refused:
             pipeline.hf_to_mcore(bad, tmp_path / "out", quiet=True)
+        assert "layer_types" not in str(refused.value)  # only what is wrong
     assert not (tmp_path / "out").exists()
 
 

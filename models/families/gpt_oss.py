@@ -47,6 +47,8 @@ def read(config: dict[str, Any]) -> ModelSpec:
 
 def problems(config: dict[str, Any]) -> list[str]:
     out = size_problems(config, ("num_local_experts", "num_experts_per_tok"), ("sliding_window",))
+    if out:
+        return out
     quant = config.get("quantization_config") or {}
     if quant:
         out.append(f"{quant.get('quant_method', 'quantized')} weights are not converted (MXFP4 experts would need "
@@ -57,8 +59,8 @@ def problems(config: dict[str, Any]) -> list[str]:
                    f"quick_gelu, whose alpha is fixed at {QUICK_GELU_ALPHA}")
     if config.get("attention_bias") is False:
         out.append("attention_bias=false is not supported for gpt_oss (its output projection bias is always mapped)")
-    types = layer_types(config) if not out else []
-    if len(types) != config["num_hidden_layers"] or set(types) - set(LAYER_TYPES):
+    types = layer_types(config)
+    if not isinstance(types, list) or len(types) != config["num_hidden_layers"] or set(types) - set(LAYER_TYPES):
         out.append(f"layer_types {types!r}: one of {LAYER_TYPES} per layer is supported")
     elif "sliding_attention" in types and not config.get("sliding_window"):
         out.append("sliding_attention layers without a sliding_window")
