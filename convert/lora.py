@@ -1,17 +1,19 @@
 """LoRA adapters between Megatron-Core (train/lora.py) and HF PEFT, and merged into the base model.
 
   Megatron (torch_dist, layer-stacked)                     PEFT (adapter_model.safetensors)
-  decoder.layers.self_attention.linear_qkv.adapter.lora_a  [L, 3r, H]   q/k/v_proj.lora_A.weight  [r, H] each
-  decoder.layers.self_attention.linear_qkv.adapter.lora_b  [L, qkv, r]  q/k/v_proj.lora_B.weight  split as the weight
-  decoder.layers.mlp.linear_fc1.adapter.lora_a / lora_b    [L, 2r, H] / [L, 2F, r]   gate_proj, up_proj
-  ...linear_proj / linear_fc2 (and shared_experts.)        one A and one B each      o_proj, down_proj
+  decoder.layers.self_attention.linear_qkv.adapter.lora_a  [L, 3r, H]   the q, k, v modules' lora_A.weight  [r, H] each
+  decoder.layers.self_attention.linear_qkv.adapter.lora_b  [L, qkv, r]  their lora_B.weight, split as the weight
+  decoder.layers.mlp.linear_fc1.adapter.lora_a / lora_b    [L, 2r, H] / [L, 2F, r]   the gate and up modules
+  ...linear_proj / linear_fc2 (and shared_experts.)        one A and one B each      the output and down modules
+(the HF module names come from the family's weight map, models/mapping.py, as for the converter)
 
 A's blocks are PEFT's per-projection A matrices in the HF order of the weight's mapping (q, k, v; gate, up); B goes
 through the weight's own mapping (models/mapping.py QKV, GatedFC1, Direct), so the q/k/v split of an adapter is
 exactly the converter's split of the fused weight. PEFT names are `base_model.model.<HF module>.lora_A.weight`.
 Every transform is a re-arrangement: PEFT -> Megatron -> PEFT is bit-exact.
 
-A PEFT adapter that covers only some of a fused group (PEFT's q_proj + v_proj) imports with zero blocks for the rest:
+A PEFT adapter that covers only some of a fused group (PEFT's default: the q and v modules) imports with zero blocks
+for the rest:
 zero A and B give zero output and zero gradients, so they stay zero in training. rsLoRA, DoRA, per-module ranks or
 alphas, bias training, modules_to_save and fan_in_fan_out have no Megatron counterpart and are refused.
 """
@@ -100,7 +102,7 @@ def peft_key(module: str, which: str) -> str:
 
 
 def peft_target_modules(spec: ModelSpec, items: list[Adapted]) -> list[str] | str:
-    """PEFT's target_modules: the HF module names (q_proj, ...); as a regex of the full paths where a name would
+    """PEFT's target_modules: the HF module names (from the weight map); as a regex of the full paths where a name would
     also match a routed expert's module (MoE models)."""
     modules = sorted({m for a in items for m in a.hf_modules(0)})
     if not spec.is_moe:
