@@ -13,9 +13,9 @@ exactly the converter's split of the fused weight. PEFT names are `base_model.mo
 Every transform is a re-arrangement: PEFT -> Megatron -> PEFT is bit-exact.
 
 A PEFT adapter that covers only some of a fused group (PEFT's default: the q and v modules) imports with zero blocks
-for the rest:
-zero A and B give zero output and zero gradients, so they stay zero in training. rsLoRA, DoRA, per-module ranks or
-alphas, bias training, modules_to_save and fan_in_fan_out have no Megatron counterpart and are refused.
+for the rest: zero A and B give zero output and zero gradients, so they stay zero in training. rsLoRA, DoRA,
+per-module ranks or alphas, bias training, modules_to_save and fan_in_fan_out have no Megatron counterpart and are
+refused.
 """
 
 from __future__ import annotations
