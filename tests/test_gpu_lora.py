@@ -90,10 +90,15 @@ def test_sft_lora_trains_adapters_only_and_exports_to_peft(tmp_path: Path, token
     merged = model.merge_and_unload().state_dict()
     from mcorekit.convert.hf_io import HFReader
 
-    reader = HFReader(tmp_path / "merged")
+    reader, unmerged = HFReader(tmp_path / "merged"), HFReader(tmp_path / "hf")
     worst = 0.0
     for name in reader.names():
         ours, theirs = reader.get(name).float(), merged[name].float().cpu()
-        worst = max(worst, ((ours - theirs).abs() / theirs.abs().clamp_min(1e-3)).max().item())
-    print(f"merged vs merge_and_unload: worst relative difference {worst:.2e}")
-    assert worst <= 2 ** -7  # one bf16 rounding apart
+        # Both are bf16 merges: PEFT rounds the product B @ A and then the sum, we round the sum once. Each rounding
+        # is within 2^-8 of its value, so the two agree to 2^-6 of the larger of the base weight and the result (a
+        # result near zero after cancellation can differ by one ulp of the base weight: relative to the result
+        # alone that was 6e-2 on 2026-12-01).
+        scale = torch.maximum(unmerged.get(name).float().abs(), theirs.abs()).clamp_min(1e-12)
+        worst = max(worst, ((ours - theirs).abs() / scale).max().item())
+    print(f"merged vs merge_and_unload: worst difference {worst:.2e} of max(|base weight|, |merged|)")
+    assert worst <= 2 ** -6  # within bf16 rounding of the two merge orders
