@@ -295,7 +295,16 @@ def test_example_data_is_correct_and_held_out_is_disjoint(example: Path) -> None
         assert row["answer"] == int(a) + int(b) and 1 <= len(a) <= 3 and 1 <= len(b) <= 3
         assert math_answer(row["prompt"], str(row["answer"]), answer=row["answer"]) == 1.0
         assert score(row["prompt"], str(row["answer"])) == 1.0 and score(row["prompt"], str(row["answer"] + 1)) == 0.0
-    assert all(score(r["prompt"], r["response"]) == 1.0 for r in sft)
+    carries, dropped = 0, 0  # the sloppy teacher (--sloppy 0.6): 60% of hundreds carries left out, nothing else wrong
+    for r in sft:
+        a, b = (int(x) for x in r["prompt"].rstrip("=").split("+"))
+        if a % 100 + b % 100 >= 100:
+            carries += 1
+            dropped += r["response"] == str(a + b - 100)
+            assert r["response"] in (str(a + b), str(a + b - 100))
+        else:
+            assert score(r["prompt"], r["response"]) == 1.0
+    assert 0.45 < dropped / carries < 0.75
     prompts = [{r["prompt"] for r in rows} for rows in (sft, train, held)]
     assert not (prompts[0] & prompts[2]) and not (prompts[1] & prompts[2]) and not (prompts[0] & prompts[1])
     assert len({len(r["prompt"].split("+")[0]) for r in train}) == 3  # 1-, 2- and 3-digit operands

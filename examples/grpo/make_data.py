@@ -7,7 +7,10 @@ weights: the SFT run trains it from scratch), SFT data, GRPO prompts and held-ou
 Files written under OUT:
   model/        config.json (Llama, ~3.2M parameters) and the tokenizer (one token per character: 0-9 + = and
                 <unk> <pad> <eos>); model.hf_config and data.tokenizer of both experiments point here
-  sft.jsonl     {"prompt": "123+4567=", "response": "4690"}: SFT learns the format and some arithmetic
+  sft.jsonl     {"prompt": "123+4567=", "response": "4690"}: SFT learns the format and most of the arithmetic, from
+                a sloppy teacher: with --sloppy 0.6 (the default), 60% of the sums that carry into the hundreds are
+                written without that carry (999+1 = 900), so the SFT model, imitating its data, drops it more often
+                than not. Rewards that check the sum (GRPO) can fix what the imitated data got wrong.
   train.jsonl   {"prompt": "123+4567=", "answer": 4690}: GRPO's prompts (the answer feeds the reward)
   heldout.jsonl the same kind, none of them in sft.jsonl or train.jsonl (examples/grpo/evaluate.py scores them)
 Operands have 1 to --digits digits (uniform in the number of digits, so short sums do not dominate).
@@ -32,6 +35,12 @@ def operand(rng: random.Random, digits: int) -> int:
 def problem(rng: random.Random, digits: int) -> tuple[str, int]:
     a, b = (operand(rng, digits) for _ in range(2))
     return f"{a}+{b}=", a + b
+
+
+def sloppy_sum(a: int, b: int) -> int:
+    """a + b without the carry from the tens into the hundreds (what the sloppy teacher writes)."""
+    carry = (a % 100 + b % 100) >= 100
+    return a + b - 100 if carry else a + b
 
 
 def problems(n: int, digits: int, seed: int, exclude: set[str] = frozenset()) -> list[tuple[str, int]]:
@@ -88,9 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", type=int, default=20000, help="GRPO prompts")
     p.add_argument("--heldout", type=int, default=512, help="held-out prompts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sloppy", type=float, default=0.6,
+                   help="share of SFT answers that carry into the hundreds written without the carry (0: all right)")
     a = p.parse_args(argv)
     if not 1 <= a.digits <= 9:
         p.error("--digits must be 1..9")
+    if not 0 <= a.sloppy <= 1:
+        p.error("--sloppy must be in [0, 1]")
     out = Path(a.out)
     (out / "model").mkdir(parents=True, exist_ok=True)
     make_tokenizer(out / "model")
@@ -100,11 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     sft = problems(a.sft, a.digits, a.seed + 2, taken)
     taken |= {q for q, _ in sft}
     train = problems(a.train, a.digits, a.seed + 3, taken)
-    write_jsonl(out / "sft.jsonl", [{"prompt": q, "response": str(s)} for q, s in sft])
+    rng = random.Random(a.seed + 4)
+    responses = []
+    for q, s in sft:
+        x, y = (int(v) for v in q.rstrip("=").split("+"))
+        responses.append(str(sloppy_sum(x, y) if rng.random() < a.sloppy else s))
+    write_jsonl(out / "sft.jsonl", [{"prompt": q, "response": r} for (q, _), r in zip(sft, responses)])
     write_jsonl(out / "train.jsonl", [{"prompt": q, "answer": s} for q, s in train])
     write_jsonl(out / "heldout.jsonl", [{"prompt": q, "answer": s} for q, s in held])
-    print(f"wrote {out}: model/ (config + tokenizer), sft.jsonl ({len(sft)}), train.jsonl ({len(train)}), "
-          f"heldout.jsonl ({len(held)})")
+    wrong = sum(r != str(s) for (_, s), r in zip(sft, responses))
+    print(f"wrote {out}: model/ (config + tokenizer), sft.jsonl ({len(sft)}, {wrong} without a carry), train.jsonl "
+          f"({len(train)}), heldout.jsonl ({len(held)})")
     return 0
 
 
