@@ -158,7 +158,20 @@ def test_megatron_model_with_adapters_gives_peft_logits(llama: Path, tmp_path: P
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mcorekit", "convert", *args, "--quiet"], capture_output=True, text=True)
+    """`mcorekit convert ARGS --quiet` in this process (a subprocess per call spent most of this file's time
+    importing torch): its exit code and what it printed."""
+    import contextlib
+    import io
+
+    from mcorekit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["convert", *args, "--quiet"])
+        except SystemExit as e:
+            code = int(e.code or 0)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_refuses_what_has_no_megatron_counterpart(llama: Path, tmp_path: Path) -> None:
