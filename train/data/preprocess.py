@@ -280,15 +280,24 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
     writer = None
     try:
         writer = IndexedWriter(tmp[".bin"], dtype)
-        with tqdm(unit="tok", unit_scale=True, disable=quiet, desc="tokenizing") as bar:
-            for batch in _tokenized(_batches(paths, max_line_mb * 1024**2), workers, tokenizer_dir, key,
+        read = [0]  # input bytes handed to the tokenizers so far: the bar's progress against the inputs' size
+
+        def counted(batches: Iterator[tuple[str, int, list[bytes]]]) -> Iterator[tuple[str, int, list[bytes]]]:
+            for batch in batches:
+                read[0] += sum(len(line) + 1 for line in batch[2])
+                yield batch
+
+        total = sum(p.stat().st_size for p in paths)
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet, desc="tokenizing") as bar:
+            for batch in _tokenized(counted(_batches(paths, max_line_mb * 1024**2)), workers, tokenizer_dir, key,
                                     tok.eos_token_id):
                 for doc in batch:
                     writer.add(doc)
-                batch_tokens = sum(d.size for d in batch)
-                tokens += batch_tokens
+                tokens += sum(d.size for d in batch)
                 docs += len(batch)
-                bar.update(batch_tokens)
+                bar.update(min(read[0], total) - bar.n)
+                bar.set_postfix(tokens=tokens, refresh=False)
+            bar.update(total - bar.n)
         if docs == 0:
             raise ConfigError(f"no documents in {', '.join(inputs)}")
         writer.finalize(tmp[".idx"])
