@@ -56,6 +56,9 @@ def main_train(argv: list[str]) -> int:
                              "the same folder and checkpoints (training resumes from the latest), as the next job; "
                              "takes no --config, --cluster, --set, --nodes or overrides")
     args = parser.parse_args(argv)
+    if misplaced := [a for a in args.overrides if a in SUBCOMMANDS]:  # `launch --cluster local smoke`
+        raise ConfigError(f"{misplaced[0]!r} is a launch subcommand: name it first, then its options "
+                          f"(mcorekit launch {misplaced[0]} {' '.join(a for a in argv if a != misplaced[0])})")
     if args.resume is None and args.config is None:
         raise ConfigError("launch needs --config EXP.yaml (or --resume RUN_DIR to relaunch a run folder)")
     if args.resume is not None:

@@ -59,3 +59,11 @@ def test_hf_config_override_replaces_the_files_preset(tmp_path: Path) -> None:
     code, out, err = run("launch", "--config", str(exp), "--dry-run", "--set", f"run_root={tmp_path}", "model.preset=llama-tiny")
     assert code == 0, err
     assert "  preset: llama-tiny\n" in out and "  hf_config: null\n" in out
+
+
+def test_a_subcommand_after_options_is_named_not_launched() -> None:
+    """`mcorekit launch --cluster local smoke` used to be read as a training launch with an override `smoke`."""
+    code, out, err = run("launch", "--cluster", "local", "smoke")
+    assert code == 2 and out == ""
+    assert err == ("mcorekit: error: 'smoke' is a launch subcommand: name it first, then its options "
+                   "(mcorekit launch smoke --cluster local)\n")
