@@ -74,7 +74,7 @@ def _mcore_to_hf(argv: list[str]) -> int:
                                 "index, config and tokenizer files. Vocabulary padding is removed.")
     p.add_argument("ckpt_dir", help="checkpoint root (with latest_checkpointed_iteration.txt) or an iteration directory")
     p.add_argument("out_dir", help="output HF directory (written aside and renamed when complete)")
-    p.add_argument("--hf-config", default=None, help="HF directory or config.json (default: the one stored at import)")
+    p.add_argument("--hf-config", default=None, help="HF directory, config.json or Hub ID (default: the one stored at import)")
     p.add_argument("--dtype", choices=list(dtypes.NAMES), default=None, help="default: the HF config's dtype")
     p.add_argument("--max-shard-gb", type=positive_float, default=5.0, help="largest output shard, in GB (> 0)")
     p.add_argument("--force", action="store_true",
@@ -88,6 +88,10 @@ def _mcore_to_hf(argv: list[str]) -> int:
     p.add_argument("--base", default=None, help="with --merge: the base model's Megatron checkpoint (default: the run's "
                    "checkpoint.load, recorded in lora.json)")
     a = p.parse_args(argv)
+    if a.hf_config:
+        from mcorekit.hub import model_dir
+
+        a.hf_config = str(model_dir(a.hf_config, "config", "--hf-config"))  # a Hub ID: its config.json, cached
     from mcorekit.convert import pipeline
 
     if a.base and not a.merge:

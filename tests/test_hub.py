@@ -82,6 +82,12 @@ def test_convert_plan_launch_and_preprocess_take_a_hub_id(offline_cache: Path, t
     one_error(run("convert", "hf-to-mcore", "nobody/absent", str(tmp_path / "c2"), "--quiet"),
               "HF_DIR nobody/absent: not in the Hugging Face cache", "HF_HUB_OFFLINE=1")
     assert not (tmp_path / "c2").exists()
+    code, out, err = run("convert", "mcore-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--hf-config",
+                         REPO_ID, "--quiet")
+    assert code == 0, err
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_hidden_layers"] == 4
+    one_error(run("convert", "mcore-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "b2"), "--hf-config", "nobody/absent"),
+              "--hf-config nobody/absent: not in the Hugging Face cache")
 
     code, out, err = run("export", "trtllm", REPO_ID, str(tmp_path / "trt"), "--target", "pytorch", "--quiet")
     assert code == 0, err
