@@ -34,16 +34,9 @@ def token_ids(prefix: str, tokenizer_dir: str | None) -> TokenIds:
     if meta.is_file():
         return _sidecar_ids(meta)
     if tokenizer_dir:
-        from transformers import AutoTokenizer
+        from mcorekit.train.data.tokenizer import load_tokenizer
 
-        try:
-            tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-        except Exception as e:  # noqa: BLE001  (transformers raises many types for a broken directory)
-            lines = str(e).strip().splitlines()
-            raise ConfigError(f"{tokenizer_dir}: not a usable HF tokenizer directory (data.tokenizer): "
-                              f"{lines[0] if lines else type(e).__name__}") from None
-        if tok.eos_token_id is None:
-            raise ConfigError(f"{tokenizer_dir}: the tokenizer has no eos token, so documents have no end marker")
+        tok = load_tokenizer(tokenizer_dir)
         return TokenIds(int(tok.eos_token_id), len(tok))
     raise ConfigError(f"{prefix}: no {meta.name} side-car (written by `mcorekit data preprocess`); set data.tokenizer "
                       f"so the end-of-document id is known")

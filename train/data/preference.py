@@ -30,25 +30,10 @@ import torch
 from mcorekit.errors import ConfigError
 from mcorekit.train.data.jsonl import records
 from mcorekit.train.data.packing import Example, first_fit_decreasing, pack, pad_one
+from mcorekit.train.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("mcorekit.train")
 TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # per-token tensors, one row per sequence
-
-
-def load_tokenizer(tokenizer_dir: str, vocab_size: int) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    except Exception as e:  # noqa: BLE001  (transformers raises many types for a broken directory)
-        lines = str(e).strip().splitlines()
-        raise ConfigError(f"{tokenizer_dir}: not a usable HF tokenizer directory (data.tokenizer): "
-                          f"{lines[0] if lines else type(e).__name__}") from None
-    if len(tok) > vocab_size:
-        raise ConfigError(f"tokenizer {tokenizer_dir} has {len(tok)} tokens but the model's vocabulary is {vocab_size}")
-    if tok.eos_token_id is None:
-        raise ConfigError(f"tokenizer {tokenizer_dir} has no eos token")
-    return tok
 
 
 def _messages(value: Any, what: str, where: str) -> list[dict[str, str]]:

@@ -19,6 +19,7 @@ import numpy as np
 from mcorekit.errors import ConfigError
 from mcorekit.train.data.jsonl import records
 from mcorekit.train.data.packing import Example, first_fit_decreasing, pack, pad_one
+from mcorekit.train.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("mcorekit.train")
 
@@ -87,18 +88,7 @@ class SFTDataset:
 
     def __init__(self, paths: list[str], tokenizer_dir: str, seq_length: int, seed: int, packing: bool,
                  vocab_size: int) -> None:
-        from transformers import AutoTokenizer
-
-        try:
-            tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-        except Exception as e:  # noqa: BLE001  (transformers raises many types for a broken directory)
-            lines = str(e).strip().splitlines()
-            raise ConfigError(f"{tokenizer_dir}: not a usable HF tokenizer directory (data.tokenizer): "
-                              f"{lines[0] if lines else type(e).__name__}") from None
-        if len(tok) > vocab_size:
-            raise ConfigError(f"tokenizer {tokenizer_dir} has {len(tok)} tokens but the model's vocabulary is {vocab_size}")
-        if tok.eos_token_id is None:
-            raise ConfigError(f"tokenizer {tokenizer_dir} has no eos token")
+        tok = load_tokenizer(tokenizer_dir, vocab_size)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         examples, truncated = [], 0
         for path in paths:
