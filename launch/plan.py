@@ -12,7 +12,7 @@ import argparse
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from mcorekit.config.cluster import ClusterProfile, world_size
 from mcorekit.config.experiment import Experiment, layout_of
@@ -35,7 +35,7 @@ def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str
     if profile.gpus_per_node > 0:
         mem = estimate_memory(model, layout_of(exp), world, exp.data.seq_length, exp.schedule.micro_batch_size,
                               exp.recompute.granularity, exp.optimizer.distributed, fp8=exp.precision.fp8_params,
-                              fsdp=exp.parallel.fsdp, bucket_size=exp.optimizer.bucket_size)
+                              fsdp=exp.parallel.fsdp, bucket_size=exp.optimizer.bucket_size, **task_memory(exp))
         if mem.total > profile.gpu_memory_gb * GiB * 0.95:
             warnings.append(
                 f"estimated memory {mem.describe()} is above 95% of the {profile.gpu_memory_gb:.0f} GiB GPUs: raise TP/PP, lower "
@@ -46,6 +46,17 @@ def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str
 
 
 # ---------------------------------------------------------------- memory
+
+
+def task_memory(exp: Experiment) -> dict[str, Any]:
+    """What the training task and LoRA change in the estimate: DPO runs two sequences per sample (chosen and
+    rejected) and, with a live reference and no LoRA, holds a frozen bf16 copy of the weights (GRPO with a KL term
+    too); LoRA trains only its adapters (no gradients or optimizer state for the frozen base)."""
+    lora = exp.peft.lora
+    kind = exp.data.kind
+    reference = ((kind == "dpo" and exp.dpo.reference == "live") or (kind == "grpo" and exp.grpo.kl_coeff > 0))
+    return {"rows_per_sample": 2 if kind == "dpo" else 1, "reference_copy": reference and lora is None,
+            "lora_rank": lora.rank if lora else None}
 
 FSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")  # parallel.fsdp: what is sharded over DP
 
@@ -71,7 +82,8 @@ class MemoryEstimate:
 
 def estimate_memory(model: ModelSpec, lay: Layout, world: int, seq: int, mbs: int, recompute: str = "none",
                     distributed_optimizer: bool = True, fp8: bool = False, fsdp: str | None = None,
-                    bucket_size: int | None = 40_000_000) -> MemoryEstimate:
+                    bucket_size: int | None = 40_000_000, rows_per_sample: int = 1, reference_copy: bool = False,
+                    lora_rank: int | None = None) -> MemoryEstimate:
     """Bytes per GPU on the busiest rank (first pipeline stage): bf16 weights, fp32 grads, fp32 Adam states +
     master weights (12 bytes a parameter), activations of one 1F1B pipeline fill.
 
@@ -82,7 +94,11 @@ def estimate_memory(model: ModelSpec, lay: Layout, world: int, seq: int, mbs: in
     Megatron-FSDP's buffers on top: with sharded gradients, two buckets of fp32 gradients waiting for their
     reduce-scatter (the one filling and the one in flight; a bucket is one layer with optim_grads_params, else
     optimizer.bucket_size parameters); with sharded weights, two layers all-gathered in bf16 (the one computing and
-    the next one, prefetched)."""
+    the next one, prefetched).
+
+    Tasks (task_memory): `rows_per_sample` sequences per micro-batch sample (DPO: 2) scale the activations; a
+    `reference_copy` adds the frozen bf16 weights of the reference model; with `lora_rank` only the adapters of the
+    attention and MLP linear layers (rank x (in + out) each, every linear adapted) have gradients and optimizer state."""
     h, L = model.hidden_size, model.num_layers
     expert_params = 0
     if model.is_moe:
@@ -110,6 +126,16 @@ def estimate_memory(model: ModelSpec, lay: Layout, world: int, seq: int, mbs: in
         optimizer = sharded(12, dense_local, expert_local)
     else:
         optimizer = params_local * 12
+    if reference_copy:
+        weights += params_local * 2
+    if lora_rank:  # the frozen base has neither gradients nor optimizer state; the adapters are replicated over DP
+        q, kv = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
+        f = model.ffn_hidden_size
+        per_layer_adapter = lora_rank * ((3 * h + q + 2 * kv) + (q + h) + (2 * h + 2 * f) + (f + h))
+        adapters = per_layer_adapter * L / (lay.tp * lay.pp)
+        weights += adapters * per_weight
+        grads = adapters * 4
+        optimizer = adapters * 12
     buffers = 0.0
     if fsdp in ("optim_grads", "optim_grads_params"):
         grads = sharded(4, dense_local, expert_local)
@@ -122,7 +148,7 @@ def estimate_memory(model: ModelSpec, lay: Layout, world: int, seq: int, mbs: in
         buffers += 2 * layer * per_weight
     # Activations per layer for one micro-batch (Korthikanti et al. 2022) with fused attention (no s^2 term):
     # ~34*s*b*h bytes, split over TP (with SP) and CP; full recompute keeps only each layer's input (2*s*b*h).
-    tokens = seq * mbs / lay.cp
+    tokens = seq * mbs * rows_per_sample / lay.cp
     split = lay.tp if (lay.sequence_parallel or lay.tp == 1) else 1
     if recompute == "full":
         per_layer = 2 * tokens * h / split

@@ -119,3 +119,30 @@ def test_shared_expert_size_must_match_the_models_own() -> None:
     assert any("shared expert of 128" in p for p in moe_problems(exp, Layout(), True, model))
     same = Experiment.model_validate({"name": "x", "model": {"preset": "mixtral-tiny"}, "moe": {"shared_expert_ffn": 128}})
     assert not any("shared expert" in p for p in moe_problems(same, Layout(), True, model))
+
+
+def test_memory_estimate_knows_dpo_and_lora() -> None:
+    """DPO doubles the sequences per sample and (live reference, no LoRA) holds a bf16 copy of the weights; LoRA
+    keeps gradients and Adam state only for its adapters. By hand for the 0.89B preset at rank 16, one GPU."""
+    m = PRESETS["llama-0.9b"]
+    base = estimate_memory(m, Layout(), world=1, seq=2048, mbs=1)
+    dpo = estimate_memory(m, Layout(), world=1, seq=2048, mbs=1, rows_per_sample=2, reference_copy=True)
+    assert dpo.activations == 2 * base.activations
+    assert dpo.weights == base.weights + 2 * m.num_parameters() and dpo.grads == base.grads
+    lora = estimate_memory(m, Layout(), world=1, seq=2048, mbs=1, lora_rank=16)
+    # per layer: qkv A 3 x 2048 in, B out 2048 + 2 x 1024; proj 2048 + 2048; fc1 A 2 x 2048, B 2 x 5632; fc2 5632 + 2048
+    adapters = 16 * 16 * ((3 * 2048 + 2048 + 2 * 1024) + (2048 + 2048) + (2 * 2048 + 2 * 5632) + (5632 + 2048))
+    assert adapters == 9_568_256
+    assert lora.grads == adapters * 4 and lora.optimizer == adapters * 12
+    assert lora.weights == base.weights + adapters * 2 and lora.activations == base.activations
+
+
+def test_launch_check_applies_the_task_to_the_estimate() -> None:
+    from mcorekit.launch.plan import task_memory
+
+    exp = Experiment.model_validate({"name": "x", "data": {"kind": "dpo", "paths": ["p.jsonl"], "tokenizer": "t"},
+                                     "peft": {"lora": {"rank": 8}}})
+    assert task_memory(exp) == {"rows_per_sample": 2, "reference_copy": False, "lora_rank": 8}
+    exp = Experiment.model_validate({"name": "x", "data": {"kind": "dpo", "paths": ["p.jsonl"], "tokenizer": "t"}})
+    assert task_memory(exp) == {"rows_per_sample": 2, "reference_copy": True, "lora_rank": None}
+    assert task_memory(Experiment(name="x")) == {"rows_per_sample": 1, "reference_copy": False, "lora_rank": None}
