@@ -8,7 +8,9 @@ the first token of the next example. Padding at the end of a bin is its own segm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -20,6 +22,21 @@ class Example:
     @property
     def positions(self) -> int:
         return len(self.ids) - 1
+
+
+class EpochOrder:
+    """Global sample index -> bin number: every epoch visits the bins in a new order drawn from (seed, epoch), so a
+    resumed run continues the exact order. The current epoch's permutation is kept."""
+
+    def __init__(self, seed: int, bins: int) -> None:
+        self.seed, self.bins = seed, bins
+        self._order: tuple[int, Any] = (-1, None)
+
+    def __call__(self, index: int) -> int:
+        epoch, i = divmod(index, self.bins)
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.bins))
+        return int(self._order[1][i])
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:

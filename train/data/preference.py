@@ -29,7 +29,7 @@ import torch
 
 from mcorekit.errors import ConfigError
 from mcorekit.train.data.jsonl import records
-from mcorekit.train.data.packing import Example, first_fit_decreasing, pack, pad_one
+from mcorekit.train.data.packing import EpochOrder, Example, first_fit_decreasing, pack, pad_one
 from mcorekit.train.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("mcorekit.train")
@@ -141,16 +141,13 @@ class PreferenceDataset:
         self.bins = first_fit_decreasing([c.positions + r.positions for c, r in pairs], seq_length) if packing \
             else [[i] for i in range(len(pairs))]
         self.reference: np.ndarray | None = None
-        self._order: tuple[int, Any] = (-1, None)
+        self.order = EpochOrder(seed, len(self.bins))
 
     def __len__(self) -> int:
         return len(self.bins)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        epoch, i = divmod(index, len(self.bins))
-        if self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.bins)))
-        return self.sample(int(self._order[1][i]))
+        return self.sample(self.order(index))
 
     def sample(self, b: int) -> dict[str, Any]:
         """Bin b (in data order, unshuffled): one pair, or with packing one row of whole pairs.

@@ -14,11 +14,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from mcorekit.errors import ConfigError
 from mcorekit.train.data.jsonl import records
-from mcorekit.train.data.packing import Example, first_fit_decreasing, pack, pad_one
+from mcorekit.train.data.packing import EpochOrder, Example, first_fit_decreasing, pack, pad_one
 from mcorekit.train.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("mcorekit.train")
@@ -106,16 +104,13 @@ class SFTDataset:
         self.examples, self.seq_length, self.seed, self.packing = examples, seq_length, seed, packing
         self.bins = first_fit_decreasing([e.positions for e in examples], seq_length) if packing else \
             [[i] for i in range(len(examples))]
-        self._order: tuple[int, Any] = (-1, None)
+        self.order = EpochOrder(seed, len(self.bins))
 
     def __len__(self) -> int:
         return len(self.bins)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        epoch, i = divmod(index, len(self.bins))
-        if self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.bins)))
-        members = [self.examples[j] for j in self.bins[self._order[1][i]]]
+        members = [self.examples[j] for j in self.bins[self.order(index)]]
         if self.packing:
             return pack(members, self.seq_length, self.pad_id)
         return pad_one(members[0], self.seq_length, self.pad_id)

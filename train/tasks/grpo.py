@@ -47,12 +47,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-import numpy as np
 import torch
 
 from mcorekit.errors import ConfigError
 from mcorekit.train.data.jsonl import records
-from mcorekit.train.data.packing import Example, pad_one
+from mcorekit.train.data.packing import EpochOrder, Example, pad_one
 from mcorekit.train.rewards import RewardError, Rewards
 from mcorekit.train.tasks.base import LossFunc, Task
 from mcorekit.train.tasks.lm import next_token_losses
@@ -149,8 +148,7 @@ class PromptDataset:
                 self.prompts.append(self._prompt(tokenizer, record, f"{path}:{n}", seq_length, max_new_tokens))
         if not self.prompts:
             raise ConfigError(f"no prompts in {', '.join(paths)}")
-        self.seed = seed
-        self._order: tuple[int, Any] = (-1, None)
+        self.index = EpochOrder(seed, len(self.prompts))  # global sample number -> prompt, reshuffled each epoch
 
     @staticmethod
     def _prompt(tok: Any, record: dict[str, Any], where: str, seq_length: int, max_new: int) -> Prompt:
@@ -175,12 +173,6 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.prompts)
-
-    def index(self, sample: int) -> int:
-        epoch, i = divmod(sample, len(self.prompts))
-        if self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts)))
-        return int(self._order[1][i])
 
     def step_prompts(self, step: int, per_step: int, dp_rank: int, dp_size: int) -> list[int]:
         """The prompt indices data-parallel rank `dp_rank` generates for at `step`."""
