@@ -91,13 +91,9 @@ def logits(hf: str, ckpt: str) -> None:
     _cpu()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("LOGITS_PORT", "29677"))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    import transformers
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from mcorekit.convert.torch_dist import TorchDistReader
-    from mcorekit.convert.verify import compare_logits
     from mcorekit.models.megatron import build_gpt, transformer_config
     from mcorekit.models.spec import from_hf_config, load_hf_config
 
@@ -113,15 +109,9 @@ def logits(hf: str, ckpt: str) -> None:
     apply_factories(sd)
     keys = {v.key: list(v.global_shape) for v in nested_values(sd) if isinstance(v, ShardedTensor)}
     print("KEYS " + json.dumps(keys, sort_keys=True))
-    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
-    model.load_state_dict(state)
-    ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        got = model(ids, torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids), attention_mask=None)
-        ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()(ids).logits
-    got = got[..., : spec.vocab_size].float()
-    report = compare_logits(ref.float(), got)
-    print(f"LOGITS {(ref - got).abs().max().item()} {report.cosine} {report.top1_agreement}")
+    from megatron_cpu_logits import load_and_compare  # this file's folder is on sys.path when run as a script
+
+    load_and_compare(model, spec, hf, ckpt)
     dist.destroy_process_group()
 
 
