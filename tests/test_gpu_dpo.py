@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpus import needs_two
 from hf_models import WORDS, make_tokenizer
 from single_rank import single_rank_env
 
@@ -40,12 +41,6 @@ LN2 = math.log(2)
 MODEL = {"preset": "llama-tiny", "overrides": {"hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 4,
                                                "kv_channels": 32, "ffn_hidden_size": 704, "vocab_size": 512}}
 FILLER = [w for w in WORDS if w not in ("yes", "no")]
-
-
-def gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +192,7 @@ def test_signal_save_resume_reproduces_losses(tmp_path: Path, tokenizer: Path, p
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]) + 1e-4, (a, b)
 
 
-@pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs (device kind nvidia-h200-x2 or larger)")
+@needs_two
 @pytest.mark.parametrize("layout", [{}, {"tp": 2}, {"pp": 2}, {"pp": 2, "vpp": 2}, {"cp": 2}],
                          ids=["dp2", "tp2", "pp2", "pp2-vpp2", "cp2"])
 def test_layouts_follow_one_gpu(tmp_path: Path, tokenizer: Path, pairs: Path, layout: dict) -> None:

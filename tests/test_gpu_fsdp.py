@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpus import needs_two
+
 HERE = Path(__file__).parent
 SHIM = HERE / "slurm_shim"
 pytestmark = pytest.mark.gpu
@@ -41,17 +43,6 @@ STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 STEP1_TOL, STEP_TOL, MEAN_TOL = 5e-3, 0.03, 0.01
 STEPS = 20
 
-
-def gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except ImportError:
-        return 0
-
-
-needs_two = pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs (device kind nvidia-h200-x2 or larger)")
 
 # A small Llama (as test_gpu_multi.py's dense model): random weights from the seed, mock data, 20 steps.
 TINY = {"model": {"preset": "llama-tiny", "overrides": {"hidden_size": 256, "num_attention_heads": 8,

@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from gpus import needs_two
+
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -133,13 +135,7 @@ def test_grpo_resume_continues_the_run(sft: dict[str, Any]) -> None:
         assert a["loss"] == pytest.approx(b["loss"], abs=0.02)
 
 
-def gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-@pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs (device kind nvidia-h200-x2 or larger)")
+@needs_two
 def test_grpo_at_tp2_and_dp2(sft: dict[str, Any]) -> None:
     """The same GRPO steps at TP2 (the engine on a tensor-parallel model) and DP2 (each rank its own prompts) as on
     one GPU: the first step's rewards agree with one GPU's (TP2: the same samples but for bf16 near-ties; DP2: the

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpus import needs_two
+
 HERE = Path(__file__).parent
 SHIM = HERE / "slurm_shim"
 pytestmark = pytest.mark.gpu
@@ -36,18 +38,6 @@ pytestmark = pytest.mark.gpu
 STEP1_TOL = 5e-3  # |loss difference| at step 1 (same weights)
 STEP_TOL = {"dense": 0.03, "moe": 0.05}  # at any of the 20 steps (MoE: top-2 routing near-ties may flip in bf16)
 MEAN_TOL = {"dense": 0.01, "moe": 0.02}  # mean over the 20 steps
-
-
-def gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except ImportError:
-        return 0
-
-
-needs_two = pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs (device kind nvidia-h200-x2 or larger)")
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +167,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shim_env: dict, converted: di
 
 def metric(run: tuple[int, Path, Path], key: str = "loss") -> list[float]:
     return [json.loads(x)[key] for x in (run[2] / "metrics.jsonl").read_text().splitlines()]
-
 
 
 def grad_norms(run: tuple[int, Path, Path]) -> dict[str, float]:
