@@ -103,18 +103,10 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     out += time_limit_problems(exp, nodes)
     out += lora_problems(exp)
     out += logging_problems(exp, nodes)
-    out += unbuilt_problems(exp)
     if not out and nodes.gpus:  # then Megatron-Core's own checks, as the ranks will run them
         from mcorekit.config.megatron import megatron_problems
 
         out = megatron_problems(exp, model, use_te=te)
-    return out
-
-
-def unbuilt_problems(exp: Experiment) -> list[str]:
-    """Schema keys whose implementation has not landed yet: refused rather than silently ignored. Each entry goes
-    when its feature does."""
-    out = []
     return out
 
 
