@@ -36,6 +36,28 @@ def test_moe_counts_the_shared_expert_and_its_gate() -> None:
     assert train_flops_per_token(spec, 6) == pytest.approx(6 * (2 * per_layer + 4 * 10))
 
 
+def test_mla_counts_its_low_rank_projections_and_head_sizes() -> None:
+    # DeepSeek-V3 shape in miniature: 2 layers (1 dense, 1 MoE), hidden 8, 2 heads, q LoRA 4, kv LoRA 3,
+    # q/k 5 without rope + 2 with rope, v 6; dense ffn 10; 4 experts of 3, top-2; vocab 10; seq 6
+    spec = ModelSpec("deepseek_v3", 2, 8, 2, 2, 7, 10, 10, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=3,
+                     moe_first_k_dense=1, q_lora_rank=4, kv_lora_rank=3, qk_head_dim=5, qk_pos_emb_head_dim=2,
+                     v_head_dim=6)
+    q = 8 * 4 + 4 * 2 * 7  # down to the q LoRA rank, up to 2 heads of 5 + 2
+    kv = 8 * (3 + 2) + 3 * 2 * (5 + 6)  # down to the kv rank plus the shared rope key, up to k (5) and v (6) per head
+    attn = q + kv + 2 * 6 * 8 + 0.5 * 6 * 2 * (7 + 6)  # + output projection + QK^T (7 per head) and AV (6 per head)
+    dense, moe = 3 * 8 * 10, 2 * 3 * 8 * 3 + 8 * 4
+    assert train_flops_per_token(spec, 6) == pytest.approx(6 * (2 * attn + dense + moe + 8 * 10))
+
+
+def test_sliding_window_layers_count_the_keys_they_see() -> None:
+    # GPT-OSS style: layer 0 windowed (4 keys), layer 1 full; hidden 4, 2 heads of 2, 1 KV group, ffn 8, seq 8
+    spec = ModelSpec("gpt_oss", 2, 4, 2, 1, 2, 8, 10, sliding_window=4, window_layers=(1, 0))
+    keys_windowed = (1 + 2 + 3 + 4 + 4 + 4 + 4 + 4) / 8 - 0.5 * 4 / 8  # causal counted as half: w/2 for the first w
+    proj, mlp = 4 * 4 + 2 * 4 * 2 + 4 * 4, 3 * 4 * 8
+    windowed, full = proj + keys_windowed * 2 * 4 + mlp, proj + 0.5 * 8 * 2 * 4 + mlp
+    assert train_flops_per_token(spec, 8) == pytest.approx(6 * (windowed + full + 4 * 10))
+
+
 def test_benchmark_shape_matches_the_6n_rule_of_thumb() -> None:
     from mcorekit.models.spec import PRESETS
 
