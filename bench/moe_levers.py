@@ -13,6 +13,10 @@ Levers (applied inside the training process, on top of `python -m mcorekit.train
   graphs-attn  the same for attention only: with the alltoall dispatcher `graphs` fails at capture (its
            preprocess records a device-to-host event inside the graph; measured 2026-12-01)
   router   TE's fused router (top-k + softmax + aux loss in one kernel): moe.router_fusion=true.
+  nosync   no device-to-host copy of the tokens per expert and no wait for it in each MoE layer's dispatch: with
+           one expert-parallel and one tensor-parallel rank, no dropping and torch._grouped_mm experts (which take
+           the counts on the GPU), the alltoall dispatcher needs no host-side counts, yet it copies them and
+           synchronises once per layer and micro-batch, which stops the host from running ahead of the GPU.
 Levers combine with '+'. Tokens/s is the median over logged intervals after the first; one process per lever.
 """
 
@@ -56,6 +60,15 @@ if "gaf" in levers:  # TE's layers fuse without APEX; Megatron's own output laye
             model.output_layer.gradient_accumulation_fusion = False
         return model
     build.build_gpt = build_gpt
+if "nosync" in levers:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Dispatcher
+    base_preprocess = Dispatcher.preprocess
+    def preprocess(self, routing_map):
+        out = base_preprocess(self, routing_map)
+        if self.ep_size == 1 and self.tp_size == 1 and not self.drop_and_pad:
+            self.cuda_dtoh_point = self.cuda_sync_point = "no_sync"  # neither point is ever reached
+        return out
+    Dispatcher.preprocess = preprocess
 from mcorekit.train.__main__ import main
 sys.exit(main(sys.argv[2:]))
 """
