@@ -8,7 +8,7 @@ CONFIG ?= examples/llama-tiny.yaml
 ARGS ?=
 NODES ?=
 
-.PHONY: help setup demo test test-cpu test-gpu test-gpu-post test-gpu-multi cluster-up cluster-down cluster-status train sweep dry-run status logs cancel convert export data bench-train bench-overlap bench-profile
+.PHONY: help setup demo test test-cpu test-gpu test-gpu-post test-gpu-multi cluster-up cluster-down cluster-status train sweep dry-run status logs cancel convert export data bench-train bench-overlap bench-profile bench-post
 
 help:
 	@echo "make demo            bring up the dev Slurm cluster and run the toolchain end to end"
@@ -25,6 +25,7 @@ help:
 	@echo "make bench-train     (GPU) training tokens/s and MFU vs HF transformers, docs/train.md"
 	@echo "make bench-overlap   (2+ GPUs) hidden vs exposed communication, DP and TP overlaps, docs/train.md"
 	@echo "make bench-profile   (GPU) where a training step's time goes: GPU busy vs host, top kernels and ops"
+	@echo "make bench-post      (GPU) DPO and LoRA vs full fine-tuning, 0.89B: tokens/s, peak memory, checkpoint size"
 	@echo "make convert ARGS=\"hf-to-mcore HF_DIR OUT --tp 2\" | make export ARGS=\"trtllm SRC OUT --target engine --tp 2\""
 
 setup:
@@ -95,6 +96,11 @@ bench-overlap: setup
 # On a GPU machine: where one training step's time goes (GPU busy vs host, top kernels), e.g. ARGS="--shape moe".
 bench-profile: setup
 	cd /tmp && $(CURDIR)/$(PY) $(CURDIR)/bench/profile_step.py $(ARGS)
+
+# On a GPU machine: post-training cost on the 0.89B shape (SFT full/LoRA, DPO live/precomputed/LoRA); ARGS="--dry"
+# checks every case's config and data without a GPU.
+bench-post: setup
+	cd /tmp && $(CURDIR)/$(PY) $(CURDIR)/bench/post_bench.py $(ARGS)
 
 # make sweep CONFIG=exp.yaml GRID="optimizer.lr=1e-4,3e-4 parallel.tp=1,2" [MAX_PARALLEL=2]
 sweep: setup cluster-up
