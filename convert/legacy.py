@@ -8,7 +8,10 @@ experts with local ids (`decoder.layers.3.mlp.experts.local_experts.1.linear_fc1
 ep_rank * experts/EP + local id). Each tensor is split over tensor parallel ranks the way its weight-map entry
 says (models/mapping.py: QKV by query groups, gated fc1 as [gate_i; up_i], linear_proj and fc2 along the input
 dim, vocabulary rows for embedding and output layer; norms, the router and the shared-expert gate replicated).
-Expert tensor parallelism is 1 or equal to TP. Load it in Megatron-LM with
+Expert tensor parallelism is 1 or equal to TP. Multi-token-prediction layers (DeepSeek-V3) sit on the last
+pipeline stage (its last virtual chunk) under their module names, `mtp.layers.<i>.{enorm,hnorm,eh_proj,
+final_layernorm}` and `mtp.layers.<i>.mtp_model_layer.*` (split like a decoder layer), and that stage then holds
+a copy of the embedding too (Megatron-Core's MTP block uses it). Load it in Megatron-LM with
 `--finetune --no-load-optim --no-load-rng` (it carries weights only).
 """
 
@@ -26,7 +29,8 @@ from mcorekit.convert import torch_dist
 from mcorekit.convert.files import write_failure
 from mcorekit.errors import ConversionError
 from mcorekit.models import gpt_weights as gw
-from mcorekit.models.mapping import GLOBAL, LAYER, REPLICATED, Ctx, WeightMap, shard, unshard
+from mcorekit.models.mapping import (GLOBAL, LAYER, MTP, MTP_LAYER, MTP_MODULE_LAYER, REPLICATED, Ctx, WeightMap,
+                                     shard, unshard)
 from mcorekit.models.parallel import MEGATRON, Layout, layout_problems
 from mcorekit.models.spec import ModelSpec
 
@@ -43,10 +47,30 @@ def rank_dir(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
 def local_name(mcore: str, local_layer: int | None, local_expert: int | None = None) -> str:
     if local_layer is None:
         return mcore
+    if mcore.startswith(MTP):  # MTP layer `local_layer`: its decoder layer's module is mtp_model_layer
+        name = mcore.replace(MTP_LAYER, MTP_MODULE_LAYER, 1)
+        if local_expert is not None:
+            name = name.replace(".mlp.experts.experts.", f".mlp.experts.local_experts.{local_expert}.", 1)
+        return name.replace(MTP, f"{MTP}{local_layer}.", 1)
     if local_expert is None:
         return mcore.replace("decoder.layers.", f"decoder.layers.{local_layer}.", 1)
     return mcore.replace("decoder.layers.mlp.experts.experts.",
                          f"decoder.layers.{local_layer}.mlp.experts.local_experts.{local_expert}.", 1)
+
+
+_MTP_LOCAL = (  # a legacy MTP name -> (MTP layer, its layer-stacked map name)
+    (re.compile(rf"^{re.escape(MTP)}(\d+)\.mtp_model_layer\.(.*)\.local_experts\.\d+\.(.*)$"), MTP_LAYER + r"\2.experts.\3"),
+    (re.compile(rf"^{re.escape(MTP)}(\d+)\.mtp_model_layer\.(.*)$"), MTP_LAYER + r"\2"),
+    (re.compile(rf"^{re.escape(MTP)}(\d+)\.(.*)$"), MTP + r"\2"),
+)
+
+
+def mtp_stacked_name(name: str) -> tuple[int, str, bool] | None:
+    """(MTP layer, stacked map name, is an expert's) of a legacy MTP tensor name; None for other names."""
+    for pattern, template in _MTP_LOCAL:
+        if m := pattern.match(name):
+            return int(m.group(1)), m.expand(template), ".local_experts." in name
+    return None
 
 
 def stages(spec: ModelSpec, pp: int, vpp: int | None) -> dict[tuple[int, int], list[int]]:
@@ -87,16 +111,18 @@ def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], amap: WeightM
                 scope = planned_tensor.scope
                 if scope == GLOBAL:
                     is_emb = key.startswith("embedding.")
-                    if not ((is_emb and first) or (not is_emb and last)):
+                    # the MTP block on the last stage embeds the next tokens with its own copy of the embedding
+                    if not ((is_emb and (first or (last and spec.mtp_layers))) or (not is_emb and last)):
                         continue
                     full = _produce(planned_tensor, ())
                     for (t, e), chunks in files.items():
                         chunks[c][key] = shard(splits[key], full, t, tp)
                     _tick(on_tensor, full)
                     continue
-                for i, layer in enumerate(layout[(p, c)]):
-                    if not entries[key].has_layer(layer):  # a dense layer's MLP in an MoE layer, or back
-                        continue
+                # decoder layers of this stage, or the MTP layers on the last one: (local index, slice index)
+                here = ([(i, i) for i in range(spec.mtp_layers)] if last else []) if entries[key].is_mtp else \
+                    [(i, layer) for i, layer in enumerate(layout[(p, c)]) if entries[key].has_layer(layer)]
+                for i, layer in here:
                     if scope == LAYER:
                         full = _produce(planned_tensor, (layer,))
                         for (t, e), chunks in files.items():
@@ -118,7 +144,8 @@ def write(iter_dir: Path, planned: list[torch_dist.PlannedTensor], amap: WeightM
             for (t, e), chunks in files.items():
                 for te in amap.te_modules:
                     module, scope = te.name, te.scope
-                    here = [i for i, layer in enumerate(layout[(p, c)]) if te.has_layer(layer)]
+                    here = ((list(range(spec.mtp_layers)) if last else []) if te.is_mtp else
+                            [i for i, layer in enumerate(layout[(p, c)]) if te.has_layer(layer)])
                     if scope == GLOBAL:
                         if last:
                             chunks[c][f"{module}._extra_state"] = None
@@ -219,9 +246,11 @@ class LegacyReader:
             return parts[0], parts[1], parts[2]
         if len(parts) == 1:
             return parts[0], 0, 0
-        # One suffix is PP or EP: with PP only the first stage holds the embedding; with EP every file does.
-        all_have_embedding = all(gw.EMBEDDING in _models(st)[min(_models(st))] for st in states.values())
-        return (parts[0], 0, parts[1]) if all_have_embedding else (parts[0], parts[1], 0)
+        # One suffix is PP or EP: with PP only the first stage holds the embedding (and the last too with MTP layers)
+        # and only the last the final norm; with EP every file holds both.
+        every_file = all(gw.EMBEDDING in _models(st)[min(_models(st))] and gw.FINAL_NORM in _models(st)[max(_models(st))]
+                         for st in states.values())
+        return (parts[0], 0, parts[1]) if every_file else (parts[0], parts[1], 0)
 
     def _sd(self, t: int, p: int, e: int, c: int) -> dict[str, Any]:
         return self.ranks[(t, p, e)][c]
@@ -238,8 +267,16 @@ class LegacyReader:
         L, E = self.spec.num_layers, self.spec.num_experts
         # every stage: in a model with dense and MoE layers a tensor need not be in the first or last one
         stage_keys = [((p, c), key) for p in range(self.pp) for c in range(self.vpp) for key in self._sd(0, p, 0, c)]
+        mtp_ids: set[int] = set()
         for (p, c), key in stage_keys:
             if key.endswith("_extra_state"):
+                continue
+            if (mtp := mtp_stacked_name(key)) is not None:
+                i, stacked, expert = mtp
+                mtp_ids.add(i)
+                if stacked not in sizes:
+                    t = self.read(stacked, (i, 0) if expert else (i,))
+                    sizes[stacked] = _Sized((0, E) if expert else (0,), _Properties(t.dtype), tuple(t.shape))
                 continue
             parts = key.split(".")
             if key.startswith("decoder.layers.") and parts[2].isdigit():
@@ -257,6 +294,10 @@ class LegacyReader:
             elif not (key == gw.OUTPUT and self.spec.tie_word_embeddings) and key not in sizes:
                 t = self.read(key)
                 sizes[key] = _Sized(tuple(t.shape), _Properties(t.dtype))
+        self.mtp_layers = len(mtp_ids)  # how many multi-token-prediction layers the files hold
+        for key, sized in sizes.items():  # the MTP layer count is known once every name was seen
+            if key.startswith(MTP):
+                sizes[key] = _Sized((self.mtp_layers, *sized.size[1:], *sized.slice), sized.properties)
         return sizes
 
     def tensor_keys(self) -> dict[str, _Sized]:
@@ -268,7 +309,7 @@ class LegacyReader:
         if not index:
             p, c = (0, 0) if key.startswith("embedding.") else (self.pp - 1, self.vpp - 1)
             return unshard(split, [self._get(t, p, 0, c, key) for t in range(self.tp)])
-        p, c, i = self.layer_home[index[0]]
+        p, c, i = (self.pp - 1, self.vpp - 1, index[0]) if key.startswith(MTP) else self.layer_home[index[0]]
         if len(index) == 1:
             name = local_name(key, i)
             return unshard(split, [self._get(t, p, 0, c, name) for t in range(self.tp)])
@@ -290,6 +331,7 @@ class _Sized:
 
     size: tuple[int, ...]
     properties: _Properties
+    slice: tuple[int, ...] = ()  # while sizes are gathered: one MTP slice's shape (the layer count comes last)
 
 
 def _indices(state: dict[str, Any], pattern: str) -> set[int]:

@@ -25,7 +25,7 @@ from mcorekit.convert.hf_io import HFReader, HFWriter, copy_assets
 from mcorekit.errors import ConversionError, ModelError
 from mcorekit.models import dtypes, registry
 from mcorekit.models import gpt_weights as gw
-from mcorekit.models.mapping import EXPERT, GLOBAL, LAYER, Ctx, Mapping, WeightMap
+from mcorekit.models.mapping import EXPERT, GLOBAL, LAYER, MTP, Ctx, Mapping, WeightMap
 from mcorekit.models.megatron import padded_vocab_size
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec
@@ -139,12 +139,10 @@ def check_counts(reader: HFReader, spec: ModelSpec, amap: WeightMap) -> None:
     """The config's layer and expert counts must be what the weights hold (read with the map's HF names); checked
     first, so that a config claiming a billion layers fails at once instead of planning them."""
     layers, experts = amap.stacked_ids(reader.names())
-    mtp = spec.extra.get("mtp_layers") or 0
-    if mtp and _is_range(layers, spec.num_layers + mtp):  # DeepSeek's MTP layers after the decoder: passed through
-        pass
-    elif not _is_range(layers, spec.num_layers):
-        raise ConversionError(f"{reader.path / 'config.json'}: num_hidden_layers={spec.num_layers}, but the weights hold "
-                              f"layers {_listed(layers)}; the config disagrees with the weights")
+    if not _is_range(layers, spec.num_layers + spec.mtp_layers):
+        mtp = f" and {spec.mtp_layers} MTP layers after them" if spec.mtp_layers else ""
+        raise ConversionError(f"{reader.path / 'config.json'}: num_hidden_layers={spec.num_layers}{mtp}, but the "
+                              f"weights hold layers {_listed(layers)}; the config disagrees with the weights")
     per_expert_names = any("{expert}" in n for m in amap.mappings for n in m.hf)  # else shapes say the count
     if spec.is_moe and per_expert_names:
         if not _is_range(experts, spec.num_experts):
@@ -152,16 +150,39 @@ def check_counts(reader: HFReader, spec: ModelSpec, amap: WeightMap) -> None:
                                   f"hold experts {_listed(experts)}; the config disagrees with the weights")
 
 
-MTP_DIR = "mtp"
+MTP_DIR = "mtp"  # where conversions before 2026-12-02 carried DeepSeek's MTP layers through, unconverted
 
 
-def mtp_names(reader: HFReader, spec: ModelSpec, amap: WeightMap) -> list[str]:
-    """The HF tensors of the multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers, numbered after
-    the decoder layers). Megatron-Core's MTP block is not built by mcorekit, so they are carried through the
-    conversion as they are (OUT/mtp/, safetensors) and written back by mcore-to-hf, bit for bit."""
-    if not spec.extra.get("mtp_layers"):
-        return []
-    return [n for n in reader.names() if (ids := amap.stacked_ids([n])[0]) and min(ids) >= spec.num_layers]
+def declared_mtp(spec: ModelSpec) -> ModelSpec:
+    """The model with the multi-token-prediction layers its HF config declares (DeepSeek-V3's
+    num_nextn_predict_layers)."""
+    from dataclasses import replace
+
+    declared = spec.extra.get("nextn_predict_layers") or 0
+    return replace(spec, mtp_layers=declared) if isinstance(declared, int) and declared > 0 else spec
+
+
+def with_hf_mtp(reader: HFReader, spec: ModelSpec) -> ModelSpec:
+    """The model with the MTP layers its HF weights hold (numbered after the decoder layers): all that the config
+    declares when the weights hold layers past the decoder, none when they do not (transformers saves none)."""
+    layers, _ = weight_map(spec).stacked_ids(reader.names())
+    return declared_mtp(spec) if layers and max(layers) >= spec.num_layers else spec
+
+
+def check_copies(reader: HFReader, amap: WeightMap) -> list[str]:
+    """The HF tensors that must equal another (an MTP layer's embedding and head equal the main model's: Megatron-Core
+    shares them); returns their names, or a ConversionError naming the first that differs."""
+    for name, source in amap.copies:
+        for n in (name, source):
+            if n not in reader.entries:
+                raise ConversionError(f"{reader.path}: tensor {n!r} is missing; the checkpoint is incomplete")
+        a, b = reader.get(name), reader.get(source)
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            raise ConversionError(
+                f"{reader.path}: {name} differs from {source}: Megatron-Core's MTP layers share the main model's "
+                f"embedding and output layer, so an MTP layer with its own would be lost; nothing was written "
+                f"(convert a checkpoint whose MTP layer holds copies of them, as DeepSeek's do)")
+    return [name for name, _ in amap.copies]
 
 
 def check_hf_tensor(reader: HFReader, name: str, want: tuple[int, ...], m: Mapping, mcore_shape: tuple[int, ...]) -> torch.dtype:
@@ -203,7 +224,7 @@ def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: WeightMap, ctx: Ctx, d
             raise ConversionError(f"{reader.path}: the HF tensors of {m.mcore} mix dtypes ({', '.join(sorted(map(str, dtypes)))}); "
                                   f"pass --dtype to convert them to one")
         out_dtype = dtype or dtypes.pop()
-        lead = () if m.scope == GLOBAL else (spec.num_layers,) if m.scope == LAYER else (spec.num_layers, spec.num_experts)
+        lead = () if m.scope == GLOBAL else (m.stack(spec),) if m.scope == LAYER else (m.stack(spec), spec.num_experts)
         chunks = []
         for index in indices:
             def produce(m: Mapping = m, index: tuple[int, ...] = index, out_dtype: torch.dtype = out_dtype) -> torch.Tensor:
@@ -213,7 +234,7 @@ def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: WeightMap, ctx: Ctx, d
             chunks.append(torch_dist.ChunkSource(index + (0,) * len(shape), (1,) * len(index) + shape, produce))
         planned.append(torch_dist.PlannedTensor(m.mcore, lead + shape, out_dtype, chunks, m.scope))
         total += int(torch.Size(shape).numel()) * out_dtype.itemsize * len(indices)
-    used.update(mtp_names(reader, spec, amap))
+    used.update(check_copies(reader, amap))
     unmapped = sorted(n for n in reader.names() if n not in used and not n.endswith(IGNORED_HF))
     if spec.tie_word_embeddings:  # a tied copy of the embedding (the head the family names); Megatron reuses it
         head = registry.weight_map(_untied(spec)).get(gw.OUTPUT)
@@ -241,6 +262,13 @@ def extra_state_blobs(amap: WeightMap, spec: ModelSpec) -> dict[str, bytes]:
     for te in amap.te_modules:
         if te.scope == GLOBAL:
             blobs[torch_dist.extra_state_key(te.name)] = empty
+            continue
+        if te.is_mtp:  # one key per MTP layer, as per-layer decoder keys
+            for i in te.layers or range(spec.mtp_layers):
+                name = torch_dist.layer_key(te.name, i)
+                keys = [torch_dist.extra_state_key(name)] if te.scope == LAYER else \
+                    [torch_dist.extra_state_key(name, e, E) for e in range(E)]
+                blobs.update(dict.fromkeys(keys, empty))
             continue
         for layer in filter(te.has_layer, range(L)):
             if spec.per_layer_keys:  # one key per layer, no layer dimension (torch_dist.per_layer)
@@ -271,7 +299,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, fmt: str = "torch_dist"
         raise ConversionError(f"--vocab-divisible-by {vocab_divisible_by}: must be at least 1")
     reader = HFReader(hf_dir)
     try:
-        spec = spec_for(reader.config, reader.path / "config.json")
+        spec = with_hf_mtp(reader, spec_for(reader.config, reader.path / "config.json"))
         ctx = Ctx(spec, padded_vocab_size(spec.vocab_size, vocab_divisible_by))
         layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)
         legacy.check_layout(spec, ctx, layout)  # torch_dist has no layout, but it must load at this one
@@ -287,25 +315,19 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, fmt: str = "torch_dist"
                 bar.update(n)
 
             if fmt == "torch_dist":
-                stored = torch_dist.per_layer(planned) if spec.per_layer_keys else planned
+                # MTP layers are stored one key per layer whatever the decoder does
+                stored = [s for t in planned for s in (torch_dist.per_layer([t]) if spec.per_layer_keys
+                                                       or t.fqn.startswith(MTP) else [t])]
                 torch_dist.write(tmp / RELEASE, stored, extra_state_blobs(amap, spec), on_chunk=tick)
             else:
                 legacy.write(tmp / RELEASE, planned, amap, ctx, layout, on_tensor=tick)
             bar.close()
-            carried = mtp_names(reader, spec, amap)
-            if carried:
-                (tmp / MTP_DIR).mkdir()
-                with HFWriter(tmp / MTP_DIR) as mtp_writer:
-                    for name in carried:
-                        mtp_writer.add(name, reader.get(name))
-                    mtp_writer.finish()
-                (tmp / MTP_DIR / "config.json").write_text(json.dumps(reader.config, indent=2) + "\n")
             (tmp / TRACKER).write_text(RELEASE)
             (tmp / "hf").mkdir()
             copy_assets(reader.path, tmp / "hf")
             sidecar = {"format": fmt, "model": spec.to_dict(), "padded_vocab_size": ctx.padded_vocab,
                        "layout": {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "vpp": vpp} if fmt == "torch" else None,
-                       "source": str(reader.path), "mtp_passthrough": len(carried)}
+                       "source": str(reader.path), "mtp_layers": spec.mtp_layers}
             (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2) + "\n")
     finally:
         reader.close()
@@ -342,7 +364,7 @@ def hf_config_for(ckpt_root: Path, hf_config: str | None) -> tuple[dict[str, Any
     raise ConversionError(f"{ckpt_root}: no HF config stored with the checkpoint; pass --hf-config HF_DIR_OR_CONFIG")
 
 
-MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", MTP)
 
 
 def config_mismatches(spec: ModelSpec, amap: WeightMap, sizes: dict[str, tuple[int, ...]],
@@ -362,21 +384,35 @@ def config_mismatches(spec: ModelSpec, amap: WeightMap, sizes: dict[str, tuple[i
     rows = sizes[gw.EMBEDDING][:1]
     if rows and rows[0] < spec.vocab_size:
         out.append(f"vocab_size {spec.vocab_size} in the config, {rows[0]} embedding rows in the checkpoint")
-    lead = {GLOBAL: (), LAYER: (spec.num_layers,), EXPERT: (spec.num_layers, spec.num_experts or 0)}
     for m in amap.mappings:
-        want = lead[m.scope] + shapes[m.mcore]
+        lead = {GLOBAL: (), LAYER: (m.stack(spec),), EXPERT: (m.stack(spec), spec.num_experts or 0)}[m.scope]
+        want = lead + shapes[m.mcore]
         if sizes[m.mcore] != want:
             out.append(f"{m.mcore} is {sizes[m.mcore]} in the checkpoint, the config implies {want}")
     return out
 
 
 def open_checkpoint(iter_dir: Path, spec: ModelSpec, amap: WeightMap) -> Any:
+    """The checkpoint seen with the map's layer-stacked keys (per-layer and MTP keys stacked; `mtp_layers` says how
+    many MTP layers it holds)."""
     if any(iter_dir.glob("mp_rank_*")):
         from mcorekit.convert import legacy
 
         return legacy.LegacyReader(iter_dir, spec, amap)
-    reader = torch_dist.TorchDistReader(iter_dir)
-    return torch_dist.LayerStackedView(reader, spec.num_layers) if spec.per_layer_keys else reader
+    return torch_dist.LayerStackedView(torch_dist.TorchDistReader(iter_dir), spec.num_layers)
+
+
+def with_checkpoint_mtp(spec: ModelSpec, found: int, iter_dir: Path, config_file: Path) -> ModelSpec:
+    """The model with the MTP layers the Megatron checkpoint holds (none: written back as transformers saves the
+    model); more than the HF config declares cannot be written back under its names."""
+    from dataclasses import replace
+
+    declared = declared_mtp(spec).mtp_layers
+    if found and found != declared:
+        raise ConversionError(f"{iter_dir}: the checkpoint holds {found} multi-token-prediction layer(s) (mtp.layers.*), "
+                              f"but {config_file} declares num_nextn_predict_layers={declared}; pass an --hf-config "
+                              f"that declares {found}")
+    return replace(spec, mtp_layers=found)
 
 
 def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = None, dtype: str | None = None,
@@ -391,8 +427,9 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
     if dtype is not None and dtype not in dtypes.NAMES:
         raise ConversionError(f"unknown dtype {dtype!r}; supported: {', '.join(dtypes.NAMES)}")
     spec = spec_for(config, config_file)
+    source = open_checkpoint(iter_dir, spec, weight_map(declared_mtp(spec)))  # the legacy reader splits MTP tensors too
+    spec = with_checkpoint_mtp(spec, source.mtp_layers, iter_dir, config_file)
     amap = weight_map(spec)
-    source = open_checkpoint(iter_dir, spec, amap)
     stored = {k: v for k, v in source.tensor_keys().items() if k.startswith(MODEL_PREFIXES)}
     wanted = {m.mcore for m in amap.mappings}
     missing, extra = sorted(wanted - set(stored)), sorted(set(stored) - wanted)
@@ -429,12 +466,11 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
         bar = _progress(total, "mcore -> hf", quiet)
         # Layer by layer, so HF shards come out in the usual order (embeddings, layer 0, 1, ..., norm, head).
         order = ([m for m in amap.mappings if m.scope == GLOBAL and m.mcore == gw.EMBEDDING]
-                 + [(m, layer) for layer in range(spec.num_layers) for m in amap.mappings if m.scope != GLOBAL]
-                 + [m for m in amap.mappings if m.scope == GLOBAL and m.mcore != gw.EMBEDDING])
+                 + [(m, layer) for layer in range(spec.num_layers) for m in amap.mappings if m.has_layer(layer)]
+                 + [m for m in amap.mappings if m.scope == GLOBAL and m.mcore != gw.EMBEDDING]
+                 + [(m, i) for i in range(spec.mtp_layers) for m in amap.mappings if m.is_mtp])
         for item in order:
             m, layer = item if isinstance(item, tuple) else (item, None)
-            if layer is not None and not m.has_layer(layer):
-                continue
             indices = [()] if layer is None else [(layer,)] if m.scope == LAYER else [(layer, e) for e in range(spec.num_experts)]
             stacked: dict[str, list[torch.Tensor]] = {}
             for index in indices:
@@ -463,9 +499,11 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
                 summary.tensors += 1
                 summary.bytes += t.numel() * t.element_size()
                 bar.update(t.numel() * t.element_size())
-        if spec.extra.get("mtp_layers") and (ckpt_root / MTP_DIR / "config.json").is_file():
-            # the MTP layers hf-to-mcore carried through, back after the decoder as they came (a checkpoint training
-            # wrote has none: train/ builds no MTP block, and the result is what transformers itself saves)
+        for name, source_name in amap.copies:  # the MTP layers' copies of the embedding and head, from them
+            summary.tensors += 1
+            writer.add(name, _hf_tensor(source, amap, ctx, source_name, dtype, out_dtype))
+        if not spec.mtp_layers and (ckpt_root / MTP_DIR / "config.json").is_file():
+            # a conversion before 2026-12-02 carried the MTP layers through unconverted: back as they came
             carried = HFReader(ckpt_root / MTP_DIR)
             try:
                 for name in carried.names():
@@ -479,6 +517,15 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     summary.seconds = time.monotonic() - start
     return summary
+
+
+def _hf_tensor(source: Any, amap: WeightMap, ctx: Ctx, name: str, dtype: str | None,
+               out_dtype: torch.dtype | None) -> torch.Tensor:
+    """The HF tensor `name` of a global (not per-layer) entry, read from the checkpoint again."""
+    m = next(m for m in amap.mappings if m.scope == GLOBAL and name in m.hf_names())
+    t = m.to_hf(source.read(m.mcore), ctx)[m.hf_names().index(name)]
+    cast = dtypes.to_torch(dtype) if dtype else out_dtype
+    return t.to(cast) if cast else t
 
 
 def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:

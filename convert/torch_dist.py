@@ -497,12 +497,15 @@ class TorchDistReader:
 # ---------------------------------------------------------------- models whose layers differ: one key per layer
 
 LAYERS = "decoder.layers."
+MTP = "mtp.layers."  # Megatron-Core's multi-token-prediction layers: always one key per layer
 
 
 def layer_key(stacked: str, layer: int) -> str:
     """`decoder.layers.<name>` at one layer: `decoder.layers.<layer>.<name>` (Megatron-Core's key for a model
-    whose layers differ, e.g. DeepSeek's dense then MoE layers: TransformerBlock's non_homogeneous_layers)."""
-    return stacked.replace(LAYERS, f"{LAYERS}{layer}.", 1)
+    whose layers differ, e.g. DeepSeek's dense then MoE layers: TransformerBlock's non_homogeneous_layers); and
+    `mtp.layers.<name>` at MTP layer i: `mtp.layers.<i>.<name>`."""
+    prefix = MTP if stacked.startswith(MTP) else LAYERS
+    return stacked.replace(prefix, f"{prefix}{layer}.", 1)
 
 
 def per_layer(planned: list[PlannedTensor]) -> list[PlannedTensor]:
@@ -524,24 +527,31 @@ def per_layer(planned: list[PlannedTensor]) -> list[PlannedTensor]:
 
 
 class LayerStackedView:
-    """A per-layer torch_dist checkpoint seen with layer-stacked keys (what the weight maps name): tensor_keys()
-    gives `decoder.layers.<name>` with size [num_layers, ...] for the layers that have it, read(key, (l, ...))
-    reads `decoder.layers.<l>.<name>`."""
+    """A torch_dist checkpoint with per-layer keys seen with layer-stacked keys (what the weight maps name):
+    tensor_keys() gives `decoder.layers.<name>` with size [num_layers, ...] for the layers that have it (and
+    `mtp.layers.<name>` with size [mtp_layers, ...]), read(key, (l, ...)) reads `decoder.layers.<l>.<name>`.
+    Layer-stacked keys pass through as they are."""
 
-    _KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+    _KEY = re.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
 
     def __init__(self, reader: TorchDistReader, num_layers: int) -> None:
         self.reader = reader
         self.stacked: dict[str, TensorStorageMetadata] = {}
         self.layers: dict[str, set[int]] = {}
+        per_layer = {}
         for key, md in reader.tensor_keys().items():
             m = self._KEY.fullmatch(key)
             if m is None:
                 self.stacked[key] = md
                 continue
-            name = LAYERS + m.group(2)
-            self.layers.setdefault(name, set()).add(int(m.group(1)))
-            self.stacked.setdefault(name, TensorStorageMetadata(md.properties, torch.Size((num_layers, *md.size)), []))
+            name = f"{m.group(1)}.layers.{m.group(3)}"
+            self.layers.setdefault(name, set()).add(int(m.group(2)))
+            per_layer[name] = md
+        mtp = {i for name, ids in self.layers.items() if name.startswith(MTP) for i in ids}
+        self.mtp_layers = len(mtp)  # how many multi-token-prediction layers the checkpoint holds
+        for name, md in per_layer.items():
+            count = self.mtp_layers if name.startswith(MTP) else num_layers
+            self.stacked[name] = TensorStorageMetadata(md.properties, torch.Size((count, *md.size)), [])
 
     def tensor_keys(self) -> dict[str, TensorStorageMetadata]:
         return dict(self.stacked)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mcorekit.errors import ModelError
-from mcorekit.models.mapping import (COLUMN, EXPERT, GLOBAL, QKV, REPLICATED, ROW, Direct, GatedFC1,
+from mcorekit.models.mapping import (COLUMN, EXPERT, GLOBAL, MTP, MTP_LAYER, QKV, REPLICATED, ROW, Direct, GatedFC1,
                                      InterleavedGateUp, Mapping, Part, TEModule, TransposedExpert, VocabRows)
 from mcorekit.models.spec import ModelSpec
 
@@ -210,3 +210,26 @@ def stacked_experts_mlp(spec: ModelSpec, *, norm: str, router: str, gate_up: str
                  Direct(EXPERT_FC2_BIAS, (f"{down}_bias",), scope=EXPERT, shape=(H,), hf_experts=True)]
     return maps, [TEModule("decoder.layers.pre_mlp_layernorm"), TEModule(f"{MLP}.experts.experts.linear_fc1", EXPERT),
                   TEModule(f"{MLP}.experts.experts.linear_fc2", EXPERT)]
+
+
+def mtp(spec: ModelSpec, layer: Part, *, enorm: str, hnorm: str, eh_proj: str, final_norm: str) -> Part:
+    """Megatron-Core's multi-token-prediction layers (spec.mtp_layers of them; nothing when 0): per layer the norm of
+    the next token's embedding (enorm) and of the hidden state (hnorm), eh_proj on their concatenation
+    [enorm(embedding); hnorm(hidden)] ([hidden, 2 * hidden], split by output rows like any column-parallel linear),
+    a decoder layer (`layer`: the part of the decoder's last layer, its Megatron names moved under
+    mtp.layers.transformer_layer) and final_layernorm before the shared output layer. HF names hold {layer}: MTP
+    layer i is HF layer num_layers + i (DeepSeek's checkpoints number them after the decoder)."""
+    if not spec.mtp_layers:
+        return [], []
+    H, layers, offset = spec.hidden_size, tuple(range(spec.mtp_layers)), spec.num_layers
+    maps, te = layer
+    moved = [replace(m, mcore=m.mcore.replace("decoder.layers.", MTP_LAYER, 1), layers=layers, hf_layer_offset=offset)
+             for m in maps]
+    own = [Direct(f"{MTP}enorm.weight", (f"{enorm}.weight",), shape=(H,)),
+           Direct(f"{MTP}hnorm.weight", (f"{hnorm}.weight",), shape=(H,)),
+           Direct(f"{MTP}eh_proj.weight", (f"{eh_proj}.weight",), split=COLUMN, shape=(H, 2 * H)),
+           Direct(f"{MTP}final_layernorm.weight", (f"{final_norm}.weight",), shape=(H,))]
+    own = [replace(m, layers=layers, hf_layer_offset=offset) for m in own]
+    te_moved = [replace(t, name=t.name.replace("decoder.layers.", MTP_LAYER, 1), layers=layers) for t in te]
+    te_own = [TEModule(f"{MTP}{name}", layers=layers) for name in ("enorm", "hnorm", "eh_proj", "final_layernorm")]
+    return moved + own, te_moved + te_own

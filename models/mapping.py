@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     import torch
 
 GLOBAL, LAYER, EXPERT = "global", "layer", "expert"
+# Megatron-Core's multi-token-prediction layers (DeepSeek-V3): entries named `mtp.layers.<name>` are stacked over
+# spec.mtp_layers (not the decoder's layers) and stored one key per MTP layer, `mtp.layers.<i>.<name>`; their
+# decoder layer is `mtp.layers.<i>.transformer_layer.*` (torch_dist) or `.mtp_model_layer.*` (module names).
+MTP = "mtp.layers."
+MTP_LAYER = f"{MTP}transformer_layer."
+MTP_MODULE_LAYER = f"{MTP}mtp_model_layer."
 REPLICATED, COLUMN, GATED_COLUMN, ROW = "replicated", "column", "gated-column", "row"
 HF_SPLIT_DIM = {REPLICATED: None, COLUMN: 0, GATED_COLUMN: 0, ROW: 1}
 
@@ -147,21 +153,32 @@ class Mapping:
     layers: tuple[int, ...] | None = None  # the layers that have it (dense or MoE layers of a mixed model); None: all
     keep_dtype: bool = False  # written back to HF in its stored dtype, not the config's (DeepSeek's fp32 router)
     hf_experts: bool = False  # EXPERT scope: one HF tensor holds every expert on its dim 0 (GPT-OSS), no {expert}
+    hf_layer_offset: int = 0  # HF {layer} = index + offset (MTP layer i is HF layer num_layers + i in DeepSeek's)
+
+    @property
+    def is_mtp(self) -> bool:
+        return self.mcore.startswith(MTP)
+
+    def stack(self, spec: ModelSpec) -> int:
+        """How many slices the leading layer dim holds: the decoder's layers, or the MTP layers."""
+        return spec.mtp_layers if self.is_mtp else spec.num_layers
 
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
+        layer = None if layer is None else layer + self.hf_layer_offset
         return [n.format(layer=layer, expert=expert) for n in self.hf]
 
     def slices(self, spec: ModelSpec) -> list[tuple[int, ...]]:
         """The leading index of every slice: () when GLOBAL, (layer,) for LAYER, (layer, expert) for EXPERT."""
         if self.scope == GLOBAL:
             return [()]
-        layers = range(spec.num_layers) if self.layers is None else self.layers
+        layers = range(self.stack(spec)) if self.layers is None else self.layers
         if self.scope == LAYER:
             return [(layer,) for layer in layers]
         return [(layer, e) for layer in layers for e in range(spec.num_experts or 0)]
 
     def has_layer(self, layer: int) -> bool:
-        return self.scope != GLOBAL and (self.layers is None or layer in self.layers)
+        """Whether decoder layer `layer` has it (MTP entries: see is_mtp)."""
+        return self.scope != GLOBAL and not self.is_mtp and (self.layers is None or layer in self.layers)
 
     def hf_names_at(self, index: tuple[int, ...]) -> list[str]:
         """The HF names of the slice at a leading index of slices()."""
@@ -282,8 +299,13 @@ class TEModule:
     scope: str = LAYER
     layers: tuple[int, ...] | None = None  # the layers that have it; None: all
 
+    @property
+    def is_mtp(self) -> bool:
+        return self.name.startswith(MTP)
+
     def has_layer(self, layer: int) -> bool:
-        return self.layers is None or layer in self.layers
+        """Whether decoder layer `layer` has it (MTP modules: see is_mtp)."""
+        return not self.is_mtp and (self.layers is None or layer in self.layers)
 
 
 Part = tuple[list[Mapping], list[TEModule]]
@@ -291,14 +313,18 @@ Part = tuple[list[Mapping], list[TEModule]]
 
 @dataclass(frozen=True)
 class WeightMap:
-    """A family's whole HF <-> Megatron map for one model: every tensor, and the TE modules with extra state."""
+    """A family's whole HF <-> Megatron map for one model: every tensor, and the TE modules with extra state.
+    `copies`: (HF tensor, the HF tensor it must equal) pairs that Megatron stores once (DeepSeek's MTP layers hold
+    copies of the embedding and the head, which Megatron-Core's MTP block shares with the main model): checked
+    equal on import, written from their source on export."""
 
     mappings: tuple[Mapping, ...]
     te_modules: tuple[TEModule, ...]
+    copies: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def of(cls, *parts: Part) -> WeightMap:
-        return cls(tuple(m for maps, _ in parts for m in maps), tuple(t for _, te in parts for t in te))
+    def of(cls, *parts: Part, copies: Iterable[tuple[str, str]] = ()) -> WeightMap:
+        return cls(tuple(m for maps, _ in parts for m in maps), tuple(t for _, te in parts for t in te), tuple(copies))
 
     def by_mcore(self) -> dict[str, Mapping]:
         return {m.mcore: m for m in self.mappings}

@@ -142,6 +142,8 @@ def transformer_config(spec: ModelSpec, par: Layout = Layout(), params_dtype: to
     if spec.is_mla:
         kwargs.update(mla_fields(spec))
     kwargs.update(gpt_oss_fields(spec))
+    if spec.mtp_layers:  # Megatron-Core's MTP block (build_gpt), on the last pipeline stage
+        kwargs.update(mtp_num_layers=spec.mtp_layers, mtp_loss_scaling_factor=spec.mtp_loss_scale)
     kwargs.update(overrides)
     config = (MLATransformerConfig if spec.is_mla else TransformerConfig)(**kwargs)
     for key, value in yarn_fields(spec).items():
@@ -256,15 +258,28 @@ def block_spec(spec: ModelSpec, config: Any, use_te: bool, grouped_gemm: bool = 
     return TransformerBlockSubmodules(layer_specs=local, layer_norm=norm)
 
 
+def mtp_block_spec(spec: ModelSpec, config: Any, decoder: Any, use_te: bool, vp_stage: int | None = None) -> Any:
+    """Megatron-Core's multi-token-prediction block for spec.mtp_layers (None without, and on every stage but the
+    last): each MTP layer is enorm, hnorm, eh_proj, a decoder layer like the decoder's last (DeepSeek-V3: MLA and
+    MoE) and final_layernorm; it shares the embedding and the output layer with the main model."""
+    if not spec.mtp_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, decoder, use_transformer_engine=use_te, vp_stage=vp_stage)
+
+
 def build_gpt(spec: ModelSpec, config: Any, padded_vocab: int, use_te: bool, grouped_gemm: bool = False,
               pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
               torch_expert_gemm: bool = False) -> Any:
     from megatron.core.models.gpt import GPTModel
 
     factor = None if spec.is_mla or uses_yarn(spec) else rope_scaling_factor(spec)  # MLA: its own rope (mla_fields)
+    decoder = block_spec(spec, config, use_te, grouped_gemm, torch_expert_gemm, vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(spec, config, use_te, grouped_gemm, torch_expert_gemm, vp_stage),
+        transformer_layer_spec=decoder,
+        mtp_block_spec=mtp_block_spec(spec, config, decoder, use_te, vp_stage),
         vocab_size=padded_vocab,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,

@@ -59,6 +59,11 @@ class ModelSpec:
     window_layers: tuple[int, ...] | None = None
     activation: str = "silu"
     glu_clamp: float | None = None
+    # Multi-token prediction (DeepSeek-V3): Megatron-Core's MTP block of this many layers after the decoder, its
+    # loss scaled by mtp_loss_scale (mtp_loss_scaling_factor). 0: not built (training's default: set
+    # model.overrides.mtp_layers); a conversion sets it to the MTP layers the checkpoint holds.
+    mtp_layers: int = 0
+    mtp_loss_scale: float = 0.1
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -119,3 +119,48 @@ DEEPSEEK_V2 = {**DEEPSEEK_V3, "n_group": 4, "topk_group": 3, "n_shared_experts":
                "topk_method": "group_limited_greedy",
                "rope_parameters": {**DEEPSEEK_V3["rope_parameters"], "mscale": 0.707, "mscale_all_dim": 0.707}}
 FAMILY_CONFIGS["deepseek_v2"] = lambda: transformers.DeepseekV2Config(**DEEPSEEK_V2)
+
+
+def add_mtp_layer(hf: Path, seed: int = 1, embed: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Give a DeepSeek-V3 checkpoint (make_family_model's) the MTP layer of DeepSeek's own checkpoints, which
+    transformers neither builds nor saves: `model.layers.<num_hidden_layers>.*` = a decoder layer like the last one
+    (its tensors perturbed, so that a swap with it shows), enorm, hnorm, eh_proj [hidden, 2 * hidden],
+    shared_head.norm, and copies of the embedding and the head (`embed`: a different embedding copy, to test the
+    refusal). Written as one more shard in the index; returns the tensors added."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from mcorekit.convert.hf_io import HFReader
+
+    cfg = json.loads((hf / "config.json").read_text())
+    last, mtp = cfg["num_hidden_layers"] - 1, cfg["num_hidden_layers"]
+    g = torch.Generator().manual_seed(seed)
+    src = HFReader(hf)
+    names = src.names()
+    out = {}
+    for name in names:
+        if name.startswith(f"model.layers.{last}."):
+            t = src.get(name)
+            noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype)
+            out[name.replace(f".{last}.", f".{mtp}.", 1)] = (t + 0.1 * noise * t.abs().mean()).contiguous()
+    h, dtype = cfg["hidden_size"], src.get("model.embed_tokens.weight").dtype
+    for key, shape, scale, base in (("enorm.weight", (h,), 0.1, 1.0), ("hnorm.weight", (h,), 0.1, 1.0),
+                                    ("shared_head.norm.weight", (h,), 0.1, 1.0),
+                                    ("eh_proj.weight", (h, 2 * h), (2 * h) ** -0.5, 0.0)):
+        out[f"model.layers.{mtp}.{key}"] = (base + scale * torch.randn(shape, generator=g)).to(dtype)
+    out[f"model.layers.{mtp}.embed_tokens.weight"] = (embed if embed is not None else src.get("model.embed_tokens.weight")).clone()
+    out[f"model.layers.{mtp}.shared_head.head.weight"] = src.get("lm_head.weight").clone()
+    src.close()
+    save_file(out, hf / "model-mtp.safetensors", metadata={"format": "pt"})
+    index_file = hf / "model.safetensors.index.json"
+    if index_file.is_file():
+        index = json.loads(index_file.read_text())
+    else:  # one shard without an index: give it one
+        (hf / "model.safetensors").rename(hf / "model-main.safetensors")
+        index = {"metadata": {}, "weight_map": dict.fromkeys(names, "model-main.safetensors")}
+    index["weight_map"].update(dict.fromkeys(out, "model-mtp.safetensors"))
+    index_file.write_text(json.dumps(index))
+    cfg["num_nextn_predict_layers"] = 1
+    (hf / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import make_family_model
+from hf_models import add_mtp_layer, make_family_model
 from mcorekit.convert import pipeline
 from mcorekit.convert.torch_dist import TorchDistReader
 from mcorekit.convert.verify import compare_hf
@@ -112,6 +112,26 @@ def test_deepseek_v3_megatron_keys_and_logits_equal(family_models, tmp_path: Pat
     assert_megatron_agrees(family_models["deepseek_v3"], tmp_path, port=29651)
 
 
+def test_deepseek_v3_mtp_megatron_keys_logits_and_loss(mtp_model, tmp_path: Path) -> None:
+    """Megatron-Core's GPTModel with its MTP block (get_gpt_mtp_block_spec, mtp_num_layers=1) has exactly the
+    converted checkpoint's keys and shapes, loads it, gives transformers' logits, and its MTP loss on a masked batch
+    equals DeepSeek's formula computed with transformers' modules on the HF tensors (family_megatron.mtp_reference:
+    norms, [enorm(embedding); hnorm(hidden)], eh_proj, the HF decoder layer, shared head) within 1e-5 in fp32."""
+    pipeline.hf_to_mcore(mtp_model, tmp_path / "m", dtype="fp32", quiet=True)
+    ckpt = {k: list(v.size) for k, v in TorchDistReader(tmp_path / "m/release").tensor_keys().items()}
+    env = {**os.environ, "PYTHONPATH": str(HERE), "LOGITS_PORT": "29671", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, str(HERE / "family_megatron.py"), "mtp", str(mtp_model), str(tmp_path / "m/release")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith(("KEYS ", "LOGITS ", "MTP "))}
+    assert set(lines) == {"KEYS", "LOGITS", "MTP"}, proc.stderr[-3000:]
+    assert json.loads(lines["KEYS"]) == ckpt and any(k.startswith("mtp.layers.0.transformer_layer.") for k in ckpt)
+    max_diff, cosine, top1 = map(float, lines["LOGITS"].split())
+    assert max_diff < 1e-5 and cosine > 0.99999 and top1 == 1.0, (max_diff, cosine, top1)
+    megatron, reference = map(float, lines["MTP"].split())
+    print(f"MTP loss: Megatron-Core {megatron:.7f}, DeepSeek's formula {reference:.7f}")
+    assert abs(megatron - reference) < 1e-5, (megatron, reference)
+
+
 def test_deepseek_v2_megatron_keys_and_logits_equal(family_models, tmp_path: Path) -> None:
     """DeepSeek-V2: softmax routing with group-limited greedy top-k, unnormalised, scaled; V2's rope (complex
     products of interleaved pairs) gives the same q.k as Megatron-Core's MLA rope."""
@@ -120,8 +140,6 @@ def test_deepseek_v2_megatron_keys_and_logits_equal(family_models, tmp_path: Pat
 
 def test_deepseek_v3_refusals(family_models, tmp_path: Path) -> None:
     import shutil
-
-    from safetensors.torch import save_file
 
     hf = shutil.copytree(family_models["deepseek_v3"], tmp_path / "hf")
     cfg = json.loads((hf / "config.json").read_text())
@@ -137,40 +155,83 @@ def test_deepseek_v3_refusals(family_models, tmp_path: Path) -> None:
             pipeline.hf_to_mcore(hf, tmp_path / "out", quiet=True)
 
 
-def test_deepseek_v3_mtp_layer_is_carried_through_bitwise(family_models, tmp_path: Path) -> None:
-    """DeepSeek's own checkpoints carry the MTP layer(s) after the decoder (`model.layers.<num_hidden_layers>.*`:
-    enorm, hnorm, eh_proj, shared_head and a whole decoder layer); transformers neither loads nor saves them.
-    mcorekit does not build Megatron-Core's MTP block, so they travel beside the Megatron checkpoint (OUT/mtp/)
-    and come back bit for bit, in both formats."""
+@pytest.fixture(scope="module")
+def mtp_model(family_models, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3-tiny with the MTP layer DeepSeek's checkpoints carry (model.layers.4.*: transformers does not save
+    it, so the test writes it: tests/hf_models.add_mtp_layer)."""
     import shutil
 
-    from safetensors.torch import save_file
+    hf = shutil.copytree(family_models["deepseek_v3"], tmp_path_factory.mktemp("mtp") / "hf")
+    add_mtp_layer(hf)
+    return hf
+
+
+def test_deepseek_v3_mtp_layer_converts_both_ways_bitwise(mtp_model, tmp_path: Path) -> None:
+    """DeepSeek's MTP layer (`model.layers.<num_hidden_layers>.*`: enorm, hnorm, eh_proj, a decoder layer,
+    shared_head.norm, and copies of the embedding and the head) becomes Megatron-Core's MTP block
+    (`mtp.layers.0.{enorm,hnorm,eh_proj,final_layernorm}`, `mtp.layers.0.transformer_layer.*`) and comes back bit
+    for bit: torch_dist, and the legacy format at TP2 PP2 EP2, where the last pipeline stage holds it under its
+    module names (`mtp_model_layer`), split like a decoder layer, with its own copy of the embedding."""
+    from mcorekit.convert.hf_io import HFReader
+
+    hf, src = mtp_model, HFReader(mtp_model)
+    pipeline.hf_to_mcore(hf, tmp_path / "td", quiet=True)
+    keys = TorchDistReader(tmp_path / "td/release").tensor_keys()
+    mtp = {k: tuple(v.size) for k, v in keys.items() if k.startswith("mtp.")}
+    assert mtp["mtp.layers.0.eh_proj.weight"] == (64, 128) and "mtp.layers.0.enorm.weight" in mtp
+    assert mtp["mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"] == (8, 64, 64)
+    assert keys["mtp.layers.0.transformer_layer.mlp.router.expert_bias"].properties.dtype == torch.float32
+    assert not (tmp_path / "td/mtp").exists() and json.loads((tmp_path / "td/mcorekit.json").read_text())["mtp_layers"] == 1
+    pipeline.mcore_to_hf(tmp_path / "td", tmp_path / "td_back", quiet=True)
+    assert_bitwise(hf, tmp_path / "td_back")
+
+    pipeline.hf_to_mcore(hf, tmp_path / "lg", fmt="torch", tp=2, pp=2, ep=2, quiet=True)
+    pipeline.mcore_to_hf(tmp_path / "lg", tmp_path / "lg_back", quiet=True)
+    assert_bitwise(hf, tmp_path / "lg_back")
+    first = torch.load(tmp_path / "lg/release/mp_rank_01_000_001/model_optim_rng.pt", weights_only=True)["model"]
+    last = torch.load(tmp_path / "lg/release/mp_rank_01_001_001/model_optim_rng.pt", weights_only=True)["model"]
+    assert not any(k.startswith("mtp.") for k in first)
+    layer = "mtp.layers.0.mtp_model_layer"
+    # TP rank 1: the second half of eh_proj's rows and of the heads; EP rank 1: experts 4-7 as local 0-3, whole
+    assert torch.equal(last["mtp.layers.0.eh_proj.weight"], src.get("model.layers.4.eh_proj.weight").chunk(2)[1])
+    assert torch.equal(last["mtp.layers.0.final_layernorm.weight"], src.get("model.layers.4.shared_head.norm.weight"))
+    assert torch.equal(last[f"{layer}.self_attention.linear_q_up_proj.weight"],
+                       src.get("model.layers.4.self_attn.q_b_proj.weight").chunk(2)[1])
+    assert torch.equal(last[f"{layer}.mlp.experts.local_experts.0.linear_fc2.weight"],
+                       src.get("model.layers.4.mlp.experts.4.down_proj.weight"))
+    assert torch.equal(last[f"{layer}.mlp.router.expert_bias"], src.get("model.layers.4.mlp.gate.e_score_correction_bias"))
+    assert f"{layer}.self_attention.linear_proj._extra_state" in last and "mtp.layers.0.eh_proj._extra_state" in last
+    assert torch.equal(last["embedding.word_embeddings.weight"], first["embedding.word_embeddings.weight"])
+
+    # more layers than the decoder and its MTP layers: the config disagrees with the weights
+    bad = tmp_path / "hf_bad"
+    bad.mkdir()
+    for f in hf.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ConversionError, match="num_hidden_layers=4, but the weights hold layers 0, 1, 2, 3, 4"):
+        pipeline.hf_to_mcore(bad, tmp_path / "out", quiet=True)
+    # a checkpoint with an MTP layer written back under a config that declares none
+    with pytest.raises(ConversionError, match=r"holds 1 multi-token-prediction layer\(s\) .* declares "
+                                              r"num_nextn_predict_layers=0; pass an --hf-config that declares 1"):
+        pipeline.mcore_to_hf(tmp_path / "td", tmp_path / "out", hf_config=str(bad), quiet=True)
+
+
+def test_deepseek_v3_mtp_embedding_and_head_must_be_the_main_ones(family_models, tmp_path: Path) -> None:
+    """Megatron-Core's MTP block shares the main model's embedding and output layer: an MTP layer with its own is
+    refused (never dropped silently), before anything is written."""
+    import shutil
 
     from mcorekit.convert.hf_io import HFReader
 
     hf = shutil.copytree(family_models["deepseek_v3"], tmp_path / "hf")
-    src = HFReader(hf)
-    mtp = {n.replace("model.layers.3.", "model.layers.4.", 1): src.get(n).clone() for n in src.names()
-           if n.startswith("model.layers.3.")}
-    mtp.update({f"model.layers.4.{k}": torch.randn(*shape, dtype=torch.bfloat16) for k, shape in
-                (("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
-                 ("shared_head.norm.weight", (64,)))})
-    save_file(mtp, hf / "mtp.safetensors", metadata={"format": "pt"})
-    index = json.loads((hf / "model.safetensors.index.json").read_text())
-    index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
-    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
-    for fmt, layout in (("torch_dist", {}), ("torch", dict(tp=2, pp=2, ep=2))):
-        out = tmp_path / fmt
-        pipeline.hf_to_mcore(hf, out / "m", fmt=fmt, quiet=True, **layout)
-        assert len(HFReader(out / "m/mtp").names()) == len(mtp)
-        assert json.loads((out / "m/mcorekit.json").read_text())["mtp_passthrough"] == len(mtp)
-        pipeline.mcore_to_hf(out / "m", out / "back", quiet=True)
-        assert_bitwise(hf, out / "back")
-    # more layers than the decoder and its MTP layers: the config disagrees with the weights
-    cfg = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
-    with pytest.raises(ConversionError, match="num_hidden_layers=4, but the weights hold layers 0, 1, 2, 3, 4"):
+    embed = HFReader(hf).get("model.embed_tokens.weight")
+    add_mtp_layer(hf, embed=embed + 1)
+    with pytest.raises(ConversionError, match=r"model.layers.4.embed_tokens.weight differs from model.embed_tokens.weight: "
+                                              r"Megatron-Core's MTP layers share the main model's embedding"):
         pipeline.hf_to_mcore(hf, tmp_path / "out", quiet=True)
+    assert not (tmp_path / "out").exists()
 
 
 def test_deepseek_v3_exports_for_the_pytorch_backend_and_the_engine_target_says_why_not(family_models, tmp_path: Path) -> None:

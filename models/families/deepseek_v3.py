@@ -13,10 +13,12 @@ moe_router_enable_expert_bias (the `expert_bias` buffer), moe_router_num_groups 
 moe_router_topk_scaling_factor. Weights map as they are (no re-layout); the router and its bias keep their
 dtype (fp32 in DeepSeek's checkpoints).
 
-The multi-token-prediction layer(s) of a checkpoint that carries them (`model.layers.<num_hidden_layers>.*`;
-transformers neither builds nor saves them) are carried through the conversion as they are (convert/pipeline.py
-mtp_names: OUT/mtp/ beside the Megatron checkpoint, written back by mcore-to-hf): Megatron-Core's MTP block is
-not built by mcorekit, so training does not train them.
+The multi-token-prediction layer(s) of a checkpoint that carries them (`model.layers.<num_hidden_layers + i>.*`,
+num_nextn_predict_layers; transformers neither builds nor saves them) map to Megatron-Core's MTP block
+(gpt_weights.mtp): enorm, hnorm, eh_proj (its input [enorm(embedding); hnorm(hidden)] in both), the decoder layer
+(MLA + MoE, as the last decoder layer) under mtp.layers.<i>.transformer_layer, shared_head.norm as final_layernorm.
+Their embed_tokens and shared_head.head are copies of the main model's, which Megatron shares (mtp_copies):
+checked equal on import, written from the main ones on export.
 
 Not covered, refused with the reason: q_lora_rank=null (V2-Lite; Megatron-Core 0.19 adds a norm before
 linear_q_proj then), rope_interleave=false,
@@ -67,7 +69,9 @@ def read(config: dict[str, Any]) -> ModelSpec:
         moe_first_k_dense=config.get("first_k_dense_replace") or 0,
         q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
         qk_head_dim=config["qk_nope_head_dim"], qk_pos_emb_head_dim=config["qk_rope_head_dim"],
-        v_head_dim=config["v_head_dim"], extra={"mtp_layers": config.get("num_nextn_predict_layers") or 0})
+        v_head_dim=config["v_head_dim"],
+        # the MTP layers a V3 checkpoint may hold (converted when it does; trained when model.overrides.mtp_layers asks)
+        extra={} if v2 else {"nextn_predict_layers": config.get("num_nextn_predict_layers") or 0})
 
 
 def problems(config: dict[str, Any]) -> list[str]:
@@ -143,8 +147,24 @@ def weights(spec: ModelSpec) -> WeightMap:
                        spec.moe_layers())
     shared = gw.on_layers(gw.shared_expert(spec, gate=f"{SHARED}.gate_proj", up=f"{SHARED}.up_proj",
                                            down=f"{SHARED}.down_proj"), spec.moe_layers())
+    # the MTP layers' decoder layer is built like the decoder's last (an MoE layer)
+    last = dense if spec.num_layers - 1 in spec.dense_layers() else (moe[0] + shared[0], moe[1] + shared[1])
+    mtp = gw.mtp(spec, (attention[0] + last[0], attention[1] + last[1]), enorm=f"{L}.enorm", hnorm=f"{L}.hnorm",
+                 eh_proj=f"{L}.eh_proj", final_norm=f"{L}.shared_head.norm")
     return WeightMap.of(gw.embedding(spec, "model.embed_tokens"), attention, dense, moe, shared,
-                        gw.final_norm(spec, "model.norm"), gw.output_layer(spec, "lm_head"))
+                        gw.final_norm(spec, "model.norm"), gw.output_layer(spec, "lm_head"), mtp,
+                        copies=mtp_copies(spec))
+
+
+def mtp_copies(spec: ModelSpec) -> list[tuple[str, str]]:
+    """Each MTP layer's embed_tokens and shared_head.head in DeepSeek's checkpoints: copies of the main model's
+    embedding and head, which Megatron-Core's MTP block shares (never stored twice)."""
+    head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    out = []
+    for i in range(spec.mtp_layers):
+        layer = f"model.layers.{spec.num_layers + i}"
+        out += [(f"{layer}.embed_tokens.weight", "model.embed_tokens.weight"), (f"{layer}.shared_head.head.weight", head)]
+    return out
 
 
 FAMILY = Family("deepseek_v3", ("deepseek_v3", "deepseek_v2"), read, weights, problems, trtllm=None,
