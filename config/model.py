@@ -68,6 +68,11 @@ def model_problems(model: ModelSpec) -> list[str]:
     for name in _MODEL_FLAGS:
         if not isinstance(getattr(model, name), bool):
             out.append(f"model {name}={getattr(model, name)!r} must be true or false")
+    if not _is_int(model.mtp_layers) or model.mtp_layers < 0:
+        out.append(f"model mtp_layers={model.mtp_layers!r} must be a whole number >= 0 (0: no MTP block)")
+    if not (isinstance(model.mtp_loss_scale, (int, float)) and not isinstance(model.mtp_loss_scale, bool)
+            and 0 <= model.mtp_loss_scale < float("inf")):
+        out.append(f"model mtp_loss_scale={model.mtp_loss_scale!r} must be a number >= 0")
     if model.rope_scaling is not None and not isinstance(model.rope_scaling, dict):
         out.append(f"model rope_scaling={model.rope_scaling!r} must be a mapping or null")
     if not isinstance(model.extra, dict):

@@ -102,6 +102,7 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     out += fsdp_problems(exp, lay)
     out += time_limit_problems(exp, nodes)
     out += lora_problems(exp)
+    out += mtp_problems(exp, model)
     out += logging_problems(exp, nodes)
     if not out and nodes.gpus:  # then Megatron-Core's own checks, as the ranks will run them
         from mcorekit.config.megatron import megatron_problems
@@ -116,6 +117,20 @@ def logging_problems(exp: Experiment, nodes: Nodes) -> list[str]:
     if w is not None and w.mode != "disabled" and nodes.wandb is False:
         return [f"logging.wandb: the wandb package is not importable on {nodes.where}: pip install 'mcorekit[wandb]' "
                 f"there, or set logging.wandb.mode=disabled"]
+    return []
+
+
+def mtp_problems(exp: Experiment, model: ModelSpec) -> list[str]:
+    """Megatron-Core's multi-token-prediction block (model.overrides.mtp_layers): for models that have MTP layers
+    (DeepSeek-V3, whose checkpoints carry them and convert back with them), trained by the next-token tasks."""
+    if not model.mtp_layers:
+        return []
+    if "nextn_predict_layers" not in model.extra:
+        return [f"model.overrides.mtp_layers={model.mtp_layers}: multi-token prediction is built for DeepSeek-V3 models "
+                f"only (model.hf_config of model_type deepseek_v3), not for a {model.architecture} model; set it to 0"]
+    if exp.data.kind in ("dpo", "grpo"):
+        return [f"model.overrides.mtp_layers={model.mtp_layers} with data.kind={exp.data.kind}: the MTP loss is a "
+                f"next-token loss for pretraining and SFT data; set mtp_layers to 0"]
     return []
 
 

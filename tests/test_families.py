@@ -308,3 +308,42 @@ def test_gpt_oss_engine_target_says_why_not(family_models, tmp_path: Path) -> No
 
     with pytest.raises(ExportError, match=r"no TensorRT-LLM architecture for gpt_oss \(TensorRT-LLM serves GPT-OSS"):
         export(family_models["gpt_oss"], tmp_path / "engine", "engine", tp=2, quiet=True)
+
+
+def test_mtp_training_rules_and_checkpoint_check(mtp_model, family_models, tmp_path: Path) -> None:
+    """model.overrides.mtp_layers: refused, one line each, for a family without MTP layers, for the DPO/GRPO tasks
+    and for a bad value; a checkpoint's MTP weights checked against the run before Megatron-Core loads it (needed
+    when the run builds the block, left unused with a note when it does not)."""
+    from mcorekit.config.experiment import load_experiment
+    from mcorekit.config.rules import Nodes, model_of, problems
+    from mcorekit.errors import ConfigError, ModelError
+    from mcorekit.train.build import mtp_weights_check
+
+    def rules(hf: Path, *overrides: str) -> list[str]:
+        exp = load_experiment(HERE.parent / "examples/llama-tiny.yaml",
+                              ["model.preset=null", f"model.hf_config={hf}", *overrides])
+        return [p for p in problems(exp, 1, Nodes(transformer_engine=False, gpus=False)) if "mtp" in p]
+
+    assert rules(mtp_model, "model.overrides={mtp_layers: 1}") == []
+    assert rules(family_models["gpt_oss"], "model.overrides={mtp_layers: 1}") == [
+        "model.overrides.mtp_layers=1: multi-token prediction is built for DeepSeek-V3 models only (model.hf_config of "
+        "model_type deepseek_v3), not for a gpt_oss model; set it to 0"]
+    assert rules(family_models["deepseek_v2"], "model.overrides={mtp_layers: 1}")[0].startswith(
+        "model.overrides.mtp_layers=1: multi-token prediction is built for DeepSeek-V3 models only")
+    with pytest.raises(ModelError, match=r"model mtp_layers=-1 must be a whole number >= 0"):
+        model_of(load_experiment(HERE.parent / "examples/llama-tiny.yaml",
+                                 ["model.preset=null", f"model.hf_config={mtp_model}", "model.overrides={mtp_layers: -1}"]))
+
+    from dataclasses import replace
+
+    from mcorekit.models.spec import from_hf_config, load_hf_config
+
+    spec = from_hf_config(load_hf_config(str(mtp_model)))
+    pipeline.hf_to_mcore(mtp_model, tmp_path / "with", quiet=True)
+    pipeline.hf_to_mcore(family_models["deepseek_v3"], tmp_path / "without", quiet=True)
+    assert "holds 1 multi-token-prediction layer(s) (mtp.layers.*) that this run does not build" in \
+        mtp_weights_check(tmp_path / "with/release", spec)
+    assert mtp_weights_check(tmp_path / "with/release", replace(spec, mtp_layers=1)) is None
+    with pytest.raises(ConfigError, match=r"holds 0 multi-token-prediction layer\(s\) .* convert the DeepSeek-V3 "
+                                          r"checkpoint with its MTP layer\(s\)"):
+        mtp_weights_check(tmp_path / "without/release", replace(spec, mtp_layers=1))

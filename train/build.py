@@ -107,6 +107,32 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
                    ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), weights_from)
 
 
+def mtp_weights_check(path: Any, spec: ModelSpec) -> str | None:
+    """A checkpoint's multi-token-prediction weights (mtp.layers.*) against the model's MTP block, before
+    Megatron-Core loads it: a run with model.overrides.mtp_layers needs them (ConfigError); a run without loads the
+    rest and leaves them unused (the line returned says so, for the log)."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mcorekit.errors import ConfigError
+    from mcorekit.train.checkpoint import TORCH_DIST, format_of
+
+    if format_of(Path(path)) != TORCH_DIST:
+        return None
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    held = len({k.split(".")[2] for k in keys if k.startswith("mtp.layers.")})
+    if held < spec.mtp_layers:
+        raise ConfigError(f"{path} holds {held} multi-token-prediction layer(s) (mtp.layers.*), but "
+                          f"model.overrides.mtp_layers={spec.mtp_layers}: convert the DeepSeek-V3 checkpoint with its "
+                          f"MTP layer(s) (model.layers.<num_hidden_layers>.*, which transformers does not save), or set "
+                          f"mtp_layers to {held}")
+    if held > spec.mtp_layers:
+        return (f"{path} holds {held} multi-token-prediction layer(s) (mtp.layers.*) that this run does not build "
+                f"(model.overrides.mtp_layers={spec.mtp_layers}): the rest of the model is loaded, they stay unused")
+    return None
+
+
 def _weights_before_wrap(exp: Experiment, ddp_config: Any, checkpoints: Any) -> Any:
     if not ddp_config.use_megatron_fsdp:
         return None

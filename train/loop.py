@@ -16,9 +16,9 @@ import torch.distributed as dist
 from mcorekit.config.experiment import Experiment, layout_of
 from mcorekit.runtime.requeue import RestartGuard, StopSignal, requeue_and_exit
 from mcorekit.train import checkpoint
-from mcorekit.train.build import Trainer, build
+from mcorekit.train.build import Trainer, build, mtp_weights_check
 from mcorekit.train.flops import train_flops_per_token
-from mcorekit.train.metrics import ExpertLoad, MetricsWriter
+from mcorekit.train.metrics import ExpertLoad, MetricsWriter, mtp_losses
 from mcorekit.train.tasks import Task, task_for
 
 log = logging.getLogger("mcorekit.train")
@@ -96,6 +96,8 @@ def train_step(t: Trainer, task: Task, data: list[Any]) -> dict[str, Any]:
     if updated:
         t.scheduler.step(increment=s.global_batch_size)
     metrics: dict[str, Any] = {**_mean_metrics(out, task.metrics), "updated": bool(updated)}
+    if t.spec.mtp_layers:
+        metrics.update(mtp_losses(t.spec.mtp_layers, micro_batches(t)))
     metrics["grad_norm"] = None if grad_norm is None else float(grad_norm)
     return metrics
 
@@ -210,6 +212,8 @@ def _resume(t: Trainer, root: Path, exp: Experiment) -> int:
     if not exp.checkpoint.load:
         return 0
     start = checkpoint.latest(Path(exp.checkpoint.load)) or Path(exp.checkpoint.load)
+    if note := mtp_weights_check(start, t.spec):
+        log.warning(note)
     if exp.checkpoint.finetune or start.name == checkpoint.RELEASE:
         if t.weights_from != start:  # parallel.fsdp: build loaded them before wrapping
             checkpoint.load_weights(start, t.model, t.optimizer)

@@ -117,3 +117,23 @@ class ExpertLoad:
         return {"expert_imbalance_max": max(imbalance),
                 "expert_imbalance": {str(layer): round(v, 4) for layer, v in zip(layers, imbalance)},
                 "expert_tokens": {str(layer): row for layer, row in zip(layers, rows)}}
+
+
+def mtp_losses(layers: int, micro_batches: int) -> dict[str, float]:
+    """The step's multi-token-prediction loss from Megatron-Core's MTPLossLoggingHelper (each MTP layer's masked mean
+    cross entropy, summed over the micro-batches on the last pipeline stage), averaged over micro-batches and
+    data-parallel ranks and sent to every stage, then reset for the next step: `mtp_loss` (the mean over the MTP
+    layers; unscaled by mtp_loss_scale), and `mtp_<k>_loss` per layer when there are several."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.reduce_metrics_in_tracker()  # the average over data-parallel ranks, where it was recorded
+    recorded = MTPLossLoggingHelper.tracker.get("loss_values")
+    values = recorded / micro_batches if recorded is not None else torch.zeros(layers, device="cuda")
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage recorded it
+        dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())
+    out = {"mtp_loss": float(values.mean())}
+    if layers > 1:
+        out.update({f"mtp_{k + 1}_loss": float(v) for k, v in enumerate(values.tolist())})
+    return out

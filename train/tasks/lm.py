@@ -46,7 +46,7 @@ def next_token_losses(batch: dict[str, Any], model: Any) -> tuple[torch.Tensor, 
         cp_group = ps.get_context_parallel_group()
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
     per_token = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
-                      packed_seq_params=packed)
+                      loss_mask=batch["loss_mask"], packed_seq_params=packed)  # loss_mask: read by the MTP loss only
     return per_token, batch["loss_mask"], cp_group
 
 
