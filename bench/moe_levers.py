@@ -64,6 +64,8 @@ if "nosync" in levers:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Dispatcher
     base_preprocess = Dispatcher.preprocess
     def preprocess(self, routing_map):
+        # restore the dtoh point the dispatcher chose at init: the check in preprocess compares it with the sync point
+        self.cuda_dtoh_point = self.__dict__.setdefault("_dtoh_point_at_init", self.cuda_dtoh_point)
         out = base_preprocess(self, routing_map)
         if self.ep_size == 1 and self.tp_size == 1 and not self.drop_and_pad:
             self.cuda_dtoh_point = self.cuda_sync_point = "no_sync"  # neither point is ever reached
