@@ -150,7 +150,7 @@ def check_counts(reader: HFReader, spec: ModelSpec, amap: WeightMap) -> None:
                                   f"hold experts {_listed(experts)}; the config disagrees with the weights")
 
 
-MTP_DIR = "mtp"  # where conversions before 2026-12-01 carried DeepSeek's MTP layers through, unconverted
+MTP_DIR = "mtp"  # where conversions before commit 90d678a (2026-12-01) carried DeepSeek's MTP layers through, unconverted
 
 
 def declared_mtp(spec: ModelSpec) -> ModelSpec:
@@ -503,7 +503,7 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
             summary.tensors += 1
             writer.add(name, _hf_tensor(source, amap, ctx, source_name, dtype, out_dtype))
         if not spec.mtp_layers and (ckpt_root / MTP_DIR / "config.json").is_file():
-            # a conversion before 2026-12-01 carried the MTP layers through unconverted: back as they came
+            # a conversion before commit 90d678a carried the MTP layers through unconverted: back as they came
             carried = HFReader(ckpt_root / MTP_DIR)
             try:
                 for name in carried.names():
