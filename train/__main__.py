@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(a.run_dir) if a.run_dir else default_run_dir(Path(a.config), exp.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     from mcorekit.train.loop import train
+    from mcorekit.train.metrics import startup
 
+    startup.mark("imports")
     try:
         train(exp, run_dir, a.peak_tflops)
     except MCoreKitError as e:  # found while building (layout vs ranks, backend, FP8 vs GPU): still one line

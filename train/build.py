@@ -17,6 +17,7 @@ from mcorekit.models.spec import ModelSpec
 from mcorekit.runtime.env import DistEnv, from_environ, init_process_group
 from mcorekit.train.fsdp import wrap_chunk
 from mcorekit.train.lora import apply_lora, is_lora
+from mcorekit.train.metrics import startup
 
 
 @dataclass
@@ -72,6 +73,7 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
     check(exp, spec, ranks.world_size, nodes)
     use_te = uses_te(exp, nodes)
     env = init_distributed(exp)
+    startup.mark("dist_init")
     config = margs.transformer_config(exp, spec, use_te)
     if config.tp_comm_overlap:
         _init_tp_comm_overlap(exp, spec)
@@ -98,11 +100,13 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
     config.finalize_model_grads_func = finalize_model_grads
     if ddp_config.overlap_param_gather:
         config.param_sync_func = [c.start_param_sync for c in chunks] if len(chunks) > 1 else chunks[0].start_param_sync
+    startup.mark("model")
     if is_lora(exp):
         _load_lora_start(exp, chunks)
     optimizer = get_megatron_optimizer(margs.optimizer_config(exp), chunks)
     config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(optimizer, **margs.scheduler_kwargs(exp))
+    startup.mark("optimizer")
     return Trainer(exp, spec, env, chunks, optimizer, scheduler, padded_vocab,
                    ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), weights_from)
 

@@ -18,7 +18,7 @@ from mcorekit.runtime.requeue import RestartGuard, StopSignal, requeue_and_exit
 from mcorekit.train import checkpoint
 from mcorekit.train.build import Trainer, build, mtp_weights_check
 from mcorekit.train.flops import train_flops_per_token
-from mcorekit.train.metrics import ExpertLoad, MetricsWriter, mtp_losses
+from mcorekit.train.metrics import ExpertLoad, MetricsWriter, mtp_losses, startup
 from mcorekit.train.tasks import Task, task_for
 
 log = logging.getLogger("mcorekit.train")
@@ -41,6 +41,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     stop = StopSignal()
     saver = checkpoint.Saver(root, exp.checkpoint.keep_last, exp.checkpoint.async_save)
     step = _resume(t, saver.root, exp)
+    startup.mark("resume")
     if dist.get_rank() == 0:
         RestartGuard(run_dir, exp.resources.max_restarts).check(step)
     s = exp.schedule
@@ -60,6 +61,8 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
         stop_on_nan(metrics, step)
         losses.append(metrics["loss"])
         log.step(step, metrics)
+        if len(losses) == 1:  # this process's first step: where its start-up time went
+            startup.report(run_dir)
         if valid is not None and (step % s.eval_interval == 0 or step == s.train_iters):
             log.validation(step, lambda: evaluate(t, task, valid))
         if step % exp.checkpoint.save_interval == 0 or step == s.train_iters:

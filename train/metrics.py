@@ -3,12 +3,48 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+
+def process_start() -> float:
+    """When this process started, on time.time()'s clock: the kernel's start tick of the process (/proc, 10 ms), so
+    that start-up includes the interpreter's own start and every import; the current time where /proc is missing."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+class Startup:
+    """Seconds from process start to the end of each start-up phase (imports, distributed init, model built,
+    optimizer built, resume, first step); reported once, at this process's first step: rank 0 prints it as one
+    line and writes <run>/startup.json (the issue: 33 s from start to step 1 on the 3B shape)."""
+
+    FILE = "startup.json"
+
+    def __init__(self) -> None:
+        self.start = process_start()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = round(time.time() - self.start, 2)
+
+    def report(self, run_dir: Path) -> None:
+        self.mark("step1")
+        if dist.get_rank() == 0:
+            (run_dir / self.FILE).write_text(json.dumps(self.phases, indent=1) + "\n")
+            print("mcorekit.train: startup " + json.dumps(self.phases), flush=True)
+
+
+startup = Startup()  # one per process: __main__, build and the loop mark their phases on it
 
 WANDB_ID_FILE = "wandb-run-id"  # in the run folder: a requeued or resumed job continues the same W&B run
 
