@@ -203,3 +203,79 @@ def test_rules() -> None:
     bad = problems(load_experiment("examples/llama-tiny.yaml", [*ok, "peft.lora.experts=true"]), 1, node)
     assert bad == ["peft.lora.experts: LoRA on the routed MoE experts is not built; set it false (attention, dense and "
                    "shared-expert MLP layers are adapted)"]
+
+
+# ---------------------------------------------------------------- the adapter's forward (train/lora.py), on its own
+
+
+def _adapter(target: str, alpha: float, rank: int = 4, dtype: torch.dtype = torch.float64) -> object:
+    from mcorekit.models.spec import ModelSpec
+    from mcorekit.train.lora import LoraAdapter, adapter_shape
+
+    spec = ModelSpec("llama", 2, 64, 4, 2, 16, 96, 250)
+    a = LoraAdapter(adapter_shape(spec, target), rank, alpha, 0.0, 1, 0, False, 2, 16, seed=1, dtype=dtype, device="cpu")
+    with torch.no_grad():
+        a.lora_b.copy_(torch.randn(a.lora_b.shape, generator=torch.Generator().manual_seed(2), dtype=dtype))
+    return a
+
+
+# scaling 2, exact: folded into qkv's/fc1's block mask; 10/3, not exact in fp32: addmm's alpha for every target
+@pytest.mark.parametrize(("alpha", "rank", "dtype", "tol"), [(8.0, 4, torch.float64, 1e-12), (10.0, 3, torch.float32, 1e-5)])
+@pytest.mark.parametrize("target", ["qkv", "proj", "fc1", "fc2"])
+def test_one_gemm_adapter_equals_block_by_block(target: str, alpha: float, rank: int, dtype: torch.dtype,
+                                                tol: float) -> None:
+    """B as one masked GEMM added onto the base output = PEFT's blocks (q, k, v / gate, up) applied one by one, in
+    value and in the gradients of x, A, B and the base output."""
+    import torch.nn.functional as F
+
+    a = _adapter(target, alpha, rank, dtype)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 2, a.shape.in_features, generator=g, dtype=dtype, requires_grad=True)
+    base = torch.randn(5, 2, a.lora_b.shape[0], generator=g, dtype=dtype, requires_grad=True)
+    w = torch.randn(base.shape, generator=g, dtype=dtype)
+    results = []
+    for fast in (True, False):
+        out = a(x, base) if fast else base + a._up(F.linear(x, a.lora_a)) * a.scaling
+        grads = torch.autograd.grad((out * w).sum(), [x, base, a.lora_a, a.lora_b])
+        results.append([out.detach(), *grads])
+    assert a._mask_scaled == (a.shape.parts > 1 and dtype == torch.float64)
+    assert all(((f - s).abs().max() <= tol * s.abs().max()).item() for f, s in zip(*results))  # rounding only
+    assert torch.allclose(a(x), results[1][0] - base.detach(), rtol=tol, atol=tol)  # the delta alone
+
+
+@pytest.mark.parametrize("te_return_bias", [False, True])
+def test_adapter_input_from_te_norm_output(te_return_bias: bool) -> None:
+    """A LayerNormLinear that returns its normalised input (as TE's does with return_layernorm_output, through
+    Megatron's wrapper) gives the adapter that input: same result as recomputing the norm (_fused_norm)."""
+    from types import SimpleNamespace
+
+    from mcorekit.train import lora
+
+    class FakeTELayerNormLinear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(layernorm_zero_centered_gamma=False, normalization="RMSNorm",
+                                          layernorm_epsilon=1e-5)
+            self.layer_norm_weight = torch.nn.Parameter(torch.rand(64, dtype=torch.float64) + 0.5)
+            self.weight = torch.nn.Parameter(torch.randn(128, 64, dtype=torch.float64))
+            self.return_layernorm_output, self.te_return_bias = False, te_return_bias
+
+        def forward(self, x: torch.Tensor) -> object:
+            normed = lora._fused_norm(self, x)
+            out = normed @ self.weight.t()
+            if self.te_return_bias:
+                return (out, None, normed) if self.return_layernorm_output else (out, None)
+            return ((out, normed) if self.return_layernorm_output else out), None
+
+    torch.manual_seed(0)
+    layer = FakeTELayerNormLinear()
+    layer.__class__ = lora._lora_class(FakeTELayerNormLinear)
+    layer.add_module(lora.ADAPTER, _adapter("qkv", 8.0))
+    x = torch.randn(3, 2, 64, dtype=torch.float64)
+    recomputed, bias = layer(x)
+    assert lora._te_norm_linear(layer)
+    layer.return_layernorm_output = True
+    returned, bias2 = layer(x)
+    assert bias is None and bias2 is None and torch.allclose(returned, recomputed, rtol=1e-12, atol=1e-12)
+    layer.adapter.enabled = False
+    assert torch.equal(layer(x)[0], lora._fused_norm(layer, x) @ layer.weight.t())  # adapters off: the base layer

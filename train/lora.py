@@ -23,8 +23,10 @@ Where the sums happen under tensor parallelism (tp ranks t; Megatron's autograd 
 The rank-r tensors are what cross the wire, not the hidden states.
 
 Transformer Engine's LayerNormColumnParallelLinear (qkv and a dense fc1 in the TE spec) normalises its input inside;
-the adapter needs the normalised input as well, so it applies the same norm with the layer's (frozen) weight
-(RMSNorm computed in fp32 as HF does). The local spec has a separate norm module and the layer's input is normed.
+the adapter needs the normalised input as well: TE returns it (return_layernorm_output, set on the layer by
+apply_lora; its gradient flows back through TE's norm backward), exactly what the layer's GEMM sees. Where a layer
+cannot return it, the same norm is recomputed with the layer's (frozen) weight (_fused_norm; RMSNorm in fp32 as HF
+does). The local spec has a separate norm module and the layer's input is normed.
 
 The adapter is a child module `adapter` of the base linear layer (whose class is swapped for a subclass that adds
 the adapter in forward and writes its tensors, correctly split, into the sharded state dict), so every base key is
@@ -49,6 +51,9 @@ ADAPTER = "adapter"  # the child module's name; its tensors are <base module>.ad
 A, B = "lora_a", "lora_b"
 TARGETS = ("qkv", "proj", "fc1", "fc2")
 MODULES = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+# Take the adapter input of TE's LayerNormLinear (qkv, dense fc1) from TE itself (return_layernorm_output) instead of
+# recomputing the norm (_fused_norm): False goes back to the recomputation.
+TE_NORM_OUTPUT = True
 
 
 def is_lora(exp: Any) -> bool:
@@ -127,6 +132,8 @@ class LoraAdapter(torch.nn.Module):
         self.kv_channels = kv_channels
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else None
         self.enabled = True
+        self._mask: torch.Tensor | None = None  # _b_full's block mask, made on first use in B's dtype and device
+        self._mask_scaled = False
         # PEFT's initialisation: A kaiming-uniform (a=sqrt(5): U(-1/sqrt(in), 1/sqrt(in))) per block, B zero, so the
         # model starts as the base. One generator per layer from the run's seed: every rank draws the same full A
         # and keeps its part, so the replicas agree without communication.
@@ -146,7 +153,11 @@ class LoraAdapter(torch.nn.Module):
         replicated = self.lora_a if shape.a_split == REPLICATED else self.lora_b
         replicated.sequence_parallel = self.sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+        """scaling * B(A(dropout(x))), added to `base` (the base layer's output) when given.
+
+        Few and small kernels (at ~1B parameters and 2k tokens the LoRA step is bound by launches on the host): the
+        scaling rides on B's GEMM (addmm's alpha, or folded into the block mask), the base output is its addend."""
         from megatron.core import tensor_parallel as tpm
 
         if self.dropout is not None:
@@ -160,10 +171,46 @@ class LoraAdapter(torch.nn.Module):
             else:
                 z = (tpm.reduce_scatter_to_sequence_parallel_region(z) if self.sequence_parallel
                      else tpm.reduce_from_tensor_model_parallel_region(z))
-        return self._up(z) * self.scaling
+        b, alpha = self._b_full()
+        lead, n = z.shape[:-1], b.shape[0]
+        z2 = z.reshape(-1, z.shape[-1])
+        if base is not None and base.dtype == z.dtype:
+            return torch.addmm(base.reshape(-1, n), z2, b.t(), alpha=alpha).view(*lead, n)
+        delta = F.linear(z2, b).view(*lead, n)
+        delta = delta * alpha if alpha != 1 else delta
+        return delta if base is None else base + delta.to(base.dtype)
+
+    def _b_full(self) -> tuple[torch.Tensor, float]:
+        """B as one [out, parts * r] matrix for a single GEMM against z = [z_1 .. z_parts], and the scaling still to
+        apply. With several parts (PEFT's separate q/k/v, gate/up) output row o must see only its own part's block
+        of z: B's row is placed in that block and the other blocks are exact zeros (B * a one-hot mask; the extra
+        zero products are free beside the launches they save). The mask carries the scaling where it is exact in
+        B's dtype (2 for alpha = 2 r), so nothing else is scaled."""
+        b = self.lora_b
+        if self.shape.parts == 1:
+            return b, self.scaling
+        mask = self._mask
+        if mask is None or mask.dtype != b.dtype or mask.device != b.device:
+            mask = self._mask = self._block_mask(b.dtype, b.device)
+        folded = self._mask_scaled
+        return (b.unsqueeze(1) * mask).flatten(1), (1.0 if folded else self.scaling)
+
+    def _block_mask(self, dtype: torch.dtype, device: Any) -> torch.Tensor:
+        """[out, parts, 1]: 1 (or the scaling) at each local output row's part, in the base weight's row order:
+        [gate_t; up_t] for fc1, per local query group [q heads; k; v] for qkv."""
+        out, parts = self.lora_b.shape[0], self.shape.parts
+        if self.shape.target == "fc1":
+            part = torch.arange(parts).repeat_interleave(out // parts)
+        else:
+            g, d = self.query_groups, self.kv_channels
+            part = torch.tensor([0] * (out // g - 2 * d) + [1] * d + [2] * d).repeat(g)
+        scale = torch.tensor(self.scaling, dtype=dtype)
+        self._mask_scaled = scale.item() == self.scaling  # exact in B's dtype: fold it in
+        onehot = F.one_hot(part, parts).to(dtype) * (scale if self._mask_scaled else 1)
+        return onehot.unsqueeze(-1).to(device)
 
     def _up(self, z: torch.Tensor) -> torch.Tensor:
-        """B applied block by block: output rows of part i see only A's block i (PEFT's separate q/k/v, gate/up)."""
+        """B applied block by block (the reference the one-GEMM forward is checked against in the tests)."""
         r, b = self.rank, self.lora_b
         if self.shape.parts == 1:
             return F.linear(z, b)
@@ -217,11 +264,19 @@ class LoraLayer:
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         out = super().forward(x, *args, **kwargs)  # type: ignore[misc]
+        normed = None
+        if getattr(self, "return_layernorm_output", False):  # TE LayerNormLinear set up by apply_lora
+            if len(out) == 3:  # te_return_bias: TE's (out, bias, ln_out), passed on by Megatron
+                output, bias, normed = out
+            else:  # Megatron's (TE's (out, ln_out), None)
+                (output, normed), bias = out
+        else:
+            output, bias = out
         if not self.adapter.enabled:
-            return out
-        output, bias = out
-        inp = _fused_norm(self, x) if getattr(self, "layer_norm_weight", None) is not None else x
-        return output + self.adapter(inp).to(output.dtype), bias
+            return output, bias
+        if normed is None:
+            normed = _fused_norm(self, x) if getattr(self, "layer_norm_weight", None) is not None else x
+        return self.adapter(normed, output), bias
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
@@ -242,6 +297,13 @@ def _lora_class(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Lora{cls.__name__}", (LoraLayer, cls), {})
     return _CLASSES[cls]
+
+
+def _te_norm_linear(module: Any) -> bool:
+    """A Transformer Engine LayerNormLinear that can hand out its normalised input (this rank's tokens, not the
+    sequence-parallel gathered ones, which is what the adapter's column path expects)."""
+    return (getattr(module, "layer_norm_weight", None) is not None and hasattr(module, "return_layernorm_output")
+            and not getattr(module, "return_layernorm_output_gathered", False))
 
 
 def _fused_norm(layer: Any, x: torch.Tensor) -> torch.Tensor:
@@ -309,6 +371,8 @@ def apply_lora(model: torch.nn.Module, lora: Any, spec: ModelSpec, seed: int = 0
                               spec.num_query_groups, spec.kv_channels, layer_seed, weight.dtype, weight.device)
         module.__class__ = _lora_class(type(module))
         module.add_module(ADAPTER, adapter)
+        if TE_NORM_OUTPUT and _te_norm_linear(module):
+            module.return_layernorm_output = True  # read by TE's forward on each call; LoraLayer.forward unpacks it
     return len(found)
 
 
