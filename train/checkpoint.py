@@ -24,8 +24,11 @@ import json
 import logging
 import os
 import shutil
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch.distributed as dist
 
@@ -95,11 +98,18 @@ class Saver:
 
         self.root, self.keep_last = root, keep_last
         self.queue = AsyncCallsQueue() if async_save else None
+        self.strategy: Any = None  # built at the first save (the process groups exist by then)
+        # Megatron's writer hands its results back through a multiprocessing Manager queue, whose server process
+        # it spawns at the first save (a fresh interpreter importing this entry point and torch: seconds on the
+        # critical path of that save). Started now, it comes up while the model is built and trained.
+        self._queue_ready = threading.Thread(target=_start_results_queue, daemon=True)
+        self._queue_ready.start()
 
     def save(self, step: int, chunks: list[Any], optimizer: Any, scheduler: Any, wait: bool = False) -> Path:
         from megatron.core import dist_checkpointing
 
         self.wait()
+        started = time.perf_counter()
         path = iter_dir(self.root, step)
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)  # a half-written one from an interrupted save
@@ -111,20 +121,26 @@ class Saver:
         if is_fsdp(chunks):  # Megatron-FSDP: fsdp_dtensor through torch.distributed.checkpoint, synchronous
             _save_fsdp(path, step, chunks, optimizer, scheduler)
             dist.barrier()
-            self._finalize(path, step)
+            self._finalize(path, step, started)
             return path
+        self._queue_ready.join()
+        if self.strategy is None:
+            self.strategy = save_strategy()
         model_sd = _model_state(chunks, ADAPTERS if lora_info(chunks) else ALL)
-        state = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=SHARDING),
-                 "scheduler": scheduler.state_dict(), "iteration": step}
+        with optimizer_state_in_place(optimizer):
+            optimizer_sd = optimizer.sharded_state_dict(model_sd, metadata=SHARDING)
+        state = {**model_sd, "optimizer": optimizer_sd, "scheduler": scheduler.state_dict(), "iteration": step}
         if self.queue is None:
-            dist_checkpointing.save(state, str(path))
+            dist_checkpointing.save(state, str(path), sharded_strategy=self.strategy)
             dist.barrier()
-            self._finalize(path, step)
+            self._finalize(path, step, started)
         else:
             # "mcore": Megatron-Core's own background writer (the default "nvrx" needs nvidia-resiliency-ext)
-            request = dist_checkpointing.save(state, str(path), async_sharded_save=True, async_strategy="mcore")
-            request.add_finalize_fn(lambda: self._finalize(path, step))
+            request = dist_checkpointing.save(state, str(path), sharded_strategy=self.strategy,
+                                              async_sharded_save=True, async_strategy="mcore")
+            request.add_finalize_fn(lambda: self._finalize(path, step, started))
             self.queue.schedule_async_request(request)
+            _report({"event": "scheduled", "step": step, "blocking_s": round(time.perf_counter() - started, 2)})
             if wait:
                 self.wait()
         return path
@@ -143,19 +159,121 @@ class Saver:
             self.wait()
             self.queue.close()
 
-    def _finalize(self, path: Path, step: int) -> None:
+    def _finalize(self, path: Path, step: int, started: float) -> None:
         if dist.get_rank() == 0:
+            seconds, size = time.perf_counter() - started, _bytes_on_disk(path)
+            _report({"event": "saved", "step": step, "async": self.queue is not None, "seconds": round(seconds, 2),
+                     "gb": round(size / 1e9, 3), "gb_per_s": round(size / 1e9 / seconds, 3), "end": time.time()})
             tmp = self.root / (TRACKER + ".tmp")
             tmp.write_text(str(step))
             os.replace(tmp, self.root / TRACKER)  # only now is this the latest checkpoint
             if (path / LORA_JSON).is_file():
-                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
                 log.warning("saved LoRA checkpoint %s: %.2f MB (adapters, their optimizer state, scheduler, step)",
                             path, size / 1e6)
             done = sorted(p for p in self.root.glob("iter_*") if p != path)
             for old in done[: max(0, len(done) - (self.keep_last - 1))]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
+
+
+def _bytes_on_disk(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _report(record: dict[str, Any]) -> None:
+    """One line per save on rank 0's stdout (between the step lines): when it was written, how big, how fast."""
+    print("mcorekit.train: checkpoint " + json.dumps(record), flush=True)
+
+
+def _start_results_queue() -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
+
+    get_write_results_queue()
+
+
+def save_strategy() -> Any:
+    """Megatron-Core's torch_dist writer (the format every torch_dist reader loads). With data parallelism the
+    writing is spread over the data-parallel ranks (Megatron-LM's default fully parallel save): each rank writes
+    its share of the replicated tensors instead of DP rank 0 writing them all. One writer thread per rank: torch.save
+    holds the GIL while it copies and checksums, so more threads do not write faster (Megatron-LM's sync default)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    strategy = TorchDistSaveShardedStrategy()
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if group.size() > 1:
+        return FullyParallelSaveStrategyWrapper(strategy, group)
+    return strategy
+
+
+class _ParamRanges(dict):
+    """Stands in for one flat "world" tensor of DistributedOptimizer.get_parameter_state_dp_zero at DP=1:
+    [start:end] of a parameter's range is that parameter's own state tensor, which holds exactly the values the
+    flat copy would hold there."""
+
+    def __getitem__(self, key: Any) -> Any:
+        return super().__getitem__((key.start, key.stop) if isinstance(key, slice) else key)
+
+
+def _dp1_world_state(opt: Any) -> dict[Any, Any] | None:
+    """What get_parameter_state_dp_zero returns for a one-rank data-parallel DistributedOptimizer, without its
+    copies (every fp32 main weight and Adam moment copied to the host, to the GPU for the gather and back, then
+    concatenated: several passes over 12 bytes per parameter, the most of a one-GPU save's time). None unless the
+    parameters' own state tensors hold exactly what those copies would (fp32, one tensor per parameter at the
+    position Megatron-Core's slicing reads): then the checkpoint is the same, read straight from the GPU."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not isinstance(opt, DistributedOptimizer) or opt.data_parallel_group.size() != 1:
+        return None
+    if getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+        return None  # moments in other dtypes, unscaled when read: Megatron-Core's own path
+    keys = ("param", *opt.optimizer_state_keys)
+    state: dict[Any, Any] = {"buckets_coalesced": True}
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        buffer, per_dtype = opt.buffers[gbuf_idx], {}
+        for dtype, bucket_maps in gbuf_range_maps.items():
+            world: dict[str, Any] = {k: _ParamRanges() for k in keys}
+            offset, seen = 0, 0
+            for bucket_idx, bucket_map in enumerate(bucket_maps):
+                unpadded = buffer.buckets[bucket_idx].numel_unpadded
+                for model_param, ranges in bucket_map["param_map"].items():
+                    local = ranges["gbuf_local"]
+                    where = (offset + local.start, offset + local.end)
+                    if local.end > unpadded or where != tuple(buffer.param_index_map[model_param][:2]):
+                        return None
+                    tensors = opt._get_main_param_and_optimizer_states(model_param)
+                    for k in keys:
+                        t = tensors.get(k)
+                        if t is None or t.dtype != torch.float32 or t.numel() != local.end - local.start:
+                            return None  # e.g. no Adam moments before the first step: Megatron-Core's zeros
+                        world[k][where] = t.detach().view(-1)
+                    seen += 1
+                offset += unpadded
+            if seen != len(buffer.param_index_map):
+                return None
+            per_dtype[dtype] = {**world, "numel_unpadded": buffer.numel_unpadded}
+        state[gbuf_idx] = per_dtype
+    return state
+
+
+@contextmanager
+def optimizer_state_in_place(optimizer: Any) -> Iterator[None]:
+    """While saving: each one-rank data-parallel DistributedOptimizer (of a ChainedOptimizer too) builds its
+    fully_reshardable state from its GPU tensors (_dp1_world_state), which the writer then copies to pinned host
+    memory once; any other keeps Megatron-Core's path. The checkpoint's keys, shapes and values are the same."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        world = _dp1_world_state(opt)
+        if world is not None:
+            opt.get_parameter_state_dp_zero = lambda *args, _world=world, **kwargs: _world
+            patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt.get_parameter_state_dp_zero  # the class's method again
 
 
 def sync_params(chunks: list[Any]) -> None:
