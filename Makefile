@@ -8,7 +8,7 @@ CONFIG ?= examples/llama-tiny.yaml
 ARGS ?=
 NODES ?=
 
-.PHONY: help setup demo test test-cpu test-gpu test-gpu-post test-gpu-multi cluster-up cluster-down cluster-status train sweep dry-run status logs cancel convert export data bench-train bench-overlap bench-profile bench-post
+.PHONY: help setup demo test test-cpu test-gpu test-gpu-post test-gpu-multi cluster-up cluster-down cluster-status train sweep dry-run status logs cancel convert export data bench-train bench-overlap bench-profile bench-post bench-start-save
 
 help:
 	@echo "make demo            bring up the dev Slurm cluster and run the toolchain end to end"
@@ -25,6 +25,7 @@ help:
 	@echo "make bench-train     (GPU) training tokens/s and MFU vs HF transformers, docs/train.md"
 	@echo "make bench-overlap   (2+ GPUs) hidden vs exposed communication, DP and TP overlaps, docs/train.md"
 	@echo "make bench-profile   (GPU) where a training step's time goes: GPU busy vs host, top kernels and ops"
+	@echo "make bench-start-save (GPU) start-up phases to step 1, checkpoint save/load GB/s vs dd, async-save cost"
 	@echo "make bench-post      (GPU) DPO and LoRA vs full fine-tuning, 0.89B: tokens/s, peak memory, checkpoint size"
 	@echo "make convert ARGS=\"hf-to-mcore HF_DIR OUT --tp 2\" | make export ARGS=\"trtllm SRC OUT --target engine --tp 2\""
 
@@ -101,6 +102,10 @@ bench-profile: setup
 # checks every case's config and data without a GPU.
 bench-post: setup
 	cd /tmp && $(CURDIR)/$(PY) $(CURDIR)/bench/post_bench.py $(ARGS)
+
+# On a GPU machine: start-up phases, checkpoint save and load speed next to dd's, the cost of an async save (3B shape).
+bench-start-save: setup
+	cd /tmp && $(CURDIR)/$(PY) $(CURDIR)/bench/start_save.py $(ARGS)
 
 # make sweep CONFIG=exp.yaml GRID="optimizer.lr=1e-4,3e-4 parallel.tp=1,2" [MAX_PARALLEL=2]
 sweep: setup cluster-up

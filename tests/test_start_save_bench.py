@@ -1,0 +1,125 @@
+"""bench/start_save.py on a CPU: its experiment files pass the project's loader and rules (--dry), and its GPU path
+(dd, the save run, the resumed async run, the parsing of their lines, the table and results.json) works with a
+stand-in for the training process, so the one GPU run cannot fail on a config key or on the bench's own code. Also
+train/metrics.py's start-up phases (what the bench reads)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+import start_save  # noqa: E402
+
+from mcorekit.config.experiment import load_experiment  # noqa: E402
+
+
+def test_dry_run_writes_valid_configs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert start_save.main(["--dry", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count(" ok (llama-3b") == 2
+    save, run = (load_experiment(tmp_path / f"3b-{r}" / "config.yaml") for r in ("save", "async"))
+    assert (save.schedule.train_iters, save.checkpoint.async_save, save.logging.log_interval) == (3, False, 1)
+    assert (run.schedule.train_iters, run.checkpoint.async_save, run.checkpoint.save_interval) == (8, True, 4)
+    assert save.checkpoint.dir == run.checkpoint.dir == str(tmp_path / "3b-ckpt")  # the async run resumes from it
+    assert save.checkpoint.keep_last == 1 and save.schedule.global_batch_size == 32
+
+
+def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """Stands in for dd and for `python -m mcorekit.train` / the async worker: the lines and files they write."""
+    if cmd[0] == "dd":
+        if (out := next((a[3:] for a in cmd if a.startswith("of=")), None)) not in (None, "/dev/null"):
+            Path(out).write_bytes(b"0" * 1024)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    config = Path(cmd[cmd.index("--config") + 1])
+    run_dir = Path(cmd[cmd.index("--run-dir") + 1])
+    cfg = yaml.safe_load(config.read_text())
+    ckpt, steps = Path(cfg["checkpoint"]["dir"]), cfg["schedule"]["train_iters"]
+    tokens = cfg["schedule"]["global_batch_size"] * 2048
+    lines, rows = [], []
+
+    def saved(step: int, seconds: float, asynchronous: bool) -> str:
+        (ckpt / f"iter_{step:07d}").mkdir(parents=True, exist_ok=True)
+        (ckpt / f"iter_{step:07d}" / "__0_0.distcp").write_bytes(b"0" * 4096)
+        return "mcorekit.train: checkpoint " + json.dumps(
+            {"event": "saved", "step": step, "async": asynchronous, "seconds": seconds, "gb": 35.0,
+             "gb_per_s": 35.0 / seconds, "end": time.time() - 1.0})
+
+    def step(n: int, seconds: float) -> str:
+        rows.append({"step": n, "loss": 10.0, "tokens_per_s": tokens / seconds})
+        return f"step {n}/{steps} loss 10 tokens_per_s {tokens / seconds:.4g}"
+
+    if not cfg["checkpoint"]["async_save"]:
+        lines += ["mcorekit.train: startup " + json.dumps({"imports": 5.0, "dist_init": 7.0, "model": 12.0,
+                                                           "optimizer": 13.0, "resume": 13.1, "step1": 20.0}),
+                  step(1, 7.0), step(2, 2.0), step(3, 2.0), saved(3, 20.0, False)]
+    else:
+        assert "-c" in cmd and "load_then_delete" in cmd[cmd.index("-c") + 1]  # the worker keeps one checkpoint
+        import shutil
+
+        shutil.rmtree(ckpt)
+        lines += ["bench: deleted the loaded checkpoint in 0.50 s",
+                  "mcorekit.train: startup " + json.dumps({"imports": 5.0, "dist_init": 7.0, "model": 12.0,
+                                                           "optimizer": 13.0, "resume": 30.5, "step1": 35.0}),
+                  step(4, 4.0), "mcorekit.train: checkpoint " + json.dumps({"event": "scheduled", "step": 4,
+                                                                            "blocking_s": 1.5}),
+                  step(5, 3.5), step(6, 2.1), saved(4, 9.0, True), step(7, 2.0), step(8, 2.0),
+                  "mcorekit.train: checkpoint " + json.dumps({"event": "scheduled", "step": 8, "blocking_s": 1.5}),
+                  saved(8, 18.0, True)]
+        shutil.rmtree(ckpt)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return subprocess.CompletedProcess(cmd, 0, "\n".join(lines) + "\n", "")
+
+
+def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(start_save.subprocess, "run", fake_training)
+    assert start_save.main(["--out", str(tmp_path)]) == 0
+    [r] = json.loads((tmp_path / "results.json").read_text())
+    assert r["save"]["phases"] == {"imports": 5.0, "dist_init": 2.0, "model": 5.0, "optimizer": 1.0, "resume": 0.1,
+                                   "step1": 6.9}
+    assert (r["save"]["save_s"], r["save"]["ckpt_gb"], r["save"]["step_s"]) == (20.0, 35.0, 2.0)
+    assert r["save"]["exit_after_save_s"] >= 1.0
+    a = r["async"]
+    assert a["load_s"] == 17.0 and r["load_gb_per_s"] == round(35.0 / 17.0, 3)  # resume minus the bench's delete
+    assert a["steps_in_flight"] == [5, 6] and a["step_s_in_flight"] == pytest.approx(2.8, abs=1e-3)
+    assert a["step_s_free"] == pytest.approx(2.0) and a["async_blocking_s"] == 1.5 and a["final_save_s"] == 18.0
+    assert not (tmp_path / "3b-ckpt").exists() and not (tmp_path / "dd.bin").exists()
+    table = capsys.readouterr().out
+    assert "| save (sync, end of run), s | 20.0 |" in table and "(steps [5, 6])" in table
+
+
+def test_a_failed_save_run_stops_before_the_async_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        if cmd[0] == "dd":
+            return fake_training(cmd)
+        assert "-c" not in cmd, "the async run started after the save run failed"
+        return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nRuntimeError: CUDA out of memory")
+
+    monkeypatch.setattr(start_save.subprocess, "run", failing)
+    assert start_save.main(["--out", str(tmp_path)]) == 1
+    [r] = json.loads((tmp_path / "results.json").read_text())
+    assert "CUDA out of memory" in r["save"]["error"] and "async" not in r
+
+
+def test_startup_phases_are_seconds_since_the_process_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from mcorekit.train import metrics
+
+    now = time.time()
+    assert now - 3600 < metrics.process_start() <= now  # this pytest process began before this test
+    s = metrics.Startup()
+    for phase in ("imports", "dist_init", "model", "optimizer", "resume"):
+        s.mark(phase)
+    monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
+    s.report(tmp_path)
+    written = json.loads((tmp_path / metrics.Startup.FILE).read_text())
+    assert list(written) == ["imports", "dist_init", "model", "optimizer", "resume", "step1"]
+    assert written["step1"] >= written["imports"] > 0
+    assert capsys.readouterr().out.startswith("mcorekit.train: startup {")
