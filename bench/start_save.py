@@ -2,7 +2,7 @@
 step 1 goes, how fast a full checkpoint is saved and loaded next to the disk's own speed, and what an asynchronous
 save costs the steps it overlaps.
 
-    python bench/start_save.py [--shape 3b] [--dd-gb 8] [--out DIR] [--dry]
+    python bench/start_save.py [--shape 3b] [--dd-gb 8] [--budget 540] [--out DIR] [--dry]
 
 Per shape (3b: the llama-3b preset, 2.6B parameters, seq 2048, micro-batch 4 x 8; a 35 GB checkpoint), in order,
 never holding two checkpoints on disk (the GPU machine's disk is 64 GB):
@@ -41,7 +41,7 @@ from train_bench import SHAPES, write_config
 SHAPES.setdefault("3b", {"preset": "llama-3b", "mbs": 4})  # 2.6B parameters: a 35 GB checkpoint with its optimizer
 SAVE_STEPS = 3  # the save run: steps 2-3 are the steady steps without a save
 ASYNC_AT, ASYNC_END = 4, 8  # the async run (resumed at 3): save_interval 4 -> saves at 4 (in flight) and 8 (the end)
-RUN_TIMEOUT = 300  # seconds per training process: a hung save must not eat the GPU call
+DEADLINE = [float("inf")]  # time.time() by which every training process must have ended (--budget)
 
 # The async run: the real entry, with the checkpoint folder kept to one checkpoint (bench only).
 WORKER = r"""
@@ -102,13 +102,14 @@ def drop_page_cache(folder: Path) -> None:
 
 def train(cmd: list[str], run_dir: Path) -> tuple[int, str, float]:
     """(exit code, stdout then stderr, time.time() when the process had exited); output also in run_dir/log.txt."""
+    timeout = max(30.0, DEADLINE[0] - time.time())
     try:
-        proc = subprocess.run(cmd, env=single_gpu_env(29593), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+        proc = subprocess.run(cmd, env=single_gpu_env(29593), capture_output=True, text=True, timeout=timeout)
         code, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         code = 124
         out = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-        out += f"\nbench: killed after {RUN_TIMEOUT} s"
+        out += f"\nbench: killed after {timeout:.0f} s (--budget)"
     ended = time.time()
     (run_dir / "log.txt").write_text(out)
     return code, out, ended
@@ -269,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="3b", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--dd-gb", type=int, default=8, help="size of dd's test file, GB")
     p.add_argument("--out", default="/tmp/mcorekit-start-save")
+    p.add_argument("--budget", type=float, default=540, help="seconds for the whole bench: a training process still "
+                   "running then is killed (its part reports what it printed), so one GPU call always returns")
     p.add_argument("--dry", action="store_true", help="write and validate the experiment files, train nothing")
     a = p.parse_args(argv)
     out = Path(a.out)
@@ -290,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{shape} {run}: {path} ok ({exp.model.preset}, {exp.schedule.train_iters} steps, "
                       f"async_save={exp.checkpoint.async_save}, save_interval={exp.checkpoint.save_interval})")
         return 0
+    DEADLINE[0] = time.time() + a.budget
     results: list[dict[str, Any]] = []
     for shape in shapes:
         measure(shape, out, a.dd_gb, results)
