@@ -207,6 +207,11 @@ def _controller(wrapper: Any, eos_id: int, vocab_size: int) -> Any:
             last_token_logits[..., vocab_size:] = float("-inf")
             return super().sample_from_logits(last_token_logits, *args, **kwargs)
 
+        def detokenize_generations(self, *args: Any, **kwargs: Any) -> tuple[str, None]:
+            # the static loop detokenizes every request once it is done (a device-to-host copy and a signature
+            # inspection each); the caller decodes completions itself with the real tokenizer
+            return "", None
+
         def _dynamic_step_sample_logits(self) -> Any:
             if self._all_logits_cuda is not None:
                 self._all_logits_cuda[..., vocab_size:] = float("-inf")
@@ -251,7 +256,12 @@ def _static(model: Any, prompts: list[list[int]], sampling: Sampling, eos_id: in
                            for i, p in enumerate(prompts))
     try:
         done = controller.generate_all_output_tokens_static_batch(requests)
-        out = [_finish(done[i].generated_tokens.tolist(), eos_id, sampling.max_new_tokens) for i in range(len(prompts))]
+        # one device-to-host copy for the batch, not one per request
+        rows = [done[i].generated_tokens for i in range(len(prompts))]
+        lengths = [int(done[i].generated_length) for i in range(len(prompts))]
+        padded = torch.nn.utils.rnn.pad_sequence([r.reshape(-1) for r in rows], batch_first=True).tolist() \
+            if any(lengths) else [[] for _ in rows]
+        out = [_finish(row[:n], eos_id, sampling.max_new_tokens) for row, n in zip(padded, lengths)]
     finally:
         context.key_value_memory_dict.clear()  # the KV cache: freed now, not when the objects are collected
     return out
