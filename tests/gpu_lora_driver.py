@@ -51,7 +51,29 @@ def main(config: str, run_dir: str, base: str) -> None:
         logits = t.model[0](ids, pos, attention_mask=None)[..., : t.spec.vocab_size].float().cpu()
     save_file({"ids": ids.cpu(), "on": logits.contiguous()}, str(Path(run_dir) / "logits.safetensors"))
     print("LORA " + json.dumps({"base_bitwise_unchanged": same, "base_tensors": len(compared),
-                                "trainable": trainable, "frozen": frozen}), flush=True)
+                                "trainable": trainable, "frozen": frozen, **norm_paths_agree(t, ids, pos)}), flush=True)
+
+
+def norm_paths_agree(t, ids: torch.Tensor, pos: torch.Tensor) -> dict:  # noqa: ANN001
+    """The adapters' input on TE's LayerNormLinear layers taken from TE (return_layernorm_output, the default) vs
+    recomputed (_fused_norm): loss and every adapter gradient on the same batch, each path once."""
+    from mcorekit.train.lora import adapters
+
+    norm_layers = [m for m in t.model[0].modules() if getattr(m, "return_layernorm_output", False)]
+    params = [p for a in adapters(t.model) for p in (a.lora_a, a.lora_b)]
+    out = {}
+    for name, flag in (("te", True), ("recomputed", False)):
+        for m in norm_layers:
+            m.return_layernorm_output = flag
+        logits = t.model[0](ids, pos, attention_mask=None)[..., : t.spec.vocab_size].float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        grads = torch.autograd.grad(loss, params)  # no DDP grad hooks: they fire on accumulation, not here
+        out[name] = (loss.item(), torch.cat([g.flatten().double() for g in grads]))
+    for m in norm_layers:
+        m.return_layernorm_output = True
+    cos = torch.nn.functional.cosine_similarity(out["te"][1], out["recomputed"][1], dim=0).item()
+    return {"norm_layers": len(norm_layers), "loss_te_norm": out["te"][0], "loss_recomputed_norm": out["recomputed"][0],
+            "adapter_grad_cosine": cos}
 
 
 if __name__ == "__main__":

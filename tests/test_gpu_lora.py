@@ -57,6 +57,12 @@ def test_sft_lora_trains_adapters_only_and_exports_to_peft(tmp_path: Path, token
     got = json.loads(line[5:])
     assert got["base_bitwise_unchanged"] and got["base_tensors"] > 20  # every base tensor as loaded, after training
     assert got["trainable"] < got["frozen"] / 10
+    # TE hands the adapters of qkv/fc1 its normalised input: same loss and gradients as recomputing the norm
+    print(f"adapter input from TE's norm vs recomputed: loss {got['loss_te_norm']:.6f} vs "
+          f"{got['loss_recomputed_norm']:.6f}, adapter gradient cosine {got['adapter_grad_cosine']:.6f} "
+          f"({got['norm_layers']} LayerNormLinear layers)")
+    assert got["norm_layers"] > 0 and abs(got["loss_te_norm"] - got["loss_recomputed_norm"]) < 1e-2
+    assert got["adapter_grad_cosine"] > 0.999
     m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [x["loss"] for x in m if "loss" in x]
     print("LoRA losses:", [round(x, 4) for x in losses[::5]])
