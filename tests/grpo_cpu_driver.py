@@ -73,12 +73,27 @@ def main() -> None:
     static = generate([model], prompts, greedy, eos, vocab, backend="static")
     sampled = [generate([model], prompts, Sampling(max_new, temperature=1.0, top_p=0.9, seed=s), eos, vocab,
                         backend="plain").completions for s in (5, 5, 6)]
+    # on-policy: the engine's samples (temperature 1) follow the training forward's distribution, the one GRPO's
+    # log-probs are taken from: one prompt, 20000 samples of its next token, against softmax of the model's logits
+    # (and, to show the comparison can tell, against the distribution at temperature 0.7)
+    prompt, draws = prompts[1], 20000
+    with torch.no_grad():
+        model.eval()
+        logits = model(torch.tensor([prompt]), torch.arange(len(prompt)).unsqueeze(0), None)[0, -1].float()
+        model.train()
+    probs = torch.softmax(logits[:vocab], -1)
+    one = generate([model], [prompt] * draws, Sampling(1, temperature=1.0, seed=11), eos, vocab, backend="static")
+    counts = torch.bincount(torch.tensor([c[0] for c in one.completions]), minlength=vocab).double() / draws
+    on_policy = {"tv_distance": 0.5 * float((counts[:vocab] - probs.double()).abs().sum()),
+                 "tv_to_tempered": 0.5 * float((counts[:vocab] - torch.softmax(logits[:vocab] / 0.7, -1).double())
+                                               .abs().sum()),
+                 "max_p": float(probs.max()), "outside_vocab": float(counts[vocab:].sum())}
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     rope_cached = RotaryEmbedding.forward.cache_info().currsize  # after generate: its tables are not kept
     result = {"rope_cached_after_generate": rope_cached, "manual": expected, "plain": plain.completions, "static": static.completions,
               "plain_finished": plain.finished, "static_finished": static.finished,
-              "sampled": sampled, "training_after": model.training, "vocab": vocab}
+              "sampled": sampled, "training_after": model.training, "vocab": vocab, "on_policy": on_policy}
     if len(sys.argv) > 1:
         result["task"] = grpo_step(sys.argv[1])
     print("GEN " + json.dumps(result))

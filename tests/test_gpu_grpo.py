@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 EXAMPLE = REPO / "examples" / "grpo"
 HELD_OUT = 256
+GRPO_STEPS = 60  # examples/grpo/grpo.yaml's schedule.train_iters
 
 
 def sh(cmd: list[str], cwd: Path, timeout: int = 600) -> str:
@@ -75,7 +76,7 @@ def sft(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ckpt = tmp / "sft" / "checkpoints"
     metrics = train(tmp, "sft", EXAMPLE / "sft.yaml", [*model, f"data.paths=[{data}/sft.jsonl]", f"checkpoint.dir={ckpt}"])
     assert metrics[-1]["loss"] < metrics[0]["loss"]
-    rewards = json.dumps([{"function": "mcorekit.train.rewards:math_answer", "weight": 1.0},
+    rewards = json.dumps([{"function": "mcorekit.train.rewards:exact_match", "weight": 1.0},
                           {"function": f"{EXAMPLE}/rewards.py:digits_correct", "weight": 0.5}])
     grpo = [*model, f"data.paths=[{data}/train.jsonl]", f"checkpoint.load={ckpt}", f"grpo.rewards={rewards}"]
     return {"tmp": tmp, "data": data, "model": model, "checkpoint": ckpt, "grpo": grpo}
@@ -109,7 +110,7 @@ def test_grpo_example_raises_held_out_accuracy(sft: dict[str, Any]) -> None:
     print(f"HELD-OUT ACCURACY before GRPO {before['accuracy']:.3f} ({before['correct']}/{HELD_OUT}), after "
           f"{after['accuracy']:.3f} ({after['correct']}/{HELD_OUT}), standard error {se:.3f}")
 
-    assert len(grpo) == 100 and all(math.isfinite(x["loss"]) for x in grpo)
+    assert len(grpo) == GRPO_STEPS and all(math.isfinite(x["loss"]) for x in grpo)
     assert all(x["clip_fraction"] == 0.0 for x in grpo)  # one optimizer step per generation batch: ratio 1
     assert all(x["gen_tokens_per_s"] > 0 and 0 < s < 1 for x, s in zip(grpo[1:], shares))
     assert statistics.mean(x["reward_mean"] for x in last) > statistics.mean(x["reward_mean"] for x in first)

@@ -1,7 +1,7 @@
 """Held-out accuracy of a checkpoint on the GRPO example's prompts: greedy completions through train/generate.py (the
-generation GRPO trains with, on the model built as training builds it), scored by the `answer` field
-(mcorekit.train.rewards.math_answer). With --hf, the same prompts also go through HF transformers' generate on the
-converted model (`mcorekit convert mcore-to-hf`), greedy too, in this process: tokens/s side by side, and how
+generation GRPO trains with, on the model built as training builds it), scored against the `answer` field
+(mcorekit.train.rewards.exact_match: the stripped completion is the answer). With --hf, the same prompts also go
+through HF transformers' generate on the converted model (`mcorekit convert mcore-to-hf`), greedy too, in this process: tokens/s side by side, and how
 often the two give the same completion.
 
     python examples/grpo/evaluate.py --config examples/grpo/grpo.yaml --checkpoint runs/grpo-example/sft/checkpoints
@@ -98,7 +98,7 @@ def evaluate(a: argparse.Namespace, exp: Any) -> int:
     from mcorekit.train.build import build
     from mcorekit.train.data.jsonl import records
     from mcorekit.train.generate import Sampling, generate
-    from mcorekit.train.rewards import math_answer
+    from mcorekit.train.rewards import exact_match
 
     rows = [r for _, r in records(Path(a.prompts))]
     rows = rows[: a.limit] if a.limit else rows
@@ -130,7 +130,7 @@ def evaluate(a: argparse.Namespace, exp: Any) -> int:
             name = out.backend
         runs[name] = (completions, seconds)
     backend, (completions, seconds) = next(iter(runs.items()))
-    correct = [math_answer(r["prompt"], text(c), r["answer"]) for r, c in zip(rows, completions)]
+    correct = [exact_match(r["prompt"], text(c), r["answer"]) for r, c in zip(rows, completions)]
     tokens = sum(len(c) for c in completions)
     result: dict[str, Any] = {"checkpoint": str(start), "prompts": len(rows), "correct": int(sum(correct)),
                               "accuracy": sum(correct) / len(rows), "backend": backend, "gen_seconds": seconds,
@@ -142,7 +142,7 @@ def evaluate(a: argparse.Namespace, exp: Any) -> int:
                                            for name, (cs, sec) in runs.items()}}
     if a.hf:
         hf = hf_generate(a.hf, tok, [r["prompt"] for r in rows], max_new, a.batch)
-        hf_correct = [math_answer(r["prompt"], text(c), r["answer"]) for r, c in zip(rows, hf["completions"])]
+        hf_correct = [exact_match(r["prompt"], text(c), r["answer"]) for r, c in zip(rows, hf["completions"])]
         result.update(hf_accuracy=sum(hf_correct) / len(rows), hf_seconds=hf["seconds"], hf_tokens=hf["tokens"],
                       hf_tokens_per_s=hf["tokens"] / max(hf["seconds"], 1e-9),
                       same_completion=sum(text(x) == text(y) for x, y in zip(completions, hf["completions"])) / len(rows))
