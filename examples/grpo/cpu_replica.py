@@ -4,7 +4,8 @@ code path (the tasks' dataset / batches / prepare_step / forward_step, Megatron'
 OptimizerParamScheduler, train/generate.py's static engine), and the held-out greedy accuracy before and after GRPO,
 as examples/grpo/evaluate.py measures it. What differs from the GPU run: fp32 instead of bf16, torch's AdamW (the
 same betas, eps, weight decay, gradient clipping) instead of Megatron's distributed optimizer, no DDP wrapper.
-A check of the example's settings before spending GPU time on them (tens of minutes on two cores):
+A check of the example's settings before spending GPU time on them (~8 minutes a run on two shared cores with
+--threads 1; more threads than free cores only slow it down):
 
     python examples/grpo/cpu_replica.py --work /tmp/grpo-cpu [--seed 1] [--sft-iters N] [--grpo-iters N] [k=v ...]
 
