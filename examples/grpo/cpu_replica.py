@@ -1,6 +1,6 @@
 """The GRPO example on CPU (one gloo process, fp32, Megatron-Core's local layer spec): the same data generator, the
 same experiments (examples/grpo/sft.yaml then grpo.yaml: model, data, optimizer, schedule, grpo settings), the same
-code path (the tasks' dataset / batches / prepare_step / forward_step, Megatron's forward-backward schedule,
+code path (the tasks' dataset / batches / prepare_step / forward_step, Megatron's no-pipelining schedule as it runs,
 OptimizerParamScheduler, train/generate.py's static engine), and the held-out greedy accuracy before and after GRPO,
 as examples/grpo/evaluate.py measures it. What differs from the GPU run: fp32 instead of bf16, torch's AdamW (the
 same betas, eps, weight decay, gradient clipping) instead of Megatron's distributed optimizer, no DDP wrapper.
