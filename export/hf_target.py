@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from mcorekit.convert.hf_io import HFReader, HFWriter, copy_assets
+from mcorekit.convert.pipeline import with_hf_mtp
 from mcorekit.export import fp8
 from mcorekit.models import dtypes, registry
 from mcorekit.models.parallel import Layout
@@ -32,7 +33,7 @@ def write(reader: HFReader, spec: ModelSpec, out: Path, layout: Layout, dtype: s
     torch_dtype = dtypes.to_torch(dtype)
     writer = HFWriter(out)
     quantized = set(scales or {})
-    keep = keep_dtype_names(spec)
+    keep = keep_dtype_names(with_hf_mtp(reader, spec))  # DeepSeek's MTP layers hold an fp32 router too
     for name in reader.names():
         t = reader.get(name)
         module = name[: -len(".weight")] if name.endswith(".weight") else None

@@ -251,6 +251,19 @@ def test_deepseek_v3_exports_for_the_pytorch_backend_and_the_engine_target_says_
         export(hf, tmp_path / "fp8", "pytorch", use_fp8=True, quiet=True)
 
 
+def test_deepseek_v3_export_keeps_the_mtp_router_in_fp32(mtp_model, tmp_path: Path) -> None:
+    """Export casts to --dtype except DeepSeek's fp32 routers and their expert bias, the MTP layer's included."""
+    from mcorekit.convert.hf_io import HFReader
+    from mcorekit.export.pipeline import export
+
+    export(mtp_model, tmp_path / "trt", "pytorch", dtype="bf16", quiet=True)
+    out = HFReader(tmp_path / "trt")
+    for layer in (1, 4):  # a decoder MoE layer and the MTP layer (model.layers.<num_hidden_layers>)
+        for name in (f"model.layers.{layer}.mlp.gate.weight", f"model.layers.{layer}.mlp.gate.e_score_correction_bias"):
+            assert out.get(name).dtype == torch.float32, name
+    assert out.get("model.layers.4.eh_proj.weight").dtype == torch.bfloat16
+
+
 # ---------------------------------------------------------------- GPT-OSS
 
 
