@@ -119,6 +119,13 @@ def test_shared_expert_size_must_match_the_models_own() -> None:
     assert any("shared expert of 128" in p for p in moe_problems(exp, Layout(), True, model))
     same = Experiment.model_validate({"name": "x", "model": {"preset": "mixtral-tiny"}, "moe": {"shared_expert_ffn": 128}})
     assert not any("shared expert" in p for p in moe_problems(same, Layout(), True, model))
+    # an HF family with no shared expert (Mixtral): refused when the model comes from an HF config, which says the
+    # user means to convert back; a preset (a benchmark or from-scratch shape) may still add one
+    mixtral = resolve("mixtral-tiny", None, {})
+    hf = Experiment.model_validate({"name": "x", "model": {"hf_config": "/some/mixtral"}, "moe": {"shared_expert_ffn": 64}})
+    assert any("mixtral HF format has no shared expert" in p for p in moe_problems(hf, Layout(), True, mixtral))
+    preset = Experiment.model_validate({"name": "x", "model": {"preset": "mixtral-tiny"}, "moe": {"shared_expert_ffn": 64}})
+    assert not any("shared expert" in p for p in moe_problems(preset, Layout(), True, mixtral))
 
 
 def test_memory_estimate_knows_dpo_and_lora() -> None:
