@@ -33,6 +33,9 @@ REPO = HERE.parent
 EXAMPLE = REPO / "examples" / "grpo"
 HELD_OUT = 256
 GRPO_STEPS = 60  # examples/grpo/grpo.yaml's schedule.train_iters
+# the short runs' schedules (tests/test_grpo.py checks them against the rules on CPU: a refused one wastes a GPU call)
+RESUME_RUN = ["schedule.train_iters=8", "schedule.warmup_iters=2", "checkpoint.save_interval=100"]
+LAYOUT_RUN = ["schedule.train_iters=6", "schedule.warmup_iters=2", "checkpoint.save_interval=100"]
 
 
 def sh(cmd: list[str], cwd: Path, timeout: int = 600) -> str:
@@ -123,8 +126,7 @@ def test_grpo_resume_continues_the_run(sft: dict[str, Any]) -> None:
     """Stopped by SIGUSR2 after step 4 (save, exit for requeue), restarted: steps 5-8 generate from the same prompts
     with the same seeds and train to the losses and rewards of the uninterrupted run."""
     tmp = sft["tmp"]
-    # warmup below the 8 steps (the example's 10 would be refused: warmup_iters must be below train_iters)
-    short = [*sft["grpo"], "schedule.train_iters=8", "schedule.warmup_iters=2", "checkpoint.save_interval=100"]
+    short = [*sft["grpo"], *RESUME_RUN]
     whole = train(tmp, "grpo-8", EXAMPLE / "grpo.yaml", [*short, f"checkpoint.dir={tmp}/grpo-8/checkpoints"])
     cut = [*short, f"checkpoint.dir={tmp}/grpo-cut/checkpoints"]
     train(tmp, "grpo-cut", EXAMPLE / "grpo.yaml", cut, stop_at=4, expect=3)
@@ -148,7 +150,7 @@ def test_grpo_at_tp2_and_dp2(sft: dict[str, Any]) -> None:
     (tmp / "slurm-state").mkdir(exist_ok=True)
     env = {**os.environ, "PATH": f"{HERE / 'slurm_shim'}:{os.environ['PATH']}", "UB_SKIPMC": "1",
            "SLURM_SHIM_STATE": str(tmp / "slurm-state")}
-    short = [*sft["grpo"], "schedule.train_iters=6", "schedule.warmup_iters=2", "checkpoint.save_interval=100"]
+    short = [*sft["grpo"], *LAYOUT_RUN]
     one = train(tmp, "grpo-1gpu", EXAMPLE / "grpo.yaml", [*short, f"checkpoint.dir={tmp}/g1/checkpoints"])
     for name, layout in (("tp2", ["parallel.tp=2"]), ("dp2", [])):
         got = train(tmp, f"grpo-{name}", EXAMPLE / "grpo.yaml", [*short, *layout, f"checkpoint.dir={tmp}/{name}/ckpt"],

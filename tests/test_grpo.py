@@ -360,6 +360,11 @@ def test_example_experiments_pass_the_rules(example: Path) -> None:
     grpo = load_experiment(REPO / "examples/grpo/grpo.yaml", [f"model.hf_config={data}/model",
                                                               f"data.tokenizer={data}/model", f"data.paths=[{data}/train.jsonl]"])
     assert problems(sft, 1, NODE) == [] and problems(grpo, 1, NODE) == []
+    from test_gpu_grpo import LAYOUT_RUN, RESUME_RUN  # the GPU test's short runs of the same experiment
+
+    for short in (RESUME_RUN, LAYOUT_RUN):
+        base = [f"model.hf_config={data}/model", f"data.tokenizer={data}/model", f"data.paths=[{data}/train.jsonl]"]
+        assert problems(load_experiment(REPO / "examples/grpo/grpo.yaml", [*base, *short]), 1, NODE) == [], short
     assert grpo.schedule.global_batch_size == grpo.grpo.prompts_per_step * grpo.grpo.group_size
     assert load_function("examples/grpo/rewards.py:digits_only") if Path.cwd() == REPO else True
     assert load_function(f"{REPO}/examples/grpo/rewards.py:digits_only")("1+2=", " 3 ") == 1.0
