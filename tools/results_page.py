@@ -294,6 +294,117 @@ def preprocess_headline(m: Measurement) -> str:
     return f"{best['method'].removeprefix('mcorekit data preprocess, ')}: {best['tokens_per_s'] / 1e3:.0f}k tokens/s, {best['speedup']:.2f}x a naive loop"
 
 
+def size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def post_bench_base(m: Measurement) -> float | None:
+    return next((r["tokens_per_s"] for r in m.results if r["case"] == "sft-full" and "error" not in r), None)
+
+
+def post_bench_table(m: Measurement) -> str:
+    base, out = post_bench_base(m), []
+    for r in m.results:
+        if "error" in r:
+            out.append([r["label"], r["error"]] + [""] * 6)
+            continue
+        out.append([r["label"], k(r["tokens_per_s"]), f"{r['tokens_per_s'] / base:.2f}x" if base else "",
+                    f"{r['step_s']:.2f}", f"{r['mem_gb']:.1f}", f"{r['trainable_params'] / 1e6:,.1f}M",
+                    size(r["ckpt_bytes"]), f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}"])
+    return table(["case", "tokens/s", "vs SFT full", "step s", "peak mem GB", "trainable", "checkpoint",
+                  "loss first -> last"], out)
+
+
+def post_bench_headline(m: Measurement) -> str:
+    base, parts = post_bench_base(m), []
+    for r in m.results:
+        if "error" in r:
+            parts.append(f"{r['case']} {r['error'].split(' (')[0]}")
+        else:
+            ratio = f" ({r['tokens_per_s'] / base:.2f}x)" if base and r["case"] != "sft-full" else ""
+            parts.append(f"{r['case']} {k(r['tokens_per_s'])}{ratio} {r['mem_gb']:.1f} GB")
+    return "tokens/s (x SFT full), peak memory: " + ", ".join(parts)
+
+
+Figure = tuple[str, str, str, bool | None]  # figure, value, target, met (None: no target)
+
+
+def start_save_shares(m: Measurement) -> dict[str, float]:
+    """The figures the targets are set on: start seconds, save and load as shares of dd, async step-time cost."""
+    r = m.results[0]
+    save, asy, dd = r["save"], r.get("async", {}), r["dd"]
+    out = {"start_s": save["startup"]["step1"], "save_of_dd_write": save["save_gb_per_s"] / dd["dd_write_gb_per_s"]}
+    if "load_gb_per_s" in r:
+        out["load_of_dd_read"] = r["load_gb_per_s"] / dd["dd_read_gb_per_s"]
+    if "step_s_overlapped_after_blocking" in asy:
+        out["async_step_cost"] = asy["step_s_overlapped_after_blocking"] / save["step_s"] - 1
+    return out
+
+
+def start_save_met(m: Measurement, key: str) -> tuple[str, bool]:
+    """(the target in words, whether it is met)."""
+    target, got = m.meta["targets"][key], start_save_shares(m)[key]
+    if key == "start_s":
+        return f"<= {target} s", got <= target
+    if key == "async_step_cost":
+        return f"< {pct(target, 0)}", got < target
+    return f">= {pct(target, 0)}", got >= target
+
+
+def start_save_figures(m: Measurement) -> list[Figure]:
+    r, sh = m.results[0], start_save_shares(m)
+    dd, save, asy, ph = r["dd"], r["save"], r.get("async", {}), r["save"]["phases"]
+    rows: list[Figure] = [
+        ("dd O_DIRECT write / read", f"{dd['dd_write_gb_per_s']:.2f} / {dd['dd_read_gb_per_s']:.2f} GB/s", "", None),
+        ("start -> end of step 1", f"{sh['start_s']:.1f} s (imports {ph['imports']:.1f}, distributed init "
+         f"{ph['dist_init']:.1f}, model {ph['model']:.1f}, optimizer {ph['optimizer']:.1f}, step 1 {ph['step1']:.1f})",
+         *start_save_met(m, "start_s")),
+        ("save, synchronous, end of run", f"{save['ckpt_gb']:.1f} GB in {save['save_s']:.1f} s = "
+         f"{save['save_gb_per_s']:.2f} GB/s ({pct(sh['save_of_dd_write'], 0)} of dd write)",
+         *start_save_met(m, "save_of_dd_write")),
+        ("process lived on after the save", f"{save['exit_after_save_s']:.1f} s", "", None),
+    ]
+    if "load_of_dd_read" in sh:
+        rows.append(("load on resume, page cache dropped", f"{asy['load_s']:.1f} s = {r['load_gb_per_s']:.2f} GB/s "
+                     f"({pct(sh['load_of_dd_read'], 0)} of dd read)", *start_save_met(m, "load_of_dd_read")))
+    if "async_step_cost" in sh:
+        steps = ", ".join(map(str, asy["steps_overlapped_after_blocking"]))
+        rows += [
+            ("first async save: blocking, then in the background", f"{asy['async_blocking_s']:.2f} s, done after "
+             f"{asy['async_save_s']:.1f} s ({asy['async_save_gb_per_s']:.2f} GB/s)", "", None),
+            ("second async save: blocking", f"{asy['second_blocking_s']:.2f} s", "", None),
+            ("step time: no save / the first async save writing", f"{save['step_s']:.2f} s / "
+             f"{asy['step_s_overlapped_after_blocking']:.2f} s (steps {steps}): {sh['async_step_cost'] * 100:+.1f}%",
+             *start_save_met(m, "async_step_cost")),
+        ]
+    if asy.get("final_save_s") is None:
+        rows.append(("end-of-run save after an async one", "not measured", "", None))
+    return rows
+
+
+def start_save_table(m: Measurement) -> str:
+    met = {True: "met", False: "not met", None: ""}
+    return table(["figure", m.results[0]["preset"], "target", "met?"], [[a, b, c, met[d]] for a, b, c, d in start_save_figures(m)])
+
+
+def start_save_headline(m: Measurement) -> str:
+    r, sh = m.results[0], start_save_shares(m)
+
+    def verdict(key: str) -> str:
+        target, ok = start_save_met(m, key)
+        return f" ({'met' if ok else 'not met'}: {target})"
+
+    parts = [f"start to end of step 1 {sh['start_s']:.1f} s" + verdict("start_s"),
+             f"save {r['save']['save_gb_per_s']:.2f} GB/s, {pct(sh['save_of_dd_write'], 0)} of the disk's write"
+             + verdict("save_of_dd_write")]
+    if "load_of_dd_read" in sh:
+        parts.append(f"load {r['load_gb_per_s']:.2f} GB/s, {pct(sh['load_of_dd_read'], 0)} of its read"
+                     + verdict("load_of_dd_read"))
+    if "async_step_cost" in sh:
+        parts.append(f"async save: steps {pct(sh['async_step_cost'])} slower while it writes" + verdict("async_step_cost"))
+    return "; ".join(parts)
+
+
 KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str]]] = {
     "train_bench": (train_bench_table, train_bench_headline),
     "overlap_bench": (overlap_table, overlap_headline),
@@ -302,6 +413,8 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "multi_gpu": (multi_gpu_table, multi_gpu_headline),
     "convert_bench": (convert_table, convert_headline),
     "preprocess_bench": (preprocess_table, preprocess_headline),
+    "post_bench": (post_bench_table, post_bench_headline),
+    "start_save": (start_save_table, start_save_headline),
 }
 
 
@@ -398,7 +511,7 @@ def plot_scaling_section(ms: list[Measurement], out: Path) -> str | None:
 
 
 def plot_loss(m: Measurement, out: Path) -> str | None:
-    metrics = m.metrics()
+    metrics = m.metrics() if m.meta["kind"] == "train_bench" else {}  # other kinds' runs are timings, not training
     if not metrics:
         return None
     import yaml
