@@ -138,7 +138,7 @@ def step_seconds(run_dir: Path, tokens_per_step: int) -> dict[int, float]:
 
 def phases(startup: dict[str, float]) -> dict[str, float]:
     """Cumulative marks -> each phase's own seconds."""
-    order = ["imports", "dist_init", "model", "optimizer", "resume", "step1"]
+    order = ["imports", "checks", "dist_init", "model", "optimizer", "resume", "step1"]
     marks = [(k, startup[k]) for k in order if k in startup]
     return {k: round(t - (marks[i - 1][1] if i else 0.0), 2) for i, (k, t) in enumerate(marks)}
 
@@ -233,7 +233,7 @@ def table(results: list[dict[str, Any]]) -> str:
         return f" ({a / b * 100:.0f}% of dd)" if a and b else ""
 
     rows = [("start -> end of step 1, s", lambda r: cell({"x": r.get("save", {}).get("startup", {})}, "x", "step1"))]
-    for ph in ("imports", "dist_init", "model", "optimizer", "step1"):
+    for ph in ("imports", "checks", "dist_init", "model", "optimizer", "step1"):
         rows.append((f"  {ph}, s", lambda r, ph=ph: cell({"x": r.get("save", {}).get("phases", {})}, "x", ph)))
     rows += [
         ("checkpoint, GB", lambda r: cell(r, "save", "ckpt_gb")),

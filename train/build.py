@@ -72,6 +72,7 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
     nodes = Nodes.here(ranks.local_rank)
     check(exp, spec, ranks.world_size, nodes)
     use_te = uses_te(exp, nodes)
+    startup.mark("checks")  # Megatron-Core's and TE's imports happen here: the rules build Megatron-Core's configs
     env = init_distributed(exp)
     startup.mark("dist_init")
     config = margs.transformer_config(exp, spec, use_te)

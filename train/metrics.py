@@ -24,8 +24,8 @@ def process_start() -> float:
 
 
 class Startup:
-    """Seconds from process start to the end of each start-up phase (imports, distributed init, model built,
-    optimizer built, resume, first step); reported once, at this process's first step: rank 0 prints it as one
+    """Seconds from process start to the end of each start-up phase (imports, checks: the rules against this node,
+    which import Megatron-Core and TE, distributed init, model built, optimizer built, resume, first step); reported once, at this process's first step: rank 0 prints it as one
     line and writes <run>/startup.json (the issue: 33 s from start to step 1 on the 3B shape)."""
 
     FILE = "startup.json"
