@@ -108,8 +108,10 @@ class Saver:
     def save(self, step: int, chunks: list[Any], optimizer: Any, scheduler: Any, wait: bool = False) -> Path:
         from megatron.core import dist_checkpointing
 
-        self.wait()
+        waited = time.perf_counter()
+        self.wait()  # one save in flight: a save due before the last background write ends waits for it here
         started = time.perf_counter()
+        waited = started - waited
         path = iter_dir(self.root, step)
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)  # a half-written one from an interrupted save
@@ -140,7 +142,8 @@ class Saver:
                                               async_sharded_save=True, async_strategy="mcore")
             request.add_finalize_fn(lambda: self._finalize(path, step, started))
             self.queue.schedule_async_request(request)
-            _report({"event": "scheduled", "step": step, "blocking_s": round(time.perf_counter() - started, 2)})
+            _report({"event": "scheduled", "step": step, "blocking_s": round(time.perf_counter() - started, 2),
+                     "waited_for_previous_s": round(waited, 2)})
             if wait:
                 self.wait()
         return path
