@@ -7,7 +7,9 @@ Levers (applied inside the training process, on top of `python -m mcorekit.train
   base     the defaults (torch._grouped_mm experts, permute fusion, alltoall dispatcher)
   gaf      gradient-accumulation fusion in Transformer Engine's linear layers: weight gradients are written
            straight into DDP's fp32 main_grad (no separate add per parameter per micro-batch). Megatron-Core ties
-           the flag to APEX's kernel for its own output layer; here that one layer keeps the plain path.
+           the flag to APEX's kernel for its own output layer; here that one layer keeps the plain path. The
+           torch._grouped_mm experts follow the same flag (models/grouped_mm_experts.py GroupedLinearMainGrad):
+           one grouped weight gradient per GEMM, added into the experts' main_grads at once.
   graphs   Megatron-Core's own ("local") CUDA graphs of the static part of each layer: attention, router and
            dispatch preprocessing (the experts' token counts vary, so they stay eager), with TE's RNG tracker.
   graphs-attn  the same for attention only: with the alltoall dispatcher `graphs` fails at capture (its

@@ -7,32 +7,159 @@ keeps TEGroupedMLP's parameters, checkpoint keys and sharding (it subclasses it)
 computation, for bf16 without FP8; anything else goes to TEGroupedMLP's own forward.
 Expert tensor parallelism needs nothing here: the experts' fc1 is split by columns, fc2 by rows, and the
 dispatcher's combine step reduces the partial outputs, as it does for TEGroupedMLP.
+
+With `gradient_accumulation_fusion` (and DDP's `main_grad` on the weights) the two grouped GEMMs run through
+GroupedLinearMainGrad, which does for the experts what TE's linear layers do for theirs: the backward computes
+the weight gradient of all experts in one grouped GEMM and adds it into their `main_grad` in one kernel (two when
+DDP laid the experts out in reverse, its usual order), sets `grad_added_to_main_grad` and returns dummy
+gradients, so DDP's per-parameter hooks still fire but skip their add. Without it, autograd splits the stacked
+weight gradient into one `.grad` per expert and DDP's hooks add each into `main_grad`: 2*experts adds per layer
+and micro-batch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
 
-def grouped_swiglu_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor,
-                       fc2: torch.Tensor, activation: Any = None) -> torch.Tensor:
+def grouped_swiglu_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                       fc1: torch.Tensor | Sequence[torch.Tensor], fc2: torch.Tensor | Sequence[torch.Tensor],
+                       activation: Any = None, fuse_wgrad: bool = False) -> torch.Tensor:
     """Tokens sorted by expert -> fc2(act(fc1(x)) * prob) per expert.
 
     x: [tokens, hidden]; tokens_per_expert: [experts] (rows of x per expert, in order); probs: [tokens] router
-    weights; fc1: [experts, 2*ffn, hidden] (gate rows, then up rows); fc2: [experts, hidden, ffn].
+    weights; fc1: [experts, 2*ffn, hidden] (gate rows, then up rows); fc2: [experts, hidden, ffn], each also as a
+    sequence of per-expert weights (what `fuse_wgrad` needs, see grouped_linear).
     `activation(h, probs)` computes the weighted SwiGLU (default: silu(gate) * up, times probs in fp32 and cast
     back, as Megatron's unfused path does)."""
     ends = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int32), dim=0, dtype=torch.int32)
-    h = torch._grouped_mm(x, fc1.transpose(1, 2), offs=ends)
+    h = grouped_linear(x, ends, fc1, fuse_wgrad)
     if activation is None:
         gate, up = torch.chunk(h, 2, dim=-1)
         a = (F.silu(gate) * up * probs.unsqueeze(-1)).to(x.dtype)
     else:
         a = activation(h, probs.unsqueeze(-1))
-    return torch._grouped_mm(a, fc2.transpose(1, 2), offs=ends)
+    return grouped_linear(a, ends, fc2, fuse_wgrad)
+
+
+def grouped_linear(x: torch.Tensor, ends: torch.Tensor, weights: torch.Tensor | Sequence[torch.Tensor],
+                   fuse_wgrad: bool = False) -> torch.Tensor:
+    """Rows of x sorted by expert (`ends`: cumulative row counts, int32) -> rows times their expert's weight.T.
+
+    weights: [experts, out, in], or a sequence of [out, in] that is stacked here (autograd then hands each its
+    slice of the gradient). `fuse_wgrad` (a sequence of weights with `main_grad`): GroupedLinearMainGrad."""
+    if fuse_wgrad:
+        return GroupedLinearMainGrad.apply(x, ends, *weights)
+    w = weights if isinstance(weights, torch.Tensor) else torch.stack(list(weights))
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
+
+
+class GroupedLinearMainGrad(torch.autograd.Function):
+    """grouped_linear whose weight gradient goes straight into the weights' `main_grad` (gradient-accumulation
+    fusion, the contract of TE's `fuse_wgrad_accumulation` with Megatron's DDP).
+
+    Forward and input gradient are the ops autograd runs for the stacked path (same `torch._grouped_mm` calls,
+    same operands and layouts), so both are bit-identical to it. The weight gradient is that path's too
+    ([experts, out, in] from one grouped GEMM, in the weights' dtype), added into main_grad as DDP's hooks would
+    add it (`main_grad.add_(grad)`), but in one add over the experts' contiguous main_grad region when DDP
+    placed them next to each other (see main_grad_region; reversed, its usual order, costs a flip of the
+    gradient first), else one add per expert. Each weight then gets
+    `grad_added_to_main_grad = True` and a dummy gradient, so DDP's hook fires (bucket bookkeeping, overlapped
+    reduce) and skips its add; a weight with `zero_out_wgrad` gets zeros, which the hook does add."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ends: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        w = torch.stack(weights)
+        ctx.save_for_backward(x, ends, w)
+        ctx.weights = weights
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, ends, w = ctx.saved_tensors
+        # autograd's formulas for _grouped_mm(x, w.transpose(1, 2)): the same calls, operands and layouts
+        grad_x = torch._grouped_mm(grad, w, offs=ends) if ctx.needs_input_grad[0] else None
+        grad_w = torch._grouped_mm(grad.transpose(-2, -1), x, offs=ends)  # [experts, out, in]
+        accumulate_main_grads(ctx.weights, grad_w)
+        return (grad_x, None, *dummy_wgrads(ctx.weights))
+
+
+def get_main_grad(weight: torch.Tensor) -> torch.Tensor:
+    """The weight's main_grad; Megatron-FSDP hands it out through `get_main_grad()` (as TE fetches it)."""
+    if hasattr(weight, "__fsdp_param__") and hasattr(weight, "get_main_grad"):
+        weight.main_grad = weight.get_main_grad()
+    return weight.main_grad
+
+
+def has_main_grad(weight: torch.Tensor) -> bool:
+    return getattr(weight, "main_grad", None) is not None or hasattr(weight, "__fsdp_param__")
+
+
+def main_grad_region(main_grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool] | None:
+    """One [experts, *shape] view over the experts' main_grads when they lie back to back in one storage:
+    (view, reversed), where reversed means view[j] is expert experts-1-j's main_grad. Megatron's DDP buffer
+    places parameters in reverse registration order (weight{E-1} first, weight0 last) with no gap between
+    equal-sized expert weights unless the distributed optimizer pads (param starts to 64 elements, bucket ends
+    to lcm(dp, 128)); a separate fp32 copy (param_name_patterns_for_fp32_local_accumulation) or Megatron-FSDP
+    breaks adjacency. Checked from data_ptr arithmetic on every call; None: not one region."""
+    m0 = main_grads[0]
+    n = len(main_grads)
+    if n < 2 or not all(m.shape == m0.shape and m.dtype == m0.dtype and m.device == m0.device
+                        and m.is_contiguous() for m in main_grads):
+        return None
+    step = m0.numel() * m0.element_size()
+    ptrs = [m.data_ptr() for m in main_grads]
+    if all(p == ptrs[0] + i * step for i, p in enumerate(ptrs)):
+        first, reverse = m0, False
+    elif all(p == ptrs[0] - i * step for i, p in enumerate(ptrs)):
+        first, reverse = main_grads[-1], True
+    else:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    if any(m.untyped_storage().data_ptr() != storage for m in main_grads):
+        return None  # adjacent by chance (separate allocations): one view cannot span them
+    return first.as_strided((n, *m0.shape), (m0.numel(), *m0.stride()), first.storage_offset()), reverse
+
+
+def accumulate_main_grads(weights: Sequence[torch.Tensor], grad_w: torch.Tensor) -> None:
+    """main_grad[e] += grad_w[e] for every expert e (= grad_w[e] where Megatron-FSDP sets overwrite_main_grad)."""
+    main_grads = [get_main_grad(w) for w in weights]
+    overwrite = [bool(getattr(w, "overwrite_main_grad", False)) for w in weights]
+    region = main_grad_region(main_grads) if len(set(overwrite)) == 1 else None
+    if region is not None:
+        view, reverse = region
+        src = grad_w.flip(0) if reverse else grad_w  # no negative strides in torch: one copy, then one add
+        view.copy_(src) if overwrite[0] else view.add_(src)
+        return
+    for m, g, o in zip(main_grads, grad_w, overwrite):
+        m.copy_(g) if o else m.add_(g)
+
+
+_DUMMY_WGRADS: dict[tuple, torch.Tensor] = {}
+
+
+def dummy_wgrads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """What TE's fused layers return as weight gradients (transformer_engine get_dummy_wgrads_for_params): for a
+    weight with `grad_added_to_main_grad` (DDP's), set it and return a never-read buffer shared by all weights of
+    that shape (a fresh alias each time: AccumulateGrad takes it as .grad without copying, DDP's hook drops it),
+    zeros where `zero_out_wgrad`; None for others (no hook to trigger)."""
+    out: list[torch.Tensor | None] = []
+    for w in weights:
+        if not hasattr(w, "grad_added_to_main_grad"):
+            out.append(None)
+            continue
+        w.grad_added_to_main_grad = True
+        if getattr(w, "zero_out_wgrad", False):
+            out.append(torch.zeros_like(w))
+            continue
+        key = (tuple(w.shape), w.dtype, w.device)
+        if key not in _DUMMY_WGRADS:
+            _DUMMY_WGRADS[key] = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+        out.append(_DUMMY_WGRADS[key].detach())
+    return out
 
 
 def run_forward_pre_hooks(module: torch.nn.Module, x: torch.Tensor) -> None:
@@ -72,12 +199,16 @@ def grouped_mm_experts_class() -> type:
             for linear in (self.linear_fc1, self.linear_fc2):
                 run_forward_pre_hooks(linear, x)
             n = self.num_local_experts
-            fc1 = torch.stack([getattr(self.linear_fc1, f"weight{i}") for i in range(n)])
-            fc2 = torch.stack([getattr(self.linear_fc2, f"weight{i}") for i in range(n)])
+            fc1 = [getattr(self.linear_fc1, f"weight{i}") for i in range(n)]
+            fc2 = [getattr(self.linear_fc2, f"weight{i}") for i in range(n)]
+            # gradient_accumulation_fusion, as TE's layers do it: the experts' weight gradients go into DDP's
+            # main_grad from one grouped GEMM and one add per GEMM, not one .grad and one DDP add per expert
+            fuse_wgrad = self.config.gradient_accumulation_fusion and all(map(has_main_grad, fc1 + fc2))
             fused = self.config.bias_activation_fusion  # Megatron's fused weighted SwiGLU, as TEGroupedMLP uses
             act = (lambda h, p: weighted_bias_swiglu_impl(h, None, p, self.config.activation_func_fp8_input_store)) \
                 if fused else None
-            out = grouped_swiglu_mlp(x, torch.as_tensor(tokens_per_expert), permuted_probs, fc1, fc2, act)
+            out = grouped_swiglu_mlp(x, torch.as_tensor(tokens_per_expert), permuted_probs, fc1, fc2, act,
+                                     fuse_wgrad)
             return out, None
 
     return GroupedMMExperts

@@ -84,3 +84,247 @@ def test_forward_pre_hooks_of_the_bypassed_modules_run() -> None:
     linear.register_forward_pre_hook(lambda m, args, kwargs: seen.append(("kwargs", m, kwargs)), with_kwargs=True)
     run_forward_pre_hooks(linear, torch.zeros(1, 2))
     assert seen == [("plain", linear, 1), ("kwargs", linear, {})]
+
+
+# --- gradient-accumulation fusion (GroupedLinearMainGrad) against today's path, with Megatron's DDP layout and
+# hook. Megatron's _ParamAndGradBuffer allocates on CUDA, so its main_grads are rebuilt here from Megatron's own
+# layout functions the way _ParamAndGradBuffer._get slices them; the hook is DDP's own _make_backward_post_hook.
+
+EXPERTS = 4
+
+
+class _Grouped(torch.nn.Module):
+    """TE GroupedLinear's parameters: weight0..weight{E-1}, registered in order."""
+
+    def __init__(self, out: int, inp: int, weights: torch.Tensor) -> None:
+        super().__init__()
+        for i in range(weights.shape[0]):
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(weights[i].clone()))
+
+    def weights(self) -> list[torch.nn.Parameter]:
+        return [getattr(self, f"weight{i}") for i in range(len(self._parameters))]
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor) -> None:
+        super().__init__()
+        self.linear_fc1 = _Grouped(*fc1.shape[1:], fc1)
+        self.linear_fc2 = _Grouped(*fc2.shape[1:], fc2)
+
+
+def _layout(params, kind: str):
+    """{param: (start, end)} in one fp32 grad buffer, and the buffer's numel, as Megatron would lay them out."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed.param_and_grad_buffer import _compute_default_per_buffer_param_layout
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if kind == "ddp":
+        layout = _compute_default_per_buffer_param_layout(params, None)
+    elif kind == "ddp-buckets":  # a bucket boundary inside the experts: no padding without the distributed optimizer
+        layout = _compute_default_per_buffer_param_layout(params, 2 * params[0].numel())
+    elif kind in ("distopt", "distopt-small-buckets"):  # pads param starts to 64 elements, bucket ends to
+        # lcm(dp, 128). An expert weight's numel is a multiple of 64 (grouped_mm needs rows of 16 bytes: both dims
+        # multiples of 8), so only a bucket end can leave a gap: "small-buckets" closes one after every fc2 weight
+        bucket = params[-1].numel() if kind == "distopt-small-buckets" else 3 * params[0].numel()
+        layout = DistributedOptimizer._compute_per_buffer_param_layout(
+            params, bucket, 1, SimpleNamespace(pad_buckets_for_high_nccl_busbw=False))
+    elif kind == "shuffled":  # no known order: [2, 0, 3, 1, ...] of each GroupedLinear
+        starts, pos = {}, 0
+        for group in (params[:EXPERTS], params[EXPERTS:]):
+            for p in [group[i] for i in (2, 0, 3, 1)]:
+                starts[p] = (pos, pos + p.numel())
+                pos += p.numel()
+        return starts, pos
+    else:
+        raise ValueError(kind)
+    spans = {p: layout.param_index_map[p][:2] for p in params}
+    return spans, layout.bucket_indices[-1][1]
+
+
+def _ddp_like(model: torch.nn.Module, kind: str, prefill: torch.Tensor | None):
+    """main_grad views into one fp32 buffer (pre-filled), grad_added_to_main_grad, and DDP's hook on each param."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+    params = [p for p in model.parameters() if p.requires_grad]  # DDP's order (named_parameters)
+    spans, numel = _layout(params, kind)
+    buffer = prefill.clone() if prefill is not None else torch.randn(numel) + 3.0  # non-zero: checks accumulation
+    fake_ddp = SimpleNamespace(param_to_bucket_group={p: None for p in params},
+                               ddp_config=SimpleNamespace(overlap_grad_reduce=False))
+    grad_accs = []
+    for p in params:
+        start, end = spans[p]
+        p.main_grad = buffer[start:end].view(p.shape)
+        p.grad_added_to_main_grad = False
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(DistributedDataParallel._make_backward_post_hook(fake_ddp, p))
+        grad_accs.append(acc)
+    return buffer, grad_accs
+
+
+def _experts_step(kind: str, fuse_wgrad: bool, activation, seed: int = 0, hidden: int = 32, ffn: int = 48,
+                  prefill: torch.Tensor | None = None):
+    torch.manual_seed(seed)
+    counts = torch.tensor([7, 0, 12, 5])  # expert 1 gets no token
+    x = torch.randn(int(counts.sum()), hidden, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(x.shape[0], requires_grad=True)
+    fc1 = (torch.randn(EXPERTS, 2 * ffn, hidden) / hidden**0.5).bfloat16()
+    fc2 = (torch.randn(EXPERTS, hidden, ffn) / ffn**0.5).bfloat16()
+    grad_out = torch.randn(x.shape[0], hidden, dtype=torch.bfloat16)
+    model = _Experts(fc1, fc2)
+    buffer, keep = _ddp_like(model, kind, prefill)
+    start = buffer.clone()
+    out = grouped_swiglu_mlp(x, counts, probs, model.linear_fc1.weights(), model.linear_fc2.weights(), activation,
+                             fuse_wgrad=fuse_wgrad)
+    out.backward(grad_out)
+    del keep
+    return out, x.grad, probs.grad, buffer, start, model
+
+
+def _fused_swiglu(h, p):
+    """Megatron's fused weighted SwiGLU (an autograd.Function of its own), as the module uses it. Its kernels are
+    torch.compile'd; the tests run them eagerly (_eager: compiling them on CPU takes a minute)."""
+    from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+    return weighted_bias_swiglu_impl(h, None, p, False)
+
+
+def _eager():
+    return torch._dynamo.config.patch(disable=True)
+
+
+def test_megatron_lays_out_a_grouped_linear_reversed_and_adjacent() -> None:
+    """What the one-add path relies on, read from Megatron's own layout code: weight{E-1} first, weight0 last, no
+    gap between them (also across a bucket boundary); the distributed optimizer pads a bucket's end to a
+    multiple of 128 elements, a gap where a bucket ends after an expert weight whose numel is an odd multiple of 64
+    (the 8x2048x1408 shape's are multiples of 128: no gap)."""
+    from mcorekit.models.grouped_mm_experts import main_grad_region
+
+    for kind, hidden, ffn, want in [("ddp", 32, 48, (True, True)), ("ddp-buckets", 32, 48, (True, True)),
+                                    ("distopt", 32, 48, (True, True)), ("distopt", 24, 40, (True, True)),
+                                    ("distopt-small-buckets", 24, 40, (True, None)),
+                                    ("shuffled", 32, 48, (None, None))]:
+        model = _Experts(torch.zeros(EXPERTS, 2 * ffn, hidden), torch.zeros(EXPERTS, hidden, ffn))
+        _ddp_like(model, kind, None)
+        for linear, want in zip((model.linear_fc1, model.linear_fc2), want):
+            region = main_grad_region([w.main_grad for w in linear.weights()])
+            if want is None:
+                assert region is None, (kind, hidden, ffn)
+                continue
+            view, reverse = region
+            assert reverse is want, kind
+            for i, w in enumerate(linear.weights()):
+                assert view[EXPERTS - 1 - i].data_ptr() == w.main_grad.data_ptr()
+            view.fill_(i)  # one view over exactly the experts' main_grads
+            assert all((w.main_grad == i).all() for w in linear.weights())
+
+
+def test_main_grad_region_in_registration_order_and_separate_allocations() -> None:
+    from mcorekit.models.grouped_mm_experts import main_grad_region
+
+    flat = torch.zeros(EXPERTS * 6)
+    in_order = [flat[6 * i:6 * i + 6].view(2, 3) for i in range(EXPERTS)]
+    view, reverse = main_grad_region(in_order)
+    assert not reverse and view.shape == (EXPERTS, 2, 3) and view.data_ptr() == flat.data_ptr()
+    assert main_grad_region([torch.zeros(2, 3) for _ in range(EXPERTS)]) is None
+    assert main_grad_region([t.t() for t in in_order]) is None  # not contiguous
+
+
+def _check_fused_equals_today(kind: str, activation, hidden: int = 32, ffn: int = 48) -> None:
+    out, gx, gp, buf, start, model = _experts_step(kind, True, activation, hidden=hidden, ffn=ffn)
+    ref_out, ref_gx, ref_gp, ref_buf, ref_start, _ = _experts_step(kind, False, activation, hidden=hidden, ffn=ffn,
+                                                                   prefill=start)
+    assert torch.equal(start, ref_start)
+    # forward, input and probs gradients: the same grouped_mm calls on the same operands -> bit-identical
+    assert torch.equal(out, ref_out) and torch.equal(gx, ref_gx) and torch.equal(gp, ref_gp)
+    # main_grad: today's path = prefill + bf16 weight gradient added by DDP's hook; the fused one adds the same
+    # bf16 gradient in one kernel (or per expert): identical here, and a gap (padding) stays untouched
+    assert not torch.equal(buf, start)
+    torch.testing.assert_close(buf, ref_buf, rtol=0, atol=0)
+    for w in model.parameters():
+        assert w.grad_added_to_main_grad is True and w.grad is None  # DDP's hook saw the dummy and dropped it
+
+
+def test_fused_wgrad_equals_todays_path_contiguous_reversed() -> None:
+    _check_fused_equals_today("ddp", None)
+    with _eager():
+        _check_fused_equals_today("ddp-buckets", _fused_swiglu)
+        _check_fused_equals_today("distopt", _fused_swiglu)
+
+
+def test_fused_wgrad_equals_todays_path_non_contiguous() -> None:
+    _check_fused_equals_today("shuffled", None)
+    with _eager():  # fc2's experts padded apart (per-expert adds), fc1's adjacent (one region)
+        _check_fused_equals_today("distopt-small-buckets", _fused_swiglu, hidden=24, ffn=40)
+
+
+def test_fused_wgrad_against_plain_autograd_in_fp32() -> None:
+    """Independent of today's code: main_grad gains exactly d(loss)/d(weight) of the per-expert loop."""
+    torch.manual_seed(3)
+    counts = torch.tensor([3, 6, 0, 4])
+    x = torch.randn(int(counts.sum()), 16, requires_grad=True)
+    probs = torch.rand(x.shape[0])
+    fc1, fc2 = torch.randn(EXPERTS, 40, 16) / 4, torch.randn(EXPERTS, 16, 20) / 4
+    model = _Experts(fc1, fc2)
+    buffer, keep = _ddp_like(model, "ddp", None)
+    start = buffer.clone()
+    grouped_swiglu_mlp(x, counts, probs, model.linear_fc1.weights(), model.linear_fc2.weights(),
+                       fuse_wgrad=True).square().sum().backward()
+    ref = [t.clone().requires_grad_() for t in (fc1, fc2)]
+    per_expert_loop(x.detach(), counts, probs, *ref).square().sum().backward()
+    for linear, g in zip((model.linear_fc1, model.linear_fc2), ref):
+        for i, w in enumerate(linear.weights()):
+            gained = w.main_grad - start[w.main_grad.storage_offset():][:w.numel()].view(w.shape)
+            torch.testing.assert_close(gained, g.grad[i], rtol=1e-4, atol=1e-5)
+
+
+def test_zero_out_wgrad_gets_zeros_and_without_ddp_no_dummy() -> None:
+    from mcorekit.models.grouped_mm_experts import dummy_wgrads
+
+    w = torch.nn.Parameter(torch.ones(2, 3))
+    assert dummy_wgrads([w]) == [None]  # no DDP flag: nothing for a hook to see
+    w.grad_added_to_main_grad, w.zero_out_wgrad = False, True
+    (d,) = dummy_wgrads([w])
+    assert w.grad_added_to_main_grad and torch.equal(d, torch.zeros(2, 3))
+
+
+def _count_backward_ops(fuse_wgrad: bool) -> tuple[int, int]:
+    """aten ops run by the backward of one expert layer (8 experts, DDP's hook included): (all, non-view)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"view", "_unsafe_view", "transpose", "t", "select", "detach", "alias", "as_strided", "expand",
+             "unsqueeze", "squeeze", "slice", "split", "split_with_sizes", "chunk", "unbind", "permute", "reshape"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    n, hidden, ffn = 8, 32, 48
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 5, 0, 7, 2, 4, 6, 1])
+    x = torch.randn(int(counts.sum()), hidden, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(x.shape[0], requires_grad=True)
+    model = _Experts((torch.randn(n, 2 * ffn, hidden) / 8).bfloat16(), (torch.randn(n, hidden, ffn) / 8).bfloat16())
+    model.linear_fc1.weights = lambda: [getattr(model.linear_fc1, f"weight{i}") for i in range(n)]
+    model.linear_fc2.weights = lambda: [getattr(model.linear_fc2, f"weight{i}") for i in range(n)]
+    keep = _ddp_like(model, "ddp", None)
+    out = grouped_swiglu_mlp(x, counts, probs, model.linear_fc1.weights(), model.linear_fc2.weights(),
+                             _fused_swiglu, fuse_wgrad=fuse_wgrad)
+    grad = torch.randn_like(out)
+    with Count() as c:
+        out.backward(grad)
+    del keep
+    return len(c.ops), sum(op not in views for op in c.ops)
+
+
+def test_fused_backward_runs_fewer_ops() -> None:
+    with _eager():
+        today, fused = _count_backward_ops(False), _count_backward_ops(True)
+    print(f"\nbackward of one 8-expert layer, aten ops (all, non-view): today {today}, fused {fused}")
+    assert fused[1] < today[1] and fused[0] < today[0]
