@@ -43,6 +43,8 @@ def kwargs(exp, spec, use_te, fusions=True):
     kw = base_kwargs(exp, spec, use_te, fusions)
     if "gaf" in levers:
         kw["gradient_accumulation_fusion"] = True
+        import mcorekit.models.grouped_mm_experts as gmm
+        gmm.FUSE_EXPERT_WGRAD = True  # the experts' weight gradients into main_grad too
     if "graphs" in levers or "graphs-attn" in levers:
         modules = ["attn"] if "graphs-attn" in levers else ["attn", "moe_router", "moe_preprocess"]
         kw.update(cuda_graph_impl="local", cuda_graph_modules=modules, use_te_rng_tracker=True)

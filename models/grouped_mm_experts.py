@@ -8,7 +8,7 @@ computation, for bf16 without FP8; anything else goes to TEGroupedMLP's own forw
 Expert tensor parallelism needs nothing here: the experts' fc1 is split by columns, fc2 by rows, and the
 dispatcher's combine step reduces the partial outputs, as it does for TEGroupedMLP.
 
-With `gradient_accumulation_fusion` (and DDP's `main_grad` on the weights) the two grouped GEMMs run through
+With FUSE_EXPERT_WGRAD and `gradient_accumulation_fusion` (and DDP's `main_grad` on the weights) the grouped GEMMs run through
 GroupedLinearMainGrad, which does for the experts what TE's linear layers do for theirs: the backward computes
 the weight gradient of all experts in one grouped GEMM and adds it into their `main_grad` in one kernel (two when
 DDP laid the experts out in reverse, its usual order), sets `grad_added_to_main_grad` and returns dummy
@@ -23,6 +23,11 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+
+# The experts' half of gradient_accumulation_fusion (GroupedLinearMainGrad). Off until a GPU run has measured it:
+# config/megatron.py turns gradient_accumulation_fusion on wherever APEX is installed, which would make this path
+# the default there untested; bench/moe_levers.py's `gaf` lever switches it on.
+FUSE_EXPERT_WGRAD = False
 
 
 def grouped_swiglu_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
@@ -203,7 +208,8 @@ def grouped_mm_experts_class() -> type:
             fc2 = [getattr(self.linear_fc2, f"weight{i}") for i in range(n)]
             # gradient_accumulation_fusion, as TE's layers do it: the experts' weight gradients go into DDP's
             # main_grad from one grouped GEMM and one add per GEMM, not one .grad and one DDP add per expert
-            fuse_wgrad = self.config.gradient_accumulation_fusion and all(map(has_main_grad, fc1 + fc2))
+            fuse_wgrad = (FUSE_EXPERT_WGRAD and self.config.gradient_accumulation_fusion
+                          and all(map(has_main_grad, fc1 + fc2)))
             fused = self.config.bias_activation_fusion  # Megatron's fused weighted SwiGLU, as TEGroupedMLP uses
             act = (lambda h, p: weighted_bias_swiglu_impl(h, None, p, self.config.activation_func_fp8_input_store)) \
                 if fused else None
