@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import pickle
 import re
 import threading
@@ -35,6 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
@@ -46,10 +48,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import (
     BytesIOWriteData,
-    LoadPlan,
     SavePlan,
     SavePlanner,
     TensorWriteData,
@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.utils import _create_file_view
 
 from mcorekit.convert.files import model_file, read_json, write_failure
 from mcorekit.errors import ConversionError
@@ -187,10 +188,48 @@ class StreamingSavePlanner(SavePlanner):
         return tensor.contiguous()
 
 
+class _WritebackFile(io.FileIO):
+    """A file that hands what was written to the kernel's writeback every WRITEBACK_BYTES (POSIX_FADV_DONTNEED
+    starts it without waiting), so the disk writes while chunks are still being read and serialized instead of
+    all at the closing fsync, which still makes the file durable."""
+
+    WRITEBACK_BYTES = 32 * 1024**2
+
+    def __init__(self, path: Any, mode: str) -> None:
+        super().__init__(path, mode)
+        self._written = self._handed = 0
+
+    def write(self, b: Any) -> int:
+        n = super().write(b)
+        self._written += n or 0
+        if self._written - self._handed >= self.WRITEBACK_BYTES:
+            try:
+                os.posix_fadvise(self.fileno(), self._handed, self._written - self._handed, os.POSIX_FADV_DONTNEED)
+            except (OSError, AttributeError):  # a hint only: fsync at the end is what makes the file durable
+                pass
+            self._handed = self._written
+        return n
+
+
+class _WritebackFS(FileSystem):
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with io.BufferedWriter(_WritebackFile(path, mode)) as stream:
+            yield stream
+
+
 class _CountingWriter(FileSystemWriter):
     """Counts the items DCP reports as written (a helper thread that fails reports none of its own)."""
 
     written = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fs = _WritebackFS()
 
     def finish(self, metadata: Metadata, results: list[Any]) -> None:
         self.written = sum(len(r) for r in results)
@@ -356,30 +395,6 @@ class _SafeReader(FileSystemReader):
         return self._metadata
 
 
-class _ChunkLoadPlanner(DefaultLoadPlanner):
-    """Loads arbitrary sub-blocks of stored global tensors (e.g. one layer of a stacked tensor)."""
-
-    def __init__(self, requests: dict[str, tuple[ChunkStorageMetadata, torch.Tensor]]) -> None:
-        super().__init__()
-        self.requests = requests
-
-    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
-        self.metadata = metadata
-        self.state_dict = {fqn: buf for fqn, (_, buf) in self.requests.items()}
-
-    def create_local_plan(self) -> LoadPlan:
-        items = []
-        for fqn, (chunk, _) in self.requests.items():
-            md = self.metadata.state_dict_metadata.get(fqn)
-            if not isinstance(md, TensorStorageMetadata):
-                raise ConversionError(f"tensor {fqn!r} is not in the checkpoint")
-            items += create_read_items_for_chunk_list(fqn, md, [chunk])
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn]
-
-
 class _BytesLoadPlanner(DefaultLoadPlanner):
     """Keeps bytes entries as bytes (DCP's default planner torch.loads them with weights_only=False)."""
 
@@ -443,22 +458,65 @@ class TorchDistReader:
         offsets = tuple(index) + (0,) * (len(size) - len(index))
         sizes = (1,) * len(index) + size[len(index):]
         chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
-        self._check_coverage(fqn, md, chunk, index)
-        buf = torch.empty(sizes, dtype=md.properties.dtype)  # every element is filled: checked just above
+        items = create_read_items_for_chunk_list(fqn, md, [chunk])
+        self._check_coverage(fqn, chunk, items, index)
         try:
-            with _quiet_dcp():
-                dcp.load({}, storage_reader=self.reader, planner=_ChunkLoadPlanner({fqn: (chunk, buf)}), no_dist=True)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a corrupt data file fails in many ways in DCP
-            cause = _cause(e)
-            if isinstance(cause, ConversionError):
-                raise cause from None
-            raise ConversionError(f"{self.path}: cannot read tensor {fqn!r} ({type(cause).__name__}: {_first_line(cause)})") from None
-        return buf.reshape(size[len(index):])
+            out = self._read_items(md, sizes, items)
+        except ConversionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a corrupt data file fails in many ways in torch.load
+            raise ConversionError(f"{self.path}: cannot read tensor {fqn!r} ({type(e).__name__}: {_first_line(e)})") from None
+        return out.reshape(size[len(index):])
 
-    def _check_coverage(self, fqn: str, md: TensorStorageMetadata, chunk: ChunkStorageMetadata, index: tuple[int, ...]) -> None:
+    def _read_items(self, md: TensorStorageMetadata, sizes: tuple[int, ...], items: list[Any]) -> torch.Tensor:
+        """The requested block from its stored chunks, each loaded with torch.load(weights_only=True) as DCP's
+        reader does (without dcp.load's planning around it). A stored chunk that is the whole request, in the
+        checkpoint's dtype and contiguous, is returned as loaded (no second buffer, no copy)."""
+        dtype = md.properties.dtype
+        buf = None
+        for item in items:
+            stored = self.metadata.storage_data[item.storage_index]
+            with open(self.path / stored.relative_path, "rb") as f:
+                view = _create_file_view(f, stored.offset, stored.length)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    loaded = torch.load(view, map_location="cpu", weights_only=True)
+            if not isinstance(loaded, torch.Tensor):
+                raise ConversionError(f"{self.path}: chunk {item.storage_index.fqn!r} at {tuple(item.storage_index.offset)} "
+                                      f"holds a {type(loaded).__name__}, not a tensor")
+            part = loaded
+            for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
+                if dim >= part.dim() or o + n > part.shape[dim]:
+                    raise ConversionError(f"{self.path}: chunk {item.storage_index.fqn!r} at {tuple(item.storage_index.offset)} "
+                                          f"is stored as {tuple(loaded.shape)}, smaller than its metadata says")
+                part = part.narrow(dim, o, n)
+            if tuple(part.shape) != tuple(item.lengths):
+                raise ConversionError(f"{self.path}: chunk {item.storage_index.fqn!r} at {tuple(item.storage_index.offset)} "
+                                      f"is stored as {tuple(loaded.shape)}, not as its metadata says")
+            if (len(items) == 1 and tuple(loaded.shape) == tuple(sizes) and loaded.dtype == dtype
+                    and loaded.is_contiguous() and loaded.untyped_storage().nbytes() == loaded.nbytes):
+                return loaded  # the stored chunk is the request, and nothing else is kept alive with it
+            if buf is None:
+                buf = torch.empty(sizes, dtype=dtype)  # every element is filled: _check_coverage
+            dest = buf
+            for dim, (o, n) in enumerate(zip(item.dest_offsets, item.lengths)):
+                dest = dest.narrow(dim, o, n)
+            dest.copy_(part)
+        assert buf is not None  # _check_coverage: at least one item
+        return buf
+
+    def _check_coverage(self, fqn: str, chunk: ChunkStorageMetadata, items: list[Any], index: tuple[int, ...]) -> None:
+        """The read items fill every element of `chunk`: pairwise disjoint boxes whose volumes add up to the
+        chunk's; else (overlapping stored chunks) counted element by element."""
+        boxes = [(tuple(item.dest_offsets), tuple(item.lengths)) for item in items]
+        total = math.prod(chunk.sizes)
+        if sum(math.prod(n) for _, n in boxes) == total and len(boxes) <= 64 and all(
+                any(oa + na <= ob or ob + nb <= oa for oa, na, ob, nb in zip(a, an, b, bn))
+                for i, (a, an) in enumerate(boxes) for b, bn in boxes[:i]):
+            return
         covered = torch.zeros(tuple(chunk.sizes), dtype=torch.bool)
-        for item in create_read_items_for_chunk_list(fqn, md, [chunk]):
-            covered[tuple(slice(o, o + n) for o, n in zip(item.dest_offsets, item.lengths))] = True
+        for o, n in boxes:
+            covered[tuple(slice(a, a + b) for a, b in zip(o, n))] = True
         if not bool(covered.all()):
             raise ConversionError(f"{self.path / '.metadata'}: the stored chunks of {fqn!r} do not cover slice {index} "
                                   f"({int((~covered).sum())} elements missing); the checkpoint is incomplete")
