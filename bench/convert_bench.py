@@ -4,7 +4,11 @@
 
 1. generates a random Llama-shaped HF checkpoint (hidden 2048, GQA 16/8, FFN 5632, vocab 32768, bf16; 20 layers
    is 2.1 GB) in 5 safetensors shards;
-2. measures the disk: `dd` sequential write and read of a file the checkpoint's size with O_DIRECT;
+2. measures the disk: `dd` sequential write and read of a file the checkpoint's size with O_DIRECT, each alone
+   and both at once (reading one such file while writing another): a conversion reads and writes every
+   byte once, so the time of both at once is the least a conversion can take (the "vs disk" column is
+   that time over the step's; 100% is the disk's speed). On a disk that does not read and write in
+   parallel (this one), both at once take as long as one after the other;
 3. runs, each in its own process (peak RSS is that process's): naive HF->HF (transformers from_pretrained +
    save_pretrained), mcorekit hf-to-mcore (torch_dist) and mcorekit mcore-to-hf;
 4. prints a Markdown table. Page cache is dropped before each step when the machine allows it.
@@ -17,6 +21,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -100,6 +105,14 @@ def dd(args: list[str]) -> float:
     return time.monotonic() - t
 
 
+def concurrently(commands: list[list[str]]) -> float:
+    t = time.monotonic()
+    procs = [subprocess.Popen(["dd", *args, "status=none"]) for args in commands]
+    if any(p.wait() for p in procs):
+        raise SystemExit("dd failed")
+    return time.monotonic() - t
+
+
 def run(code: str, *args: str) -> tuple[float, float]:
     payload, output = run_worker(code, *args)
     if payload is None:
@@ -108,24 +121,7 @@ def run(code: str, *args: str) -> tuple[float, float]:
     return float(secs), float(rss)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=20)
-    ap.add_argument("--workdir", default="/tmp/mcorekit-bench")
-    a = ap.parse_args()
-    work = fresh_dir(a.workdir)
-    hf = work / "hf"
-    total = generate(hf, a.layers)
-    gb = total / 1e9
-    largest = max(p.stat().st_size for p in hf.glob("*.safetensors")) / 1e9
-    cache = drop_caches()
-    blocks = max(1, total // (16 * 1024**2))
-    w = dd(["if=/dev/zero", f"of={work / 'ddfile'}", "bs=16M", f"count={blocks}", "oflag=direct,sync"])
-    drop_caches()
-    r = dd([f"if={work / 'ddfile'}", "of=/dev/null", "bs=16M", "iflag=direct"])
-    (work / "ddfile").unlink()
-    disk_rw = 2 * gb / (w + r)  # a conversion reads and writes every byte once
-    rows = []
+def steps(rows: list[tuple[str, float, float]], hf: Path, work: Path) -> None:
     drop_caches()
     t, rss = run(NAIVE, str(hf), str(work / "naive"))
     rows.append(("naive: transformers from_pretrained + save_pretrained (HF -> HF)", t, rss))
@@ -135,13 +131,51 @@ def main() -> None:
     drop_caches()
     t, rss = run(OURS, "mcore-to-hf", str(work / "mcore"), str(work / "back"))
     rows.append(("mcorekit convert mcore-to-hf", t, rss))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--workdir", default="/tmp/mcorekit-bench")
+    ap.add_argument("--busy", action="store_true", help="run the steps (not the dd) next to a process that keeps one core busy")
+    a = ap.parse_args()
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    work = fresh_dir(a.workdir)
+    os.sync()
+    time.sleep(2)  # the discards of a previous run's files
+    hf = work / "hf"
+    total = generate(hf, a.layers)
+    gb = total / 1e9
+    largest = max(p.stat().st_size for p in hf.glob("*.safetensors")) / 1e9
+    cache = drop_caches()
+    blocks = max(1, total // (16 * 1024**2))
+    w = dd(["if=/dev/zero", f"of={work / 'ddfile'}", "bs=16M", f"count={blocks}", "oflag=direct,sync"])
+    drop_caches()
+    r = dd([f"if={work / 'ddfile'}", "of=/dev/null", "bs=16M", "iflag=direct"])
+    drop_caches()
+    both = concurrently([[f"if={work / 'ddfile'}", "of=/dev/null", "bs=16M", "iflag=direct"],
+                         ["if=/dev/zero", f"of={work / 'ddfile2'}", "bs=16M", f"count={blocks}", "oflag=direct,sync"]])
+    (work / "ddfile").unlink()
+    (work / "ddfile2").unlink()
+    os.sync()
+    time.sleep(2)  # the filesystem discards the deleted blocks (mount -o discard) before the next step starts
+    rows = []
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if a.busy else None
+    try:
+        steps(rows, hf, work)
+    finally:
+        if busy:
+            busy.kill()
+            busy.wait()
     print(f"checkpoint: {gb:.2f} GB in {len(list(hf.glob('*.safetensors')))} shards (largest {largest:.2f} GB); "
-          f"page cache dropped between steps: {'yes' if cache else 'no (not permitted here)'}")
-    print(f"disk (dd, O_DIRECT): write {gb / w:.2f} GB/s, read {gb / r:.2f} GB/s, read+write of every byte {disk_rw:.2f} GB/s\n")
-    print("| step | time (s) | GB/s | vs disk read+write | peak RSS (GB) | RSS / largest shard |")
-    print("|---|---|---|---|---|---|")
+          f"page cache dropped between steps: {'yes' if cache else 'no (not permitted here)'}; "
+          f"{'one core kept busy by another process' if a.busy else 'no other load started'} (load average before: {load})")
+    print(f"disk (dd, O_DIRECT): write {gb / w:.2f} GB/s, read {gb / r:.2f} GB/s; reading and writing the checkpoint's "
+          f"size at once {both:.2f} s ({gb / both:.2f} GB/s of conversion; one after the other {w + r:.2f} s)\n")
+    print("| step | time (s) | GB/s | x naive | vs disk (read+write at once) | peak RSS (GB) | RSS / largest shard |")
+    print("|---|---|---|---|---|---|---|")
     for name, t, rss in rows:
-        print(f"| {name} | {t:.1f} | {gb / t:.2f} | {gb / t / disk_rw * 100:.0f}% | {rss:.2f} | {rss / largest:.1f}x |")
+        print(f"| {name} | {t:.1f} | {gb / t:.2f} | {rows[0][1] / t:.2f} | {both / t * 100:.0f}% | {rss:.2f} | {rss / largest:.1f}x |")
     shutil.rmtree(work, ignore_errors=True)
 
 
