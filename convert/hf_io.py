@@ -201,6 +201,11 @@ class HFReader:
 def _save(tensors: dict[str, torch.Tensor], file: Path) -> None:
     try:
         save_file(tensors, str(file), {"format": "pt"})
+        fd = os.open(file, os.O_RDONLY)  # on disk before the output folder is renamed complete, as .distcp files are
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors reports I/O failures (a full disk) as its own error type
