@@ -384,8 +384,8 @@ def moe_problems(exp: Experiment, lay: Layout, uses_te: bool, model: ModelSpec |
         # an HF family without one: the checkpoint would hold tensors its HF format cannot, found only at conversion
         out.append(f"moe.shared_expert_ffn={exp.moe.shared_expert_ffn}: the {model.architecture} HF format has no shared "
                    f"expert, so a checkpoint trained with one would not convert back to model.hf_config's family; "
-                   f"train a model whose HF config has one (qwen2_moe: shared_expert_intermediate_size, "
-                   f"deepseek_v3: n_shared_experts) or leave moe.shared_expert_ffn unset")
+                   f"train a model whose HF config has one (Qwen2-MoE's shared_expert_intermediate_size, "
+                   f"DeepSeek-V3's n_shared_experts) or leave moe.shared_expert_ffn unset")
     if exp.moe.a2a_overlap and lay.ep == 1:
         out.append("moe.a2a_overlap overlaps the expert-parallel all-to-all, so it needs parallel.ep > 1")
     out += expert_gemm_problems(exp, uses_te)
