@@ -1,24 +1,23 @@
 """Which speed levers help the MoE shape on one GPU: each lever on its own and together, next to HF transformers,
 in one run on the same GPU (issue: MoE ahead of transformers). A lever is measured before it becomes an option.
 
-    python bench/moe_levers.py [--steps 16] [--levers base,gaf,graphs,gaf+graphs] [--no-hf] [--out DIR]
+    python bench/moe_levers.py [--steps 16] [--levers base,sync,no-gaf,sync+no-gaf] [--no-hf] [--out DIR]
 
 Levers (applied inside the training process, on top of `python -m mcorekit.train`'s default MoE settings):
-  base     the defaults (torch._grouped_mm experts, permute fusion, alltoall dispatcher)
-  gaf      gradient-accumulation fusion in Transformer Engine's linear layers: weight gradients are written
-           straight into DDP's fp32 main_grad (no separate add per parameter per micro-batch). Megatron-Core ties
-           the flag to APEX's kernel for its own output layer; here that one layer keeps the plain path. The
-           torch._grouped_mm experts follow the same flag (models/grouped_mm_experts.py GroupedLinearMainGrad):
-           one grouped weight gradient per GEMM, added into the experts' main_grads at once.
+  base     the defaults: torch._grouped_mm experts, permute fusion, alltoall dispatcher; weight gradients written
+           into DDP's fp32 main_grad by TE's layers and the experts (gradient_accumulation_fusion; Megatron's own
+           output layer keeps the plain path without APEX); at one expert- and tensor-parallel rank the tokens per
+           expert stay on the GPU (models/grouped_mm_experts.keep_expert_counts_on_gpu)
+  no-gaf   gradient_accumulation_fusion off: a .grad per parameter, added into main_grad by DDP's hooks (2*experts
+           adds per MoE layer and micro-batch); the default before 2026-12-01
+  sync     the dispatcher copies the tokens per expert to the host and waits for them in each MoE layer and
+           micro-batch (Megatron-Core's own behaviour, which stops the host running ahead); the default before
+           2026-12-01
   graphs   Megatron-Core's own ("local") CUDA graphs of the static part of each layer: attention, router and
            dispatch preprocessing (the experts' token counts vary, so they stay eager), with TE's RNG tracker.
   graphs-attn  the same for attention only: with the alltoall dispatcher `graphs` fails at capture (its
            preprocess records a device-to-host event inside the graph; measured 2026-12-01)
   router   TE's fused router (top-k + softmax + aux loss in one kernel): moe.router_fusion=true.
-  nosync   no device-to-host copy of the tokens per expert and no wait for it in each MoE layer's dispatch: with
-           one expert-parallel and one tensor-parallel rank, no dropping and torch._grouped_mm experts (which take
-           the counts on the GPU), the alltoall dispatcher needs no host-side counts, yet it copies them and
-           synchronises once per layer and micro-batch, which stops the host from running ahead of the GPU.
 Levers combine with '+'. Tokens/s is the median over logged intervals after the first; one process per lever.
 """
 
@@ -41,10 +40,8 @@ import mcorekit.config.megatron as margs
 base_kwargs = margs.transformer_kwargs
 def kwargs(exp, spec, use_te, fusions=True):
     kw = base_kwargs(exp, spec, use_te, fusions)
-    if "gaf" in levers:
-        kw["gradient_accumulation_fusion"] = True
-        import mcorekit.models.grouped_mm_experts as gmm
-        gmm.FUSE_EXPERT_WGRAD = True  # the experts' weight gradients into main_grad too
+    if "no-gaf" in levers:
+        kw["gradient_accumulation_fusion"] = False
     if "graphs" in levers or "graphs-attn" in levers:
         modules = ["attn"] if "graphs-attn" in levers else ["attn", "moe_router", "moe_preprocess"]
         kw.update(cuda_graph_impl="local", cuda_graph_modules=modules, use_te_rng_tracker=True)
@@ -53,28 +50,9 @@ margs.transformer_kwargs = kwargs
 if levers & {"graphs", "graphs-attn"}:  # local CUDA graphs need a graph-safe RNG tracker
     import megatron.core.tensor_parallel.random as rnd
     rnd.model_parallel_cuda_manual_seed = functools.partial(rnd.model_parallel_cuda_manual_seed, te_rng_tracker=True)
-if "gaf" in levers:  # TE's layers fuse without APEX; Megatron's own output layer would need APEX's kernel
-    import megatron.core.tensor_parallel.layers as tpl
-    import mcorekit.train.build as build
-    tpl._grad_accum_fusion_available = True
-    base_build = build.build_gpt
-    def build_gpt(*a, **k):
-        model = base_build(*a, **k)
-        if getattr(model, "output_layer", None) is not None:
-            model.output_layer.gradient_accumulation_fusion = False
-        return model
-    build.build_gpt = build_gpt
-if "nosync" in levers:
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Dispatcher
-    base_preprocess = Dispatcher.preprocess
-    def preprocess(self, routing_map):
-        # restore the dtoh point the dispatcher chose at init: the check in preprocess compares it with the sync point
-        self.cuda_dtoh_point = self.__dict__.setdefault("_dtoh_point_at_init", self.cuda_dtoh_point)
-        out = base_preprocess(self, routing_map)
-        if self.ep_size == 1 and self.tp_size == 1 and not self.drop_and_pad:
-            self.cuda_dtoh_point = self.cuda_sync_point = "no_sync"  # neither point is ever reached
-        return out
-    Dispatcher.preprocess = preprocess
+if "sync" in levers:
+    import mcorekit.models.grouped_mm_experts as gmm
+    gmm.keep_expert_counts_on_gpu = lambda model: 0
 from mcorekit.train.__main__ import main
 sys.exit(main(sys.argv[2:]))
 """
@@ -112,7 +90,7 @@ def table(results: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--levers", default="base,gaf,graphs,gaf+graphs")
+    p.add_argument("--levers", default="base,sync,no-gaf,sync+no-gaf")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers baseline")
     p.add_argument("--out", default="/tmp/mcorekit-moe-levers")

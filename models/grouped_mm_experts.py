@@ -8,7 +8,7 @@ computation, for bf16 without FP8; anything else goes to TEGroupedMLP's own forw
 Expert tensor parallelism needs nothing here: the experts' fc1 is split by columns, fc2 by rows, and the
 dispatcher's combine step reduces the partial outputs, as it does for TEGroupedMLP.
 
-With FUSE_EXPERT_WGRAD and `gradient_accumulation_fusion` (and DDP's `main_grad` on the weights) the grouped GEMMs run through
+With `gradient_accumulation_fusion` (and DDP's `main_grad` on the weights) the grouped GEMMs run through
 GroupedLinearMainGrad, which does for the experts what TE's linear layers do for theirs: the backward computes
 the weight gradient of all experts in one grouped GEMM and adds it into their `main_grad` in one kernel (two when
 DDP laid the experts out in reverse, its usual order), sets `grad_added_to_main_grad` and returns dummy
@@ -23,12 +23,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-
-# The experts' half of gradient_accumulation_fusion (GroupedLinearMainGrad). Off until a GPU run has measured it:
-# config/megatron.py turns gradient_accumulation_fusion on wherever APEX is installed, which would make this path
-# the default there untested; bench/moe_levers.py's `gaf` lever switches it on.
-FUSE_EXPERT_WGRAD = False
-
 
 def grouped_swiglu_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
                        fc1: torch.Tensor | Sequence[torch.Tensor], fc2: torch.Tensor | Sequence[torch.Tensor],
@@ -208,8 +202,7 @@ def grouped_mm_experts_class() -> type:
             fc2 = [getattr(self.linear_fc2, f"weight{i}") for i in range(n)]
             # gradient_accumulation_fusion, as TE's layers do it: the experts' weight gradients go into DDP's
             # main_grad from one grouped GEMM and one add per GEMM, not one .grad and one DDP add per expert
-            fuse_wgrad = (FUSE_EXPERT_WGRAD and self.config.gradient_accumulation_fusion
-                          and all(map(has_main_grad, fc1 + fc2)))
+            fuse_wgrad = self.config.gradient_accumulation_fusion and all(map(has_main_grad, fc1 + fc2))
             fused = self.config.bias_activation_fusion  # Megatron's fused weighted SwiGLU, as TEGroupedMLP uses
             act = (lambda h, p: weighted_bias_swiglu_impl(h, None, p, self.config.activation_func_fp8_input_store)) \
                 if fused else None
@@ -218,6 +211,37 @@ def grouped_mm_experts_class() -> type:
             return out, None
 
     return GroupedMMExperts
+
+
+def keep_expert_counts_on_gpu(model: torch.nn.Module) -> int:
+    """Stop the alltoall dispatcher copying each MoE layer's tokens-per-expert to the host when nothing there needs
+    them. Its only host sync with one expert- and one tensor-parallel rank, dropless and fused permutation is
+    "before_finish": copying the counts GroupedMMExperts then reads on the GPU anyway. That sync, once per layer
+    and micro-batch, stopped the host from running ahead of the GPU (bench/moe_levers.py `nosync`: +26% on the
+    8-expert shape, 2026-12-01). Where the dispatcher needs host values earlier (splits for expert parallelism,
+    dropping, unfused permutation) it keeps its own behaviour; TEGroupedMLP's fallback calls .tolist() itself.
+    Returns the number of MoE layers changed."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    changed = 0
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        experts = getattr(module, "experts", None)
+        if not (isinstance(dispatcher, MoEAlltoAllTokenDispatcher) and type(experts).__name__ == "GroupedMMExperts"):
+            continue
+        dispatcher._maybe_dtoh_and_synchronize = _counts_on_gpu(dispatcher, dispatcher._maybe_dtoh_and_synchronize)
+        changed += 1
+    return changed
+
+
+def _counts_on_gpu(dispatcher: Any, copy_and_sync: Any) -> Any:
+    def maybe_dtoh_and_synchronize(point: str, tokens_per_expert: torch.Tensor | None = None) -> Any:
+        # preprocess() has set the sync point for this forward before the first call; it only moves earlier
+        if dispatcher.cuda_sync_point == "before_finish" and not dispatcher.drop_and_pad:
+            return tokens_per_expert
+        return copy_and_sync(point, tokens_per_expert)
+
+    return maybe_dtoh_and_synchronize
 
 
 def use_grouped_mm_experts(layer_spec: Any) -> Any:

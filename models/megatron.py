@@ -7,7 +7,8 @@ about where new features land, not about removal.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -276,19 +277,58 @@ def build_gpt(spec: ModelSpec, config: Any, padded_vocab: int, use_te: bool, gro
 
     factor = None if spec.is_mla or uses_yarn(spec) else rope_scaling_factor(spec)  # MLA: its own rope (mla_fields)
     decoder = block_spec(spec, config, use_te, grouped_gemm, torch_expert_gemm, vp_stage)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=decoder,
-        mtp_block_spec=mtp_block_spec(spec, config, decoder, use_te, vp_stage),
-        vocab_size=padded_vocab,
-        max_sequence_length=spec.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="yarn" if uses_yarn(spec) else "rope",
-        rotary_percent=1.0,
-        rotary_base=int(spec.rope_theta),
-        rope_scaling=factor is not None,
-        rope_scaling_factor=factor or 8.0,
-        vp_stage=vp_stage,
-    )
+    own_layers_unfused = config.gradient_accumulation_fusion and not apex_wgrad_available()
+    with _apex_check_passed(own_layers_unfused):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=decoder,
+            mtp_block_spec=mtp_block_spec(spec, config, decoder, use_te, vp_stage),
+            vocab_size=padded_vocab,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="yarn" if uses_yarn(spec) else "rope",
+            rotary_percent=1.0,
+            rotary_base=int(spec.rope_theta),
+            rope_scaling=factor is not None,
+            rope_scaling_factor=factor or 8.0,
+            vp_stage=vp_stage,
+        )
+    if own_layers_unfused:  # Megatron's own linear layers (the output layer): a .grad that DDP adds to main_grad
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        for module in model.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.gradient_accumulation_fusion = False
+    if torch_expert_gemm:
+        from mcorekit.models.grouped_mm_experts import keep_expert_counts_on_gpu
+
+        keep_expert_counts_on_gpu(model)
+    return model
+
+
+def apex_wgrad_available() -> bool:
+    """APEX's fused weight-gradient kernel, which Megatron's own linear layers need for gradient_accumulation_fusion
+    (TE's layers fuse by themselves)."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextmanager
+def _apex_check_passed(active: bool) -> Iterator[None]:
+    """Lets Megatron's ColumnParallelLinear be built with gradient_accumulation_fusion set although APEX is
+    missing (it refuses in __init__); build_gpt sets those layers back to the plain weight gradient right after."""
+    if not active:
+        yield
+        return
+    from megatron.core.tensor_parallel import layers
+
+    layers._grad_accum_fusion_available = True
+    try:
+        yield
+    finally:
+        layers._grad_accum_fusion_available = False

@@ -26,6 +26,20 @@ def _run_root_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["MCOREKIT_RUN_ROOT"] = str(tmp_path_factory.mktemp("runs"))
 
 
+@pytest.fixture(scope="module")
+def model_parallel(tmp_path_factory: pytest.TempPathFactory):  # one gloo rank: Megatron's modules look up their TP group
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    # a file store, not MASTER_PORT in os.environ: that would leak into the Slurm jobs later tests submit
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    yield
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def _slurm_ready() -> str | None:
     if shutil.which("sinfo") is None:
         return "no Slurm client on PATH (make cluster-up installs and starts the dev cluster)"

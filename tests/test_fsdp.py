@@ -16,6 +16,7 @@ from mcorekit.config.rules import Nodes, problems
 from mcorekit.launch.plan import GiB, estimate_memory, plan
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import PRESETS
+from single_rank import single_rank_env
 
 NODE = Nodes(transformer_engine=True, gpus=False)  # the layout and option rules, not Megatron's own GPU-side checks
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
@@ -398,7 +399,7 @@ def test_fsdp_checkpoint_weights_load_without_fsdp(tmp_path: Any) -> None:
 
     here = Path(__file__).parent
     proc = subprocess.run([sys.executable, str(here / "fsdp_cpu_driver.py"), str(tmp_path)], capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path, env={**os.environ, "FSDP_PORT": "29591"})
+                          text=True, timeout=600, cwd=tmp_path, env={**os.environ, "FSDP_PORT": single_rank_env()["MASTER_PORT"]})
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("FSDP "))[5:])
     assert got["format"] == "fsdp_dtensor" and got["latest"] == "iter_0000010" and got["keys"] == 15

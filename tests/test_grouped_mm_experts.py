@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -328,3 +329,40 @@ def test_fused_backward_runs_fewer_ops() -> None:
         today, fused = _count_backward_ops(False), _count_backward_ops(True)
     print(f"\nbackward of one 8-expert layer, aten ops (all, non-view): today {today}, fused {fused}")
     assert fused[1] < today[1] and fused[0] < today[0]
+
+
+@pytest.mark.parametrize("capacity", [None, 1.0])
+def test_expert_counts_stay_on_gpu_only_where_nothing_needs_them_on_the_host(
+        model_parallel: None, monkeypatch: pytest.MonkeyPatch, capacity: float | None) -> None:
+    """Megatron-Core's own alltoall dispatcher (one rank, on CPU: its side stream is stood in for, since there is no
+    CUDA here): dropless with fused permutation, its only host sync is "before_finish", for the counts that
+    GroupedMMExperts reads on the GPU; keep_expert_counts_on_gpu then hands them back untouched without calling
+    the copy. With a capacity factor the dispatcher needs the host value before permutation, and keeps its copy."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from mcorekit.models import grouped_mm_experts as gmm
+    from mcorekit.models.megatron import transformer_config
+    from mcorekit.models.spec import resolve
+
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())  # set: __init__ makes none
+    config = transformer_config(resolve("mixtral-tiny", None, {}), cpu_init=True, moe_expert_capacity_factor=capacity)
+    experts = config.num_moe_experts
+    dispatcher = MoEAlltoAllTokenDispatcher(experts, list(range(experts)), config, get_default_pg_collection())
+    config.moe_permute_fusion = True  # TE's fused permutation, our default with TE (set late: it needs CUDA and TE)
+    layer = torch.nn.Module()
+    layer.token_dispatcher, layer.experts = dispatcher, type("GroupedMMExperts", (torch.nn.Module,), {})()
+    copies: list[str] = []
+    dispatcher._maybe_dtoh_and_synchronize = lambda point, counts=None: copies.append(point) or counts
+    assert gmm.keep_expert_counts_on_gpu(layer) == 1
+
+    routing = torch.zeros(16, experts, dtype=torch.bool)
+    routing[torch.arange(16), torch.arange(16) % experts] = True
+    counts = dispatcher.preprocess(routing)
+    for point in ("before_permutation_1", "before_finish"):
+        assert dispatcher._maybe_dtoh_and_synchronize(point, counts) is counts
+    if capacity is None:
+        assert dispatcher.cuda_sync_point == "before_finish" and copies == []
+    else:
+        assert dispatcher.cuda_sync_point == "before_permutation_1"
+        assert copies == ["before_permutation_1", "before_finish"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from mcorekit.config.rules import Nodes, problems
 from mcorekit.errors import ConfigError
 from mcorekit.train.rewards import RewardError, Rewards, exact_match, format_match, last_number, load_function, math_answer
 from mcorekit.train.tasks.grpo import PromptDataset, group_advantages, grpo_loss, k3_kl, rollout_row
+from single_rank import single_rank_env
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -379,8 +381,9 @@ def test_example_experiments_pass_the_rules(example: Path) -> None:
 
 @pytest.fixture(scope="module")
 def driver(example: Path) -> dict:
+    port = single_rank_env()["MASTER_PORT"]  # a free one: test_fsdp's driver may hold another at the same time
     r = subprocess.run([sys.executable, str(HERE / "grpo_cpu_driver.py"), str(example)], capture_output=True,
-                       text=True, cwd=HERE, timeout=600)
+                       text=True, cwd=HERE, timeout=600, env={**os.environ, "GRPO_PORT": port})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(next(line for line in r.stdout.splitlines() if line.startswith("GEN "))[4:])
 

@@ -10,20 +10,6 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def model_parallel(tmp_path_factory: pytest.TempPathFactory):  # one gloo rank: Megatron's modules look up their TP group
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    # a file store, not MASTER_PORT in os.environ: that would leak into the Slurm jobs later tests submit
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    ps.initialize_model_parallel()
-    yield
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[s, b, heads|groups, d] inputs -> [s, b, heads * d], written out step by step."""
     s, b, h, d = q.shape
