@@ -1,17 +1,18 @@
 """Which speed levers help the MoE shape on one GPU: each lever on its own and together, next to HF transformers,
 in one run on the same GPU (issue: MoE ahead of transformers). A lever is measured before it becomes an option.
 
-    python bench/moe_levers.py [--steps 16] [--levers base,sync,no-gaf,sync+no-gaf] [--no-hf] [--out DIR]
+    python bench/moe_levers.py [--steps 16] [--levers base,sync,gaf] [--no-hf] [--out DIR]
 
 Levers (applied inside the training process, on top of `python -m mcorekit.train`'s default MoE settings):
-  base     the defaults: torch._grouped_mm experts, permute fusion, alltoall dispatcher; weight gradients written
-           into DDP's fp32 main_grad by TE's layers and the experts (gradient_accumulation_fusion; Megatron's own
-           output layer keeps the plain path without APEX); at one expert- and tensor-parallel rank the tokens per
-           expert stay on the GPU (models/grouped_mm_experts.keep_expert_counts_on_gpu)
-  no-gaf   gradient_accumulation_fusion off: a .grad per parameter, added into main_grad by DDP's hooks (2*experts
-           adds per MoE layer and micro-batch); the default before 2026-12-01
+  base     the defaults: torch._grouped_mm experts, permute fusion, alltoall dispatcher; at one expert- and
+           tensor-parallel rank the tokens per expert stay on the GPU (models/grouped_mm_experts.
+           keep_expert_counts_on_gpu; the `nosync` lever of 2026-12-01, default since)
+  gaf      gradient_accumulation_fusion: weight gradients written straight into DDP's fp32 main_grad by TE's layers
+           and the torch._grouped_mm experts (one grouped weight gradient added at once) instead of a .grad per
+           parameter that DDP's hooks add; Megatron's own output layer keeps the plain path without APEX
+           (models/megatron.build_gpt). On by default only where APEX is installed.
   sync     the dispatcher copies the tokens per expert to the host and waits for them in each MoE layer and
-           micro-batch (Megatron-Core's own behaviour, which stops the host running ahead); the default before
+           micro-batch (Megatron-Core's own behaviour, which stops the host running ahead): the default before
            2026-12-01
   graphs   Megatron-Core's own ("local") CUDA graphs of the static part of each layer: attention, router and
            dispatch preprocessing (the experts' token counts vary, so they stay eager), with TE's RNG tracker.
@@ -40,8 +41,8 @@ import mcorekit.config.megatron as margs
 base_kwargs = margs.transformer_kwargs
 def kwargs(exp, spec, use_te, fusions=True):
     kw = base_kwargs(exp, spec, use_te, fusions)
-    if "no-gaf" in levers:
-        kw["gradient_accumulation_fusion"] = False
+    if "gaf" in levers:
+        kw["gradient_accumulation_fusion"] = True
     if "graphs" in levers or "graphs-attn" in levers:
         modules = ["attn"] if "graphs-attn" in levers else ["attn", "moe_router", "moe_preprocess"]
         kw.update(cuda_graph_impl="local", cuda_graph_modules=modules, use_te_rng_tracker=True)
@@ -90,7 +91,7 @@ def table(results: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--levers", default="base,sync,no-gaf,sync+no-gaf")
+    p.add_argument("--levers", default="base,sync,gaf")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers baseline")
     p.add_argument("--out", default="/tmp/mcorekit-moe-levers")

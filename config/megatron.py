@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mcorekit.config.experiment import Experiment, layout_of
-from mcorekit.models.megatron import DTYPES
+from mcorekit.models.megatron import DTYPES, apex_wgrad_available
 from mcorekit.models.spec import ModelSpec
 
 
@@ -21,11 +21,11 @@ def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: 
         # known stability issues, Megatron-LM rejects it). The non-TE path keeps the plain PyTorch ops.
         bias_activation_fusion=fuse, apply_rope_fusion=fuse, masked_softmax_fusion=fuse,
         cross_entropy_loss_fusion=fuse, cross_entropy_fusion_impl="native",
-        # Weight gradients written straight into DDP's fp32 main_grad by TE's layers and the torch._grouped_mm
-        # experts (no separate add per parameter and micro-batch: +13% on the 8-expert shape, 2026-12-01).
-        # Megatron's own output layer would need APEX's kernel for it: models/megatron.build_gpt keeps that one
-        # layer on the plain path. Megatron-FSDP and LoRA keep the plain path (not measured there).
-        gradient_accumulation_fusion=fuse and not exp.parallel.fsdp and exp.peft.lora is None,
+        # Weight gradients written straight into DDP's fp32 main_grad (TE's layers, the torch._grouped_mm experts,
+        # and with APEX's kernel Megatron's own output layer), as Megatron-LM does where APEX is installed. Without
+        # APEX it stays off: bench/moe_levers.py's `gaf` measured +13% on the 8-expert shape (2026-12-01), but the
+        # one-GPU test suite has not yet passed with it on (models/megatron.build_gpt builds that case).
+        gradient_accumulation_fusion=fuse and apex_wgrad_available(),
         tp_comm_overlap=exp.optimizer.tp_comm_overlap,
     )
     if exp.parallel.vpp:
