@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from mcorekit.convert.files import model_file, read_json
 from mcorekit.errors import ConversionError
@@ -31,6 +30,7 @@ ST_DTYPES = {
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 # Everything besides the weights that a served or fine-tuned model needs; copied as they are.
 ASSET_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -198,38 +198,84 @@ class HFReader:
         self._fds.clear()
 
 
-def _save(tensors: dict[str, torch.Tensor], file: Path) -> None:
-    try:
-        save_file(tensors, str(file), {"format": "pt"})
-        fd = os.open(file, os.O_RDONLY)  # on disk before the output folder is renamed complete, as .distcp files are
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        raise
-    except Exception as e:  # noqa: BLE001 - safetensors reports I/O failures (a full disk) as its own error type
-        raise ConversionError(f"{file}: cannot write ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+class _Shard:
+    """One safetensors file written as its tensors arrive: each tensor's bytes go straight to their place behind
+    a header area reserved at the start (no shard-sized buffer); at close the header goes into that area, padded
+    with spaces as the format allows. A header that outgrew the area moves the data behind it once."""
+
+    WRITEBACK_BYTES = 32 * 1024**2
+
+    def __init__(self, file: Path, reserved: int) -> None:
+        self.file = file
+        self.reserved = reserved  # header area, a multiple of 8
+        self.fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.end = 0  # bytes of tensor data so far
+        self.handed = 0  # of them, handed to the kernel's writeback
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], self.reserved + self.end + done)
+        self.entries[name] = {"dtype": ST_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                              "data_offsets": [self.end, self.end + len(data)]}
+        self.end += len(data)
+        if self.end - self.handed >= self.WRITEBACK_BYTES:  # the disk writes while the next tensors are made
+            try:
+                os.posix_fadvise(self.fd, self.reserved + self.handed, self.end - self.handed, os.POSIX_FADV_DONTNEED)
+            except (OSError, AttributeError):  # a hint only: the fsync at close makes the file durable
+                pass
+            self.handed = self.end
+
+    def close(self) -> None:
+        """Header in place, then fsync: on disk before the output folder is renamed complete."""
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
+        room = self.reserved - 8
+        if len(header) > room:
+            room = -(-len(header) // 8) * 8  # the data then starts 8-byte aligned, as safetensors writes it
+            self._move_data(8 + room)
+        os.pwrite(self.fd, struct.pack("<Q", room) + header + b" " * (room - len(header)), 0)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+
+    def _move_data(self, start: int) -> None:
+        """The data from the reserved area's end to `start` (later), last block first: the ranges may overlap."""
+        block = 64 * 1024**2
+        for at in range(max(self.end - 1, 0) // block * block, -1, -block):
+            chunk = os.pread(self.fd, min(block, self.end - at), self.reserved + at)
+            os.pwrite(self.fd, chunk, start + at)
+
+    def abandon(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class HFWriter:
-    """Collects tensors into shards of at most max_shard_bytes and writes each full shard on a background
-    thread while the next one fills (reading and writing overlap; at most two shards are in memory).
+    """Writes tensors into safetensors shards of at most max_shard_bytes as they are added: each tensor goes to
+    its place in the current shard's file on a background thread while the caller makes the next (at most
+    MAX_QUEUED_BYTES waiting), so memory holds a few tensors, not a shard.
 
     A failed background write is re-raised in the caller's thread by the next add/finish. Use it as a context
-    manager: on an error the in-flight write is waited for, so nothing writes into a folder being removed."""
+    manager: on an error the queued writes are waited for, so nothing writes into a folder being removed."""
+
+    MAX_QUEUED_BYTES = 256 * 1024**2
 
     def __init__(self, path: Path, max_shard_bytes: int = 5 * 1024**3) -> None:
         from concurrent.futures import Future, ThreadPoolExecutor
 
         self.path = path
         self.max_shard_bytes = max_shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
+        self.shards: list[list[str]] = []  # tensor names per shard
+        self.shard: _Shard | None = None
+        self.shard_bytes = 0
         self.total_bytes = 0
-        self._pool = ThreadPoolExecutor(max_workers=1)
-        self._inflight: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1)  # one writer: the shard's entries come out in order
+        self._queued: list[tuple[Future, int]] = []
+        # room for the header: one entry (~120 bytes) per 2 KiB of shard holds every tensor of 256 KB and more
+        self.header_bytes = min(max(max_shard_bytes // 2048, 4096), 4 * 1024**2) // 8 * 8
 
     def __enter__(self) -> HFWriter:
         return self
@@ -238,36 +284,54 @@ class HFWriter:
         self.close()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.contiguous()
         size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
-            self._flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
+        if self.shard is None or (self.shards[-1] and self.shard_bytes + size > self.max_shard_bytes):
+            self._next_shard()
+        self._settle(self.MAX_QUEUED_BYTES - size)
+        self._queued.append((self._pool.submit(_write, self.shard, name, tensor), size))
+        self.shards[-1].append(name)
+        self.shard_bytes += size
         self.total_bytes += size
 
-    def _flush(self) -> None:
-        n = len(self.shards) + 1
-        self._wait()
-        self._inflight = self._pool.submit(_save, self.pending, self.path / f"part-{n:05d}.safetensors")
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
+    def _next_shard(self) -> None:
+        if self.shard is not None:
+            self._close_shard()
+        file = self.path / f"part-{len(self.shards) + 1:05d}.safetensors"
+        try:
+            self.shard = _Shard(file, self.header_bytes)
+        except OSError as e:
+            raise ConversionError(f"{file}: cannot write ({e.strerror or e})") from None
+        self.shards.append([])
+        self.shard_bytes = 0
 
-    def _wait(self) -> None:
-        if self._inflight is not None:
-            inflight, self._inflight = self._inflight, None
-            inflight.result()  # re-raises a failed write here, in the caller's thread
+    def _close_shard(self) -> None:
+        self._settle(0)
+        shard, self.shard = self.shard, None
+        try:
+            shard.close()
+        except OSError as e:
+            shard.abandon()
+            raise ConversionError(f"{shard.file}: cannot write ({e.strerror or e})") from None
+
+    def _settle(self, allowed: int) -> None:
+        """Wait for the oldest writes until at most `allowed` bytes are still queued (their errors raised here)."""
+        while self._queued and sum(n for _, n in self._queued) > max(allowed, 0):
+            future, _ = self._queued.pop(0)
+            future.result()
 
     def close(self) -> None:
-        """Wait for the in-flight write (its error, if any, was or will be reported by finish) and stop the thread."""
-        if self._inflight is not None:
-            self._inflight.exception()
-            self._inflight = None
+        """Wait for the queued writes (an error among them was or will be reported by finish), stop the thread."""
+        for future, _ in self._queued:
+            future.exception()
+        self._queued.clear()
         self._pool.shutdown()
+        if self.shard is not None:
+            self.shard.abandon()
 
     def finish(self) -> None:
-        if self.pending:
-            self._flush()
-        self._wait()
+        if self.shard is not None:
+            self._close_shard()
         self._pool.shutdown()
         total = len(self.shards)
         weight_map = {}
@@ -277,6 +341,13 @@ class HFWriter:
             weight_map.update({n: final for n in names})
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (self.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write(shard: _Shard, name: str, tensor: torch.Tensor) -> None:
+    try:
+        shard.write(name, tensor)
+    except OSError as e:
+        raise ConversionError(f"{shard.file}: cannot write ({e.strerror or e})") from None
 
 
 def copy_assets(src: Path, dst: Path, config: dict[str, Any] | None = None) -> list[str]:

@@ -31,20 +31,20 @@ def write(reader: HFReader, spec: ModelSpec, out: Path, layout: Layout, dtype: s
           scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> int:
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     torch_dtype = dtypes.to_torch(dtype)
-    writer = HFWriter(out)
-    quantized = set(scales or {})
-    keep = keep_dtype_names(with_hf_mtp(reader, spec))  # DeepSeek's MTP layers hold an fp32 router too
-    for name in reader.names():
-        t = reader.get(name)
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module in quantized:
-            w_scale, a_scale = scales[module]
-            writer.add(name, fp8.quantize(t, w_scale))
-            writer.add(f"{module}.weight_scale", w_scale.clone())
-            writer.add(f"{module}.input_scale", a_scale.clone())
-        else:
-            writer.add(name, t.to(torch_dtype) if t.is_floating_point() and name not in keep else t)
-    writer.finish()
+    with HFWriter(out) as writer:  # on an error, its queued writes end before the staged output is removed
+        quantized = set(scales or {})
+        keep = keep_dtype_names(with_hf_mtp(reader, spec))  # DeepSeek's MTP layers hold an fp32 router too
+        for name in reader.names():
+            t = reader.get(name)
+            module = name[: -len(".weight")] if name.endswith(".weight") else None
+            if module in quantized:
+                w_scale, a_scale = scales[module]
+                writer.add(name, fp8.quantize(t, w_scale))
+                writer.add(f"{module}.weight_scale", w_scale.clone())
+                writer.add(f"{module}.input_scale", a_scale.clone())
+            else:
+                writer.add(name, t.to(torch_dtype) if t.is_floating_point() and name not in keep else t)
+        writer.finish()
     copy_assets(reader.path, out)
     config = dict(reader.config)
     config["dtype"] = dtypes.NAMES[dtype]

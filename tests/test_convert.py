@@ -269,3 +269,41 @@ def test_verify_cli_reports_a_flipped_bit(models, tmp_path: Path) -> None:
     assert f"different  {name}" in proc.stdout and "1 elements differ" in proc.stdout
     ok = subprocess.run([sys.executable, "-m", "mcorekit", "convert", "verify", str(hf), str(hf)], capture_output=True, text=True)
     assert ok.returncode == 0 and "bitwise equal" in ok.stdout
+
+
+@pytest.mark.parametrize("count", [3, 400])  # 400 small tensors outgrow the reserved header area: the data moves
+def test_streamed_shards_read_back_bitwise_by_safetensors(tmp_path: Path, count: int) -> None:
+    """HFWriter writes each tensor straight into its shard's file behind a reserved header area; safetensors' own
+    loader (and ours) read back every dtype, shape and byte, the empty and 0-d tensors included."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from mcorekit.convert.hf_io import HFReader, HFWriter
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"bf16": torch.randn(33, 17, generator=g).bfloat16(), "f32": torch.randn(5, generator=g),
+               "i64": torch.arange(7), "bool": torch.rand(9, generator=g) > 0.5, "empty": torch.zeros(0, 3),
+               "scalar": torch.tensor(2.5), "fp8": torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn),
+               "strided": torch.randn(6, 4, generator=g).T}
+    tensors.update({f"small.{i}": torch.full((3,), float(i)) for i in range(count)})
+    with HFWriter(tmp_path, max_shard_bytes=16 * 1024) as writer:
+        for name, t in tensors.items():
+            writer.add(name, t)
+        writer.finish()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(tensors)
+    got: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(tmp_path / shard, "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+        got.update(load_file(tmp_path / shard))
+        header_len = int.from_bytes((tmp_path / shard).read_bytes()[:8], "little")
+        assert (8 + header_len) % 8 == 0  # data 8-byte aligned, as safetensors writes it
+    (tmp_path / "config.json").write_text("{}")  # HFReader reads model folders
+    reader = HFReader(tmp_path)
+    for name, t in tensors.items():
+        for other in (got[name], reader.get(name)):
+            assert other.dtype == t.dtype and other.shape == t.shape
+            assert torch.equal(other.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else other,
+                               t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t), name
+    reader.close()

@@ -313,11 +313,19 @@ def test_torch_dist_write_raises_what_failed_on_any_thread(tmp_path: Path, faili
 
 
 def test_hf_writer_reports_a_failed_background_write(tmp_path: Path) -> None:
-    writer = HFWriter(tmp_path / "absent", max_shard_bytes=1)  # every write there fails
-    writer.add("a", torch.zeros(4))
-    writer.add("b", torch.zeros(4))  # shard "a" is written (and fails) on the background thread
+    with tmpfs(tmp_path / "small", "size=128k") as small:
+        writer = HFWriter(small, max_shard_bytes=1 << 30)
+        writer.add("a", torch.zeros(16 * 1024))  # 64 KiB, written on the background thread
+        with pytest.raises(ConversionError, match="small/part-00001.safetensors: cannot write .*o space left"):
+            writer.add("b", torch.zeros(64 * 1024))  # 256 KiB: its write fails; reported by add or by finish
+            writer.finish()
+        writer.close()
+
+
+def test_hf_writer_reports_a_shard_it_cannot_create(tmp_path: Path) -> None:
+    writer = HFWriter(tmp_path / "absent")
     with pytest.raises(ConversionError, match="absent/part-00001.safetensors: cannot write"):
-        writer.finish()
+        writer.add("a", torch.zeros(4))
     writer.close()
 
 
