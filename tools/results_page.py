@@ -8,7 +8,9 @@ Each measurement is one folder docs/results/NAME/ holding
   meta.json     title, section, order, kind (how to read results.json), date, commit (null when none was
                 recorded; then recorded_in names the commit that added the figures to the docs), hardware,
                 software, command (a list of command lines), source (where the numbers come from), notes;
-                superseded_by: NAME of a newer measurement of the same thing (then the page gives one line)
+                superseded_by: NAME of a newer measurement of the same thing (then the page gives one line);
+                start_save only: in_flight_counts_blocking, true for data of bench/start_save.py before `ff2d94f`
+                (its step_s_in_flight counted the async save's blocking part; from `ff2d94f` on it leaves it out)
   results.json  the numbers: what the benchmark script wrote, or a transcription in the same shape
   */metrics.jsonl, *.log, config.yaml: the runs' own files, where they came back (loss curves are drawn from
                 metrics.jsonl)
@@ -213,6 +215,9 @@ def moe_profile_table(m: Measurement) -> str:
 
 def moe_profile_headline(m: Measurement) -> str:
     first, last = m.results[0], m.results[-1]
+    if len(m.results) == 1:
+        return (f"GPU busy {first['gpu_busy_ms']:.0f} ms ({pct(first['gpu_busy_frac'], 0)}) of a {first['step_ms']:.0f} ms "
+                f"profiled step, {first['kernels']:,} kernels ({first['variant']}): the host sets the pace")
     return (f"GPU busy {pct(first['gpu_busy_frac'], 0)} of a step with TE's experts, "
             f"{pct(last['gpu_busy_frac'], 0)} with torch._grouped_mm: the host sets the pace")
 
@@ -329,6 +334,16 @@ def post_bench_headline(m: Measurement) -> str:
 Figure = tuple[str, str, str, bool | None]  # figure, value, target, met (None: no target)
 
 
+def start_save_in_flight_counts_blocking(m: Measurement) -> bool:
+    """Whether the bench's step_s_in_flight counts the async save's blocking part, which the first step in flight
+    carries: bench/start_save.py before `ff2d94f` counted it, from `ff2d94f` on it leaves it out. meta.json says which
+    with in_flight_counts_blocking (true for data of the older bench); without it, the bench as it is now."""
+    v = m.meta.get("in_flight_counts_blocking", False)
+    if not isinstance(v, bool):
+        raise SystemExit(f"results_page: {m.folder / 'meta.json'}: in_flight_counts_blocking must be true or false")
+    return v
+
+
 def start_save_shares(m: Measurement) -> dict[str, float]:
     """The figures the targets are set on: start seconds, save and load as shares of dd, async step-time cost."""
     r = m.results[0]
@@ -338,6 +353,15 @@ def start_save_shares(m: Measurement) -> dict[str, float]:
         out["load_of_dd_read"] = r["load_gb_per_s"] / dd["dd_read_gb_per_s"]
     if "step_s_overlapped_after_blocking" in asy:
         out["async_step_cost"] = asy["step_s_overlapped_after_blocking"] / save["step_s"] - 1
+    elif asy.get("step_s_in_flight") and asy.get("steps_in_flight"):
+        # the first step in flight carries the save's blocking part: the steps' own time leaves it out. The bench
+        # took it out itself from `ff2d94f` on; before, its mean counted it (start_save_in_flight_counts_blocking)
+        n = len(asy["steps_in_flight"])
+        if start_save_in_flight_counts_blocking(m):
+            out["async_step_s"] = (n * asy["step_s_in_flight"] - asy["async_blocking_s"]) / n
+        else:
+            out["async_step_s"] = asy["step_s_in_flight"]
+        out["async_step_cost"] = out["async_step_s"] / save["step_s"] - 1
     return out
 
 
@@ -354,11 +378,13 @@ def start_save_met(m: Measurement, key: str) -> tuple[str, bool]:
 def start_save_figures(m: Measurement) -> list[Figure]:
     r, sh = m.results[0], start_save_shares(m)
     dd, save, asy, ph = r["dd"], r["save"], r.get("async", {}), r["save"]["phases"]
+    checks = f", checks {ph['checks']:.2f}" if "checks" in ph else ""
+    digits = 2 if checks else 1
     rows: list[Figure] = [
         ("dd O_DIRECT write / read", f"{dd['dd_write_gb_per_s']:.2f} / {dd['dd_read_gb_per_s']:.2f} GB/s", "", None),
-        ("start -> end of step 1", f"{sh['start_s']:.1f} s (imports {ph['imports']:.1f}, distributed init "
-         f"{ph['dist_init']:.1f}, model {ph['model']:.1f}, optimizer {ph['optimizer']:.1f}, step 1 {ph['step1']:.1f})",
-         *start_save_met(m, "start_s")),
+        ("start -> end of step 1", f"{sh['start_s']:.{digits}f} s (imports {ph['imports']:.{digits}f}{checks}, distributed "
+         f"init {ph['dist_init']:.{digits}f}, model {ph['model']:.{digits}f}, optimizer {ph['optimizer']:.{digits}f}, "
+         f"step 1 {ph['step1']:.{digits}f})", *start_save_met(m, "start_s")),
         ("save, synchronous, end of run", f"{save['ckpt_gb']:.1f} GB in {save['save_s']:.1f} s = "
          f"{save['save_gb_per_s']:.2f} GB/s ({pct(sh['save_of_dd_write'], 0)} of dd write)",
          *start_save_met(m, "save_of_dd_write")),
@@ -367,7 +393,7 @@ def start_save_figures(m: Measurement) -> list[Figure]:
     if "load_of_dd_read" in sh:
         rows.append(("load on resume, page cache dropped", f"{asy['load_s']:.1f} s = {r['load_gb_per_s']:.2f} GB/s "
                      f"({pct(sh['load_of_dd_read'], 0)} of dd read)", *start_save_met(m, "load_of_dd_read")))
-    if "async_step_cost" in sh:
+    if "step_s_overlapped_after_blocking" in asy:
         steps = ", ".join(map(str, asy["steps_overlapped_after_blocking"]))
         rows += [
             ("first async save: blocking, then in the background", f"{asy['async_blocking_s']:.2f} s, done after "
@@ -377,8 +403,26 @@ def start_save_figures(m: Measurement) -> list[Figure]:
              f"{asy['step_s_overlapped_after_blocking']:.2f} s (steps {steps}): {sh['async_step_cost'] * 100:+.1f}%",
              *start_save_met(m, "async_step_cost")),
         ]
+    elif "async_step_cost" in sh:  # the bench's own figures: steps_in_flight, the first of which carries the blocking part
+        steps = ", ".join(map(str, asy["steps_in_flight"]))
+        if start_save_in_flight_counts_blocking(m):
+            n = len(asy["steps_in_flight"])
+            in_flight = (f"the bench before `ff2d94f` counted it, {asy['step_s_in_flight']:.2f} s, so this page takes it "
+                         f"out, ({n} x {asy['step_s_in_flight']:.3f} - {asy['async_blocking_s']:.2f}) / {n}")
+        else:
+            in_flight = "the bench's own figure, which leaves it out from `ff2d94f` on"
+        rows += [
+            ("first async save: blocking, then in the background", f"{asy['async_blocking_s']:.2f} s, finalized "
+             f"{asy['async_save_s']:.1f} s after it began ({asy['async_save_gb_per_s']:.2f} GB/s)", "", None),
+            ("step time: no save / the async save writing", f"{save['step_s']:.2f} s / {sh['async_step_s']:.2f} s "
+             f"(steps {steps}, less the blocking part: {in_flight}): {sh['async_step_cost'] * 100:+.1f}%",
+             *start_save_met(m, "async_step_cost")),
+        ]
     if asy.get("final_save_s") is None:
         rows.append(("end-of-run save after an async one", "not measured", "", None))
+    else:
+        rows.append(("end-of-run save after an async one; process lived on after it", f"{asy['final_save_s']:.1f} s; "
+                     f"{asy['exit_after_final_save_s']:.1f} s", "", None))
     return rows
 
 
@@ -405,6 +449,41 @@ def start_save_headline(m: Measurement) -> str:
     return "; ".join(parts)
 
 
+def grpo_example_table(m: Measurement) -> str:
+    r = m.results
+    acc, gen, tok = r["accuracy"], r["generation"], r["heldout_tokens_per_s"]
+    hf = tok["transformers"]
+    rows = [
+        ["held-out accuracy (greedy), before GRPO / after", f"{acc['before']:.3f} ({acc['correct_before']}/{acc['prompts']}) / "
+         f"{acc['after']:.3f} ({acc['correct_after']}/{acc['prompts']})"],
+        ["gain, in standard errors", f"{acc['after'] - acc['before']:+.3f} / {acc['stderr']:.3f} = "
+         f"{(acc['after'] - acc['before']) / acc['stderr']:.1f}"],
+        ["reward mean, first 5 steps -> last 5", f"{r['reward_mean_first5']:.3f} -> {r['reward_mean_last5']:.3f}"],
+        ["at the end: groups with all-equal rewards, kl, response length",
+         f"{r['groups_all_equal_end']:.2f}, {r['kl_end']:.4f}, {r['response_length_end']:.2f}"],
+        ["generation inside training (median over steps)", f"{gen['tokens_per_s']:,.0f} tokens/s, {pct(gen['share'], 0)} of a "
+         f"step, peak {gen['peak_gb']:.2f} GB"],
+    ]
+    rows += [[f"held-out generation, {name}", f"{v:,.0f} tokens/s ({v / hf:.2f}x transformers)"]
+             for name, v in tok.items() if name != "transformers"]
+    rows += [["held-out generation, transformers' generate on the converted model", f"{hf:,.0f} tokens/s"],
+             ["transformers on the converted model: same completions / accuracy",
+              f"{pct(r['transformers_same_completions'], 0)} / {r['transformers_accuracy']:.3f}"]]
+    rows += [[f"resume after step {r['resume']['stopped_after']}: step {x['step']} reward / loss, resumed vs uninterrupted",
+              f"{x['reward'][0]:.4f} / {x['loss'][0]:.5f} vs {x['reward'][1]:.4f} / {x['loss'][1]:.5f}"]
+             for x in r["resume"]["steps"]]
+    return table(["figure", "value"], rows)
+
+
+def grpo_example_headline(m: Measurement) -> str:
+    r = m.results
+    acc, tok = r["accuracy"], r["heldout_tokens_per_s"]
+    return (f"held-out accuracy {acc['before']:.3f} -> {acc['after']:.3f} "
+            f"(+{(acc['after'] - acc['before']) / acc['stderr']:.1f} standard errors); generation "
+            f"{pct(r['generation']['share'], 0)} of a step; held-out tokens/s {tok['static engine'] / 1e3:.1f}k, "
+            f"{tok['static engine'] / tok['transformers']:.2f}x transformers' generate; {r['summary']}")
+
+
 KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str]]] = {
     "train_bench": (train_bench_table, train_bench_headline),
     "overlap_bench": (overlap_table, overlap_headline),
@@ -415,6 +494,7 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "preprocess_bench": (preprocess_table, preprocess_headline),
     "post_bench": (post_bench_table, post_bench_headline),
     "start_save": (start_save_table, start_save_headline),
+    "grpo_example": (grpo_example_table, grpo_example_headline),
 }
 
 
