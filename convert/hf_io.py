@@ -7,6 +7,7 @@ any tensor is allocated, so a header claiming more bytes than the file holds fai
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
@@ -215,9 +216,7 @@ class _Shard:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self.fd, data[done:], self.reserved + self.end + done)
+        _pwrite_all(self.fd, data, self.reserved + self.end)
         self.entries[name] = {"dtype": ST_NAMES[tensor.dtype], "shape": list(tensor.shape),
                               "data_offsets": [self.end, self.end + len(data)]}
         self.end += len(data)
@@ -235,22 +234,32 @@ class _Shard:
         if len(header) > room:
             room = -(-len(header) // 8) * 8  # the data then starts 8-byte aligned, as safetensors writes it
             self._move_data(8 + room)
-        os.pwrite(self.fd, struct.pack("<Q", room) + header + b" " * (room - len(header)), 0)
+        _pwrite_all(self.fd, memoryview(struct.pack("<Q", room) + header + b" " * (room - len(header))), 0)
         os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = -1
+        fd, self.fd = self.fd, -1
+        os.close(fd)
 
     def _move_data(self, start: int) -> None:
         """The data from the reserved area's end to `start` (later), last block first: the ranges may overlap."""
         block = 64 * 1024**2
         for at in range(max(self.end - 1, 0) // block * block, -1, -block):
             chunk = os.pread(self.fd, min(block, self.end - at), self.reserved + at)
-            os.pwrite(self.fd, chunk, start + at)
+            _pwrite_all(self.fd, memoryview(chunk), start + at)
 
     def abandon(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """All of `data` at `offset`: a full disk can make pwrite write part of it (then 0 bytes) without raising."""
+    done = 0
+    while done < len(data):
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += n
 
 
 class HFWriter:
@@ -264,6 +273,7 @@ class HFWriter:
     MAX_QUEUED_BYTES = 256 * 1024**2
 
     def __init__(self, path: Path, max_shard_bytes: int = 5 * 1024**3) -> None:
+        from collections import deque
         from concurrent.futures import Future, ThreadPoolExecutor
 
         self.path = path
@@ -273,7 +283,9 @@ class HFWriter:
         self.shard_bytes = 0
         self.total_bytes = 0
         self._pool = ThreadPoolExecutor(max_workers=1)  # one writer: the shard's entries come out in order
-        self._queued: list[tuple[Future, int]] = []
+        self._queued: deque[tuple[Future, int]] = deque()
+        self._queued_bytes = 0
+        self._names: set[str] = set()
         # room for the header: one entry (~120 bytes) per 2 KiB of shard holds every tensor of 256 KB and more
         self.header_bytes = min(max(max_shard_bytes // 2048, 4096), 4 * 1024**2) // 8 * 8
 
@@ -284,12 +296,18 @@ class HFWriter:
         self.close()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        tensor = tensor.contiguous()
+        if name in self._names:  # a second entry would leave bytes no header entry covers: unreadable
+            raise ConversionError(f"{self.path}: tensor {name!r} written twice")
+        if tensor.dtype not in ST_NAMES:
+            raise ConversionError(f"{name}: dtype {tensor.dtype} has no safetensors name")
+        self._names.add(name)
+        tensor = tensor.detach().cpu().contiguous()
         size = tensor.numel() * tensor.element_size()
         if self.shard is None or (self.shards[-1] and self.shard_bytes + size > self.max_shard_bytes):
             self._next_shard()
         self._settle(self.MAX_QUEUED_BYTES - size)
-        self._queued.append((self._pool.submit(_write, self.shard, name, tensor), size))
+        self._queued.append((self._pool.submit(_write, self.shard, name, tensor), max(size, 1)))
+        self._queued_bytes += max(size, 1)  # an empty tensor counts: _settle(0) must wait for its header entry
         self.shards[-1].append(name)
         self.shard_bytes += size
         self.total_bytes += size
@@ -311,13 +329,15 @@ class HFWriter:
         try:
             shard.close()
         except OSError as e:
-            shard.abandon()
             raise ConversionError(f"{shard.file}: cannot write ({e.strerror or e})") from None
+        finally:
+            shard.abandon()  # its descriptor, if close did not get to it
 
     def _settle(self, allowed: int) -> None:
         """Wait for the oldest writes until at most `allowed` bytes are still queued (their errors raised here)."""
-        while self._queued and sum(n for _, n in self._queued) > max(allowed, 0):
-            future, _ = self._queued.pop(0)
+        while self._queued and self._queued_bytes > max(allowed, 0):
+            future, n = self._queued.popleft()
+            self._queued_bytes -= n
             future.result()
 
     def close(self) -> None:
@@ -325,6 +345,7 @@ class HFWriter:
         for future, _ in self._queued:
             future.exception()
         self._queued.clear()
+        self._queued_bytes = 0
         self._pool.shutdown()
         if self.shard is not None:
             self.shard.abandon()

@@ -86,15 +86,10 @@ class GroupedLinearMainGrad(torch.autograd.Function):
         return (grad_x, None, *dummy_wgrads(ctx.weights))
 
 
-def get_main_grad(weight: torch.Tensor) -> torch.Tensor:
-    """The weight's main_grad; Megatron-FSDP hands it out through `get_main_grad()` (as TE fetches it)."""
-    if hasattr(weight, "__fsdp_param__") and hasattr(weight, "get_main_grad"):
-        weight.main_grad = weight.get_main_grad()
-    return weight.main_grad
-
-
 def has_main_grad(weight: torch.Tensor) -> bool:
-    return getattr(weight, "main_grad", None) is not None or hasattr(weight, "__fsdp_param__")
+    """DDP's fp32 gradient buffer on the weight (Megatron-FSDP's parameters hand theirs out differently: they keep
+    the plain path)."""
+    return getattr(weight, "main_grad", None) is not None and not hasattr(weight, "__fsdp_param__")
 
 
 def main_grad_region(main_grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool] | None:
@@ -125,7 +120,7 @@ def main_grad_region(main_grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, 
 
 def accumulate_main_grads(weights: Sequence[torch.Tensor], grad_w: torch.Tensor) -> None:
     """main_grad[e] += grad_w[e] for every expert e (= grad_w[e] where Megatron-FSDP sets overwrite_main_grad)."""
-    main_grads = [get_main_grad(w) for w in weights]
+    main_grads = [w.main_grad for w in weights]
     overwrite = [bool(getattr(w, "overwrite_main_grad", False)) for w in weights]
     region = main_grad_region(main_grads) if len(set(overwrite)) == 1 else None
     if region is not None:

@@ -327,8 +327,8 @@ def _apex_check_passed(active: bool) -> Iterator[None]:
         return
     from megatron.core.tensor_parallel import layers
 
-    layers._grad_accum_fusion_available = True
+    before, layers._grad_accum_fusion_available = layers._grad_accum_fusion_available, True
     try:
         yield
     finally:
-        layers._grad_accum_fusion_available = False
+        layers._grad_accum_fusion_available = before
