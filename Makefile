@@ -74,13 +74,14 @@ convert export data: setup
 # GPU; 290 s measured on one H200), the post-training and model-family tests (DPO, LoRA, GRPO, DeepSeek-V3/GPT-OSS;
 # one GPU, their two-GPU cases skip there), and the two-GPU suites (layouts, Megatron-FSDP). From tests/: run from the
 # repository root, its mcorekit/ folder would shadow the installed package. GPU_PY is that machine's python.
+# -v names each result as it ends: a call cut by its time limit still says which test failed (-q printed dots).
 GPU_PY ?= python3
 test-gpu:
-	cd tests && $(GPU_PY) -m pytest test_gpu_train.py test_gpu_convert.py -n 4 -q --durations=10 $(PYTEST_ARGS)
+	cd tests && $(GPU_PY) -m pytest test_gpu_train.py test_gpu_convert.py -n 4 -v -rA --durations=10 $(PYTEST_ARGS)
 
 test-gpu-post:
 	cd tests && $(GPU_PY) -m pytest test_gpu_lora.py test_gpu_dpo.py test_gpu_grpo.py test_gpu_families.py -n 4 \
-		--dist loadfile -q -rA --durations=10 $(PYTEST_ARGS)
+		--dist loadfile -v -rA --durations=10 $(PYTEST_ARGS)
 
 test-gpu-multi:
 	cd tests && $(GPU_PY) -m pytest test_gpu_multi.py test_gpu_fsdp.py test_gpu_dpo.py test_gpu_grpo.py -v -s \
