@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mcorekit.convert.files import model_file, read_json
+from mcorekit.convert.files import WRITEBACK_BYTES, model_file, read_json, start_writeback
 from mcorekit.errors import ConversionError
 
 INDEX = "model.safetensors.index.json"
@@ -204,8 +204,6 @@ class _Shard:
     a header area reserved at the start (no shard-sized buffer); at close the header goes into that area, padded
     with spaces as the format allows. A header that outgrew the area moves the data behind it once."""
 
-    WRITEBACK_BYTES = 32 * 1024**2
-
     def __init__(self, file: Path, reserved: int) -> None:
         self.file = file
         self.reserved = reserved  # header area, a multiple of 8
@@ -220,11 +218,8 @@ class _Shard:
         self.entries[name] = {"dtype": ST_NAMES[tensor.dtype], "shape": list(tensor.shape),
                               "data_offsets": [self.end, self.end + len(data)]}
         self.end += len(data)
-        if self.end - self.handed >= self.WRITEBACK_BYTES:  # the disk writes while the next tensors are made
-            try:
-                os.posix_fadvise(self.fd, self.reserved + self.handed, self.end - self.handed, os.POSIX_FADV_DONTNEED)
-            except (OSError, AttributeError):  # a hint only: the fsync at close makes the file durable
-                pass
+        if self.end - self.handed >= WRITEBACK_BYTES:  # the disk writes while the next tensors are made
+            start_writeback(self.fd, self.reserved + self.handed, self.end - self.handed)
             self.handed = self.end
 
     def close(self) -> None:

@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.utils import _create_file_view
 
-from mcorekit.convert.files import model_file, read_json, write_failure
+from mcorekit.convert.files import WRITEBACK_BYTES, model_file, read_json, start_writeback, write_failure
 from mcorekit.errors import ConversionError
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
@@ -189,11 +189,8 @@ class StreamingSavePlanner(SavePlanner):
 
 
 class _WritebackFile(io.FileIO):
-    """A file that hands what was written to the kernel's writeback every WRITEBACK_BYTES (POSIX_FADV_DONTNEED
-    starts it without waiting), so the disk writes while chunks are still being read and serialized instead of
-    all at the closing fsync, which still makes the file durable."""
-
-    WRITEBACK_BYTES = 32 * 1024**2
+    """A file that hands what was written to the kernel's writeback every WRITEBACK_BYTES (files.start_writeback),
+    so the disk writes while chunks are still being read and serialized."""
 
     def __init__(self, path: Any, mode: str) -> None:
         super().__init__(path, mode)
@@ -202,11 +199,8 @@ class _WritebackFile(io.FileIO):
     def write(self, b: Any) -> int:
         n = super().write(b)
         self._written += n or 0
-        if self._written - self._handed >= self.WRITEBACK_BYTES:
-            try:
-                os.posix_fadvise(self.fileno(), self._handed, self._written - self._handed, os.POSIX_FADV_DONTNEED)
-            except (OSError, AttributeError):  # a hint only: fsync at the end is what makes the file durable
-                pass
+        if self._written - self._handed >= WRITEBACK_BYTES:
+            start_writeback(self.fileno(), self._handed, self._written - self._handed)
             self._handed = self._written
         return n
 
