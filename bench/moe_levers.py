@@ -1,23 +1,23 @@
 """Which speed levers help the MoE shape on one GPU: each lever on its own and together, next to HF transformers,
 in one run on the same GPU (issue: MoE ahead of transformers). A lever is measured before it becomes an option.
 
-    python bench/moe_levers.py [--steps 16] [--levers base,sync,gaf] [--no-hf] [--out DIR]
+    python bench/moe_levers.py [--steps 16] [--levers base,eager,gaf] [--no-hf] [--out DIR]
 
 Levers (applied inside the training process, on top of `python -m mcorekit.train`'s default MoE settings):
   base     the defaults: torch._grouped_mm experts, permute fusion, alltoall dispatcher; at one expert- and
            tensor-parallel rank the tokens per expert stay on the GPU (models/grouped_mm_experts.
-           keep_expert_counts_on_gpu; the `nosync` lever of 2026-12-01, default since)
+           keep_expert_counts_on_gpu; the `nosync` lever of 2026-12-01, default since) and the identity sort by
+           local expert is skipped (skip_identity_sort); each step runs as one CUDA graph (schedule.cuda_graph=auto,
+           train/step_graph.py)
+  eager    no CUDA graph: the step's kernels launched one by one from the host (schedule.cuda_graph=false)
   gaf      gradient_accumulation_fusion: weight gradients written straight into DDP's fp32 main_grad by TE's layers
            and the torch._grouped_mm experts (one grouped weight gradient added at once) instead of a .grad per
            parameter that DDP's hooks add; Megatron's own output layer keeps the plain path without APEX
            (models/megatron.build_gpt). On by default only where APEX is installed.
   sync     the dispatcher copies the tokens per expert to the host and waits for them in each MoE layer and
            micro-batch (Megatron-Core's own behaviour, which stops the host running ahead): the default before
-           2026-12-01
-  graphs   Megatron-Core's own ("local") CUDA graphs of the static part of each layer: attention, router and
-           dispatch preprocessing (the experts' token counts vary, so they stay eager), with TE's RNG tracker.
-  graphs-attn  the same for attention only: with the alltoall dispatcher `graphs` fails at capture (its
-           preprocess records a device-to-host event inside the graph; measured 2026-12-01)
+           2026-12-01. It cannot be captured: use it with `eager`
+  sort     Megatron-Core's sort of the tokens by local expert, which is the identity with one EP and TP rank
   router   TE's fused router (top-k + softmax + aux loss in one kernel): moe.router_fusion=true.
 Levers combine with '+'. Tokens/s is the median over logged intervals after the first; one process per lever.
 """
@@ -35,25 +35,21 @@ from train_bench import hf_run, write_config
 
 # Runs in the training process before mcorekit.train's main: patches that switch a lever on (no config key yet).
 WORKER = r"""
-import functools, sys
+import sys
 levers = set(sys.argv[1].split("+"))
 import mcorekit.config.megatron as margs
+import mcorekit.models.grouped_mm_experts as gmm
 base_kwargs = margs.transformer_kwargs
-def kwargs(exp, spec, use_te, fusions=True):
-    kw = base_kwargs(exp, spec, use_te, fusions)
+def kwargs(*args, **kw):
+    out = base_kwargs(*args, **kw)
     if "gaf" in levers:
-        kw["gradient_accumulation_fusion"] = True
-    if "graphs" in levers or "graphs-attn" in levers:
-        modules = ["attn"] if "graphs-attn" in levers else ["attn", "moe_router", "moe_preprocess"]
-        kw.update(cuda_graph_impl="local", cuda_graph_modules=modules, use_te_rng_tracker=True)
-    return kw
+        out["gradient_accumulation_fusion"] = True
+    return out
 margs.transformer_kwargs = kwargs
-if levers & {"graphs", "graphs-attn"}:  # local CUDA graphs need a graph-safe RNG tracker
-    import megatron.core.tensor_parallel.random as rnd
-    rnd.model_parallel_cuda_manual_seed = functools.partial(rnd.model_parallel_cuda_manual_seed, te_rng_tracker=True)
 if "sync" in levers:
-    import mcorekit.models.grouped_mm_experts as gmm
     gmm.keep_expert_counts_on_gpu = lambda model: 0
+if "sort" in levers:
+    gmm.skip_identity_sort = lambda model: 0
 from mcorekit.train.__main__ import main
 sys.exit(main(sys.argv[2:]))
 """
@@ -62,7 +58,9 @@ sys.exit(main(sys.argv[2:]))
 def lever_run(lever: str, steps: int, out: Path) -> dict:
     run_dir = out / f"moe-{lever}"
     write_config("moe", "bf16", steps, run_dir)
-    extra = ["moe.router_fusion=true"] if "router" in lever.split("+") else []
+    parts = lever.split("+")
+    extra = (["moe.router_fusion=true"] if "router" in parts else []) + \
+        (["schedule.cuda_graph=false"] if "eager" in parts or "sync" in parts else [])
     cmd = [sys.executable, "-c", WORKER, lever, "--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), *extra]
     proc = run_training(cmd, single_gpu_env(29581), run_dir)
     if proc.returncode:
@@ -91,7 +89,7 @@ def table(results: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--levers", default="base,sync,gaf")
+    p.add_argument("--levers", default="base,eager,gaf")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers baseline")
     p.add_argument("--out", default="/tmp/mcorekit-moe-levers")

@@ -184,6 +184,10 @@ class ScheduleConfig(Strict):
     global_batch_size: int = Field(8, ge=1)
     eval_interval: int = Field(0, ge=0)  # validation loss every N steps and at the end; 0 = none
     eval_iters: int = Field(10, ge=1)  # global batches per validation (the same ones every time)
+    # one CUDA graph for each step's forward and backward passes (Megatron-Core's full-iteration graph): the GPU
+    # replays the step's kernels without the host launching each. auto: where it applies (rules.full_graph_blockers
+    # lists what it does not cover yet); true: the same, and an error where it does not apply; false: never
+    cuda_graph: Literal["auto"] | bool = "auto"
 
 
 class RecomputeConfig(Strict):

@@ -11,9 +11,11 @@ from mcorekit.models.megatron import DTYPES, apex_wgrad_available
 from mcorekit.models.spec import ModelSpec
 
 
-def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: bool = True) -> dict[str, Any]:
+def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: bool = True,
+                       full_graph: bool = False) -> dict[str, Any]:
     """TransformerConfig fields beyond the model shape (which models/megatron.py derives from the ModelSpec).
-    `fusions=False` leaves out the fused kernels, whose checks need TE importable (the launcher's login node)."""
+    `fusions=False` leaves out the fused kernels, whose checks need TE importable (the launcher's login node).
+    `full_graph`: each step runs as one CUDA graph (rules.use_full_graph, train/step_graph.py)."""
     prec, moe, rc = exp.precision, exp.moe, exp.recompute
     fuse = use_te and fusions
     kw: dict[str, Any] = dict(
@@ -28,6 +30,8 @@ def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: 
         gradient_accumulation_fusion=fuse and apex_wgrad_available(),
         tp_comm_overlap=exp.optimizer.tp_comm_overlap,
     )
+    if full_graph:
+        kw.update(cuda_graph_impl="full_iteration")
     if exp.parallel.vpp:
         # The interleaved schedule sends activations and gradients in both directions at once. Batched, the four
         # ops go out as [send_prev, recv_prev, send_next, recv_next]; with PP=2 prev and next are the same rank,
@@ -63,21 +67,34 @@ def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: 
     return kw
 
 
-def transformer_config(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: bool = True) -> Any:
+def transformer_config(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: bool = True,
+                       full_graph: bool = False) -> Any:
     from mcorekit.models.megatron import transformer_config as base
 
     return base(spec, layout_of(exp), params_dtype=DTYPES[exp.precision.dtype],
-                **transformer_kwargs(exp, spec, use_te, fusions))
+                **transformer_kwargs(exp, spec, use_te, fusions, full_graph))
 
 
-def ddp_config(exp: Experiment) -> Any:
+def overlaps(exp: Experiment, full_graph: bool = False) -> tuple[bool, bool]:
+    """(overlap_grad_reduce, overlap_param_gather). A step captured as one CUDA graph has one data-parallel rank
+    (rules.full_graph_blockers): nothing to overlap, and DDP's hooks would wait on work started outside the graph."""
+    o = exp.optimizer
+    if full_graph:
+        return False, False
+    return o.overlap_grad_reduce, o.overlap_param_gather and o.distributed
+
+
+def ddp_config(exp: Experiment, full_graph: bool = False) -> Any:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     o = exp.optimizer
+    grad_overlap, param_overlap = overlaps(exp, full_graph)
     kw: dict[str, Any] = dict(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce, use_distributed_optimizer=o.distributed,
-        overlap_param_gather=o.overlap_param_gather and o.distributed, average_in_collective=True,
-        check_for_nan_in_grad=True, bucket_size=o.bucket_size,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=grad_overlap, use_distributed_optimizer=o.distributed,
+        overlap_param_gather=param_overlap, average_in_collective=True,
+        # a NaN check reads the gradients' norm on the host, which a captured step cannot; the loop still stops on
+        # a NaN loss or gradient norm (train/loop.stop_on_nan)
+        check_for_nan_in_grad=not full_graph, bucket_size=o.bucket_size,
         fp8_param_gather=exp.precision.fp8_params)  # FP8 params are all-gathered in FP8: half the bytes
     if exp.parallel.fsdp:
         kw.update(fsdp_kwargs(exp))
@@ -107,7 +124,7 @@ def fsdp_kwargs(exp: Experiment) -> dict[str, Any]:
         overlap_param_gather=o.overlap_param_gather or strategy == "optim_grads_params")
 
 
-def optimizer_config(exp: Experiment) -> Any:
+def optimizer_config(exp: Experiment, full_graph: bool = False) -> Any:
     from megatron.core.optimizer import OptimizerConfig
 
     o, prec = exp.optimizer, exp.precision
@@ -115,7 +132,7 @@ def optimizer_config(exp: Experiment) -> Any:
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=prec.dtype == "bf16",
         fp16=prec.dtype == "fp16", params_dtype=DTYPES[prec.dtype], use_distributed_optimizer=o.distributed,
-        overlap_param_gather=o.overlap_param_gather and o.distributed,
+        overlap_param_gather=overlaps(exp, full_graph)[1],
         loss_scale=prec.loss_scale, initial_loss_scale=2.0**16, min_loss_scale=1.0, loss_scale_window=1000,
         hysteresis=2)
 

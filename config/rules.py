@@ -89,7 +89,8 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     lay = layout_of(exp)
     te = uses_te(exp, nodes)
     out = layout_problems(model, lay, world)
-    out += schedule_problems(exp, None if out else lay.dp(world))
+    dp = None if out else lay.dp(world)
+    out += schedule_problems(exp, dp)
     out += sequence_problems(exp, model, lay)
     out += precision_problems(exp, nodes)
     out += transformer_engine_problems(exp, nodes)
@@ -104,6 +105,7 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     out += lora_problems(exp)
     out += mtp_problems(exp, model)
     out += logging_problems(exp, nodes)
+    out += cuda_graph_problems(exp, model, te, nodes, dp)
     if not out and nodes.gpus:  # then Megatron-Core's own checks, as the ranks will run them
         from mcorekit.config.megatron import megatron_problems
 
@@ -392,6 +394,50 @@ def moe_problems(exp: Experiment, lay: Layout, uses_te: bool, model: ModelSpec |
     if exp.moe.pad_to_capacity and exp.moe.capacity_factor is None:
         out.append("moe.pad_to_capacity pads each expert to its capacity, so it needs moe.capacity_factor (e.g. 1.0)")
     return out
+
+
+def full_graph_blockers(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: bool, dp: int | None) -> list[str]:
+    """What keeps a step from running as one CUDA graph (schedule.cuda_graph; empty: it applies). A captured step
+    must have the same shapes every time and no host reads inside it; what is listed here either breaks that
+    (packing, EP's token splits, TE's experts' host-side counts, token dropping) or has not been checked against
+    the eager step (tests/test_gpu_train.py compares them), so it keeps the eager step rather than risk it."""
+    lay, p, m = layout_of(exp), exp.precision, exp.moe
+    checks = [
+        ("GPUs with Transformer Engine", gpus and uses_te),
+        ("one model replica per GPU (tp, pp, cp, ep = 1)", (lay.tp, lay.pp, lay.cp, lay.ep, lay.vpp) == (1, 1, 1, 1, None)),
+        ("one data-parallel rank", dp == 1),
+        ("precision.dtype=bf16 without precision.fp8", p.dtype == "bf16" and not p.fp8),
+        ("pretraining data (data.kind mock or indexed)", exp.data.kind in ("mock", "indexed")),
+        ("no data.dynamic_batching", not exp.data.dynamic_batching),
+        ("no peft.lora", exp.peft.lora is None),
+        ("no recompute", exp.recompute.granularity == "none" and not exp.recompute.offload_layers),
+        ("no parallel.fsdp", exp.parallel.fsdp is None),
+        ("no multi-token prediction", not model.mtp_layers),
+        ("no optimizer.tp_comm_overlap", not exp.optimizer.tp_comm_overlap),
+    ]
+    if model.is_moe:
+        checks += [
+            ("MoE: the torch._grouped_mm experts (moe.expert_gemm auto or torch)", use_torch_expert_gemm(exp, uses_te)),
+            ("MoE: the alltoall dispatcher with fused permutation", m.dispatcher == "alltoall" and m.permute_fusion),
+            ("MoE: no token dropping (moe.capacity_factor unset)", m.capacity_factor is None),
+            ("MoE: no moe.expert_bias, moe.shared_expert_overlap or moe.a2a_overlap",
+             not (m.expert_bias or m.shared_expert_overlap or m.a2a_overlap)),
+        ]
+    return [what for what, ok in checks if not ok]
+
+
+def use_full_graph(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: bool, dp: int | None) -> bool:
+    return exp.schedule.cuda_graph is not False and not full_graph_blockers(exp, model, uses_te, gpus, dp)
+
+
+def cuda_graph_problems(exp: Experiment, model: ModelSpec, uses_te: bool, nodes: Nodes, dp: int | None) -> list[str]:
+    if exp.schedule.cuda_graph is not True:
+        return []
+    missing = full_graph_blockers(exp, model, uses_te, nodes.gpus, dp)
+    if not missing:
+        return []
+    return [f"schedule.cuda_graph=true captures each step as one CUDA graph, which needs {'; '.join(missing)}: change "
+            f"those, or set schedule.cuda_graph=auto (the graph where it applies, the eager step elsewhere)"]
 
 
 def memory_option_problems(exp: Experiment, model: ModelSpec, lay: Layout) -> list[str]:

@@ -302,9 +302,10 @@ def build_gpt(spec: ModelSpec, config: Any, padded_vocab: int, use_te: bool, gro
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.gradient_accumulation_fusion = False
     if torch_expert_gemm:
-        from mcorekit.models.grouped_mm_experts import keep_expert_counts_on_gpu
+        from mcorekit.models.grouped_mm_experts import keep_expert_counts_on_gpu, skip_identity_sort
 
         keep_expert_counts_on_gpu(model)
+        skip_identity_sort(model)
     return model
 
 

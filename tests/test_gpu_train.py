@@ -81,6 +81,23 @@ def test_moe_grouped_gemm_trains_and_logs_expert_load(tmp_path: Path) -> None:
     print("expert load, last step:", m[-1]["expert_imbalance"])
 
 
+@pytest.mark.parametrize("shape", ["dense", "moe"])
+def test_step_graph_gives_the_eager_losses(tmp_path: Path, shape: str) -> None:
+    """schedule.cuda_graph=auto runs these one-GPU steps as one CUDA graph each (the start line says so) after two
+    eager steps; every step's loss and gradient norm equal the eager run's (cuda_graph=false) to 1e-5 relative."""
+    cfg = {**(BASE if shape == "dense" else MOE)}
+    cfg["schedule"] = {**cfg["schedule"], "train_iters": 10}
+    graph = run(tmp_path, "graph", cfg)
+    eager = run(tmp_path, "eager", {**cfg, "schedule": {**cfg["schedule"], "cuda_graph": False}})
+    assert "each step one CUDA graph" in (tmp_path / "graph" / "stdout.txt").read_text()
+    assert "each step one CUDA graph" not in (tmp_path / "eager" / "stdout.txt").read_text()
+    for key in ("loss", "grad_norm"):
+        diffs = [abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(graph, eager)]
+        print(f"{shape} |graph - eager| / eager, {key}:", " ".join(f"{d:.1e}" for d in diffs))
+        assert len(diffs) == 10 and max(diffs) <= 1e-5
+    print(f"{shape} tokens/s, last step: graph {graph[-1]['tokens_per_s']:.0f}, eager {eager[-1]['tokens_per_s']:.0f}")
+
+
 def test_moe_torch_expert_gemm_follows_te_grouped_gemm(tmp_path: Path) -> None:
     """moe.expert_gemm=torch computes the same experts as TE's GroupedLinear (same parameters, same data): the
     losses agree at step 1 to bf16 rounding and stay close while training."""

@@ -366,3 +366,46 @@ def test_expert_counts_stay_on_gpu_only_where_nothing_needs_them_on_the_host(
     else:
         assert dispatcher.cuda_sync_point == "before_permutation_1"
         assert copies == ["before_permutation_1", "before_finish"]
+
+
+def test_identity_sort_is_skipped_with_one_rank_and_the_tokens_are_the_same(
+        model_parallel: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one EP and one TP rank Megatron-Core's sort by local expert (and its inverse before the combine) is the
+    identity; skip_identity_sort leaves it out. The same routed tokens, counts and probabilities come out of
+    Megatron-Core's own dispatcher and the changed one, bit for bit, through dispatch and combine (on CPU, with
+    Megatron-Core's unfused sort)."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from mcorekit.models import grouped_mm_experts as gmm
+    from mcorekit.models.megatron import transformer_config
+    from mcorekit.models.spec import resolve
+
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())  # set: __init__ makes none
+    config = transformer_config(resolve("mixtral-tiny", None, {}), cpu_init=True)
+    experts = config.num_moe_experts
+    megatron, ours = (MoEAlltoAllTokenDispatcher(experts, list(range(experts)), config, get_default_pg_collection())
+                      for _ in range(2))
+    for d in (megatron, ours):  # no CUDA stream to copy on: the counts are already host tensors here
+        d._maybe_dtoh_and_synchronize = lambda point, counts=None: counts
+    layer = torch.nn.Module()
+    layer.token_dispatcher = ours
+    assert gmm.skip_identity_sort(layer) == 1 and gmm.skip_identity_sort(torch.nn.Module()) == 0
+
+    torch.manual_seed(0)
+    tokens, top = 24, 2
+    scores = torch.rand(tokens, experts)
+    chosen = scores.topk(top, dim=1).indices
+    routing = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
+    probs = torch.where(routing, scores, torch.zeros(()))
+    hidden = torch.randn(tokens, config.hidden_size)
+    results = []
+    for d in (megatron, ours):
+        x, p = d.dispatch_preprocess(hidden, routing, probs)
+        x, p = d.token_dispatch(x, p)
+        x, counts, p = d.dispatch_postprocess(x, p)
+        combined = d.combine_preprocess(x * 3)
+        results.append((x, torch.as_tensor(counts), p, combined))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert results[0][1].tolist() == routing.sum(0).tolist()

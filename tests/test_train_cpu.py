@@ -220,6 +220,40 @@ def test_parallel_and_overlap_options() -> None:
     assert (o.optimizer, o.lr, o.clip_grad, o.weight_decay, o.use_distributed_optimizer) == ("adam", 0.001, 0.5, 0.05, True)
 
 
+def test_step_graph_where_it_applies() -> None:
+    """schedule.cuda_graph=auto captures the step where nothing in it needs the host or changes shape (one GPU,
+    bf16, pretraining data, the torch._grouped_mm experts); elsewhere the step stays eager, and `true` says why
+    it cannot. With the graph, DDP overlaps nothing (one rank) and checks no NaN on the host."""
+    from mcorekit.config.megatron import ddp_config, optimizer_config, transformer_kwargs
+    from mcorekit.config.rules import Nodes, full_graph_blockers, problems, use_full_graph
+    from mcorekit.models.spec import resolve
+
+    dense, moe = resolve("llama-tiny", None, {}), resolve("mixtral-tiny", None, {})
+    gpu = Nodes(transformer_engine=True, gpus=True, capability=(9, 0))
+    assert use_full_graph(exp(), dense, True, True, 1) and use_full_graph(exp(), moe, True, True, 1)
+    assert not use_full_graph(exp("schedule.cuda_graph=false"), dense, True, True, 1)
+    assert full_graph_blockers(exp(), dense, True, True, 2) == ["one data-parallel rank"]
+    assert full_graph_blockers(exp(), dense, False, True, 1) == ["GPUs with Transformer Engine"]
+    assert full_graph_blockers(exp("precision.fp8=delayed", "parallel.tp=2"), dense, True, True, 1) == [
+        "one model replica per GPU (tp, pp, cp, ep = 1)", "precision.dtype=bf16 without precision.fp8"]
+    assert full_graph_blockers(exp("moe.expert_gemm=te", "moe.capacity_factor=1.5"), moe, True, True, 1) == [
+        "MoE: the torch._grouped_mm experts (moe.expert_gemm auto or torch)",
+        "MoE: no token dropping (moe.capacity_factor unset)"]
+    assert full_graph_blockers(exp("recompute.granularity=full"), dense, True, True, 1) == ["no recompute"]
+    # true: the same rules, as an error before queueing; auto and false never refuse
+    assert problems(exp("schedule.cuda_graph=true"), 1, gpu) == []
+    [p] = problems(exp("schedule.cuda_graph=true"), 2, gpu)
+    assert p == ("schedule.cuda_graph=true captures each step as one CUDA graph, which needs one data-parallel rank: "
+                 "change those, or set schedule.cuda_graph=auto (the graph where it applies, the eager step elsewhere)")
+    assert problems(exp(), 2, gpu) == problems(exp("schedule.cuda_graph=false"), 2, gpu) == []
+    # what the graph changes in Megatron-Core's configs
+    assert transformer_kwargs(exp(), dense, True, full_graph=True)["cuda_graph_impl"] == "full_iteration"
+    assert "cuda_graph_impl" not in transformer_kwargs(exp(), dense, True)
+    d, o = ddp_config(exp(), full_graph=True), optimizer_config(exp(), full_graph=True)
+    assert not (d.overlap_grad_reduce or d.overlap_param_gather or d.check_for_nan_in_grad or o.overlap_param_gather)
+    assert ddp_config(exp()).overlap_grad_reduce and optimizer_config(exp()).overlap_param_gather
+
+
 @pytest.mark.parametrize("decay", ["cosine", "linear", "wsd", "constant"])
 def test_schedules(decay: str) -> None:
     import torch

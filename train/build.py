@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from mcorekit.config import megatron as margs
-from mcorekit.config.experiment import Experiment
-from mcorekit.config.rules import Nodes, listed, model_of, problems, use_torch_expert_gemm, uses_te
+from mcorekit.config.experiment import Experiment, layout_of
+from mcorekit.config.rules import Nodes, listed, model_of, problems, use_full_graph, use_torch_expert_gemm, uses_te
 from mcorekit.errors import LayoutError
 from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size
 from mcorekit.models.spec import ModelSpec
@@ -18,6 +18,7 @@ from mcorekit.runtime.env import DistEnv, from_environ, init_process_group
 from mcorekit.train.fsdp import wrap_chunk
 from mcorekit.train.lora import apply_lora, is_lora
 from mcorekit.train.metrics import startup
+from mcorekit.train.step_graph import forward_backward
 
 
 @dataclass
@@ -32,9 +33,11 @@ class Trainer:
     dp_size: int
     dp_rank: int
     weights_from: Any = None  # parallel.fsdp: the checkpoint whose weights went into the model before wrapping
+    forward_backward: Any = None  # Megatron-Core's schedule, or train/step_graph.StepGraph around it
+    full_graph: bool = False  # each training step runs as one CUDA graph (schedule.cuda_graph)
 
 
-def init_distributed(exp: Experiment) -> DistEnv:
+def init_distributed(exp: Experiment, graph_safe_rng: bool = False) -> DistEnv:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -48,7 +51,9 @@ def init_distributed(exp: Experiment) -> DistEnv:
     # same random stream. TP/EP ranks get their own offsets inside model_parallel_cuda_manual_seed.
     seed = exp.data.seed + 100 * ps.get_pipeline_model_parallel_rank()
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    # a step captured as a CUDA graph replays the random streams it draws from: they must be generators the graph
+    # can register (same seeds, same streams)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graph_safe_rng)
     return env
 
 
@@ -72,14 +77,15 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
     nodes = Nodes.here(ranks.local_rank)
     check(exp, spec, ranks.world_size, nodes)
     use_te = uses_te(exp, nodes)
+    full_graph = use_full_graph(exp, spec, use_te, nodes.gpus, layout_of(exp).dp(ranks.world_size))
     startup.mark("checks")  # Megatron-Core's and TE's imports happen here: the rules build Megatron-Core's configs
-    env = init_distributed(exp)
+    env = init_distributed(exp, graph_safe_rng=full_graph)
     startup.mark("dist_init")
-    config = margs.transformer_config(exp, spec, use_te)
+    config = margs.transformer_config(exp, spec, use_te, full_graph=full_graph)
     if config.tp_comm_overlap:
         _init_tp_comm_overlap(exp, spec)
     padded_vocab = padded_vocab_size(spec.vocab_size, 128 * exp.parallel.tp)
-    ddp_config = margs.ddp_config(exp)
+    ddp_config = margs.ddp_config(exp, full_graph)
     torch_expert_gemm = use_torch_expert_gemm(exp, use_te)
     weights_from = _weights_before_wrap(exp, ddp_config, checkpoints)
     chunks = []
@@ -104,12 +110,13 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
     startup.mark("model")
     if is_lora(exp):
         _load_lora_start(exp, chunks)
-    optimizer = get_megatron_optimizer(margs.optimizer_config(exp), chunks)
+    optimizer = get_megatron_optimizer(margs.optimizer_config(exp, full_graph), chunks)
     config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(optimizer, **margs.scheduler_kwargs(exp))
     startup.mark("optimizer")
     return Trainer(exp, spec, env, chunks, optimizer, scheduler, padded_vocab,
-                   ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), weights_from)
+                   ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), weights_from,
+                   forward_backward(full_graph), full_graph)
 
 
 def mtp_weights_check(path: Any, spec: ModelSpec) -> str | None:

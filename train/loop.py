@@ -77,21 +77,19 @@ def announce(t: Trainer, exp: Experiment) -> None:
     if dist.get_rank() == 0:
         print(f"mcorekit.train: {dist.get_world_size()} ranks from the {t.env.source} environment, rendezvous "
               f"{t.env.master_addr}:{t.env.master_port}, layout {layout_of(exp)} x DP{t.dp_size}"
-              f"{experts_note(t.model)}", flush=True)
+              f"{experts_note(t.model)}{', each step one CUDA graph' if t.full_graph else ''}", flush=True)
 
 
 def train_step(t: Trainer, task: Task, data: list[Any]) -> dict[str, Any]:
     """One optimizer step over a global batch: forward and backward of every micro-batch through Megatron's
     (pipeline) schedule, then the optimizer and the learning-rate schedule; returns the task's metrics, grad norm
     and whether the optimizer updated (fp16 skips a step whose gradients overflowed)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     s = t.exp.schedule
     step_data = task.prepare_step(t, data, micro_batches(t))  # DPO: the reference model's log-probs, before the pass
     for chunk in t.model:
         chunk.zero_grad_buffer()
     t.optimizer.zero_grad()
-    out = get_forward_backward_func()(
+    out = t.forward_backward(
         forward_step_func=task.forward_step, data_iterator=step_data if len(step_data) > 1 else step_data[0],
         model=t.model, num_microbatches=micro_batches(t), seq_length=t.exp.data.seq_length,
         micro_batch_size=s.micro_batch_size * task.rows_per_sample, forward_only=False)

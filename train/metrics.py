@@ -126,7 +126,11 @@ class ExpertLoad:
             return  # validation, or the no-grad first pass of a recomputed region (its replay in backward counts)
         per_expert = output[1].sum(dim=0)
         layer = int(module.layer_number)
-        self.counts[layer] = self.counts[layer] + per_expert if layer in self.counts else per_expert
+        if layer not in self.counts:
+            self.counts[layer] = torch.zeros_like(per_expert)  # int64: exact at any count
+        # in place: a step captured as a CUDA graph replays this add into the same buffer (the hook itself runs
+        # only while capturing)
+        self.counts[layer].add_(per_expert)
 
     def read_and_reset(self) -> dict[str, Any]:
         if not self.counts:
@@ -134,13 +138,14 @@ class ExpertLoad:
         from megatron.core import parallel_state as ps
 
         layers = sorted(self.counts)
-        stacked = torch.stack([self.counts[layer] for layer in layers]).float()
+        stacked = torch.stack([self.counts[layer] for layer in layers])
         # Sum over every rank that routes other tokens: data- and context-parallel peers (expert-parallel ranks
         # are among them), and tensor-parallel peers when sequence parallelism splits the tokens between them.
         dist.all_reduce(stacked, group=ps.get_data_parallel_group(with_context_parallel=True))
         if ps.get_tensor_model_parallel_world_size() > 1 and self.sequence_parallel:
             dist.all_reduce(stacked, group=ps.get_tensor_model_parallel_group())
-        self.counts.clear()
+        for counts in self.counts.values():
+            counts.zero_()
         pairs = list(zip(layers, stacked.long().tolist()))
         if ps.get_pipeline_model_parallel_world_size() > 1:  # other stages hold the other layers
             gathered: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
