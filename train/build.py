@@ -18,7 +18,7 @@ from mcorekit.runtime.env import DistEnv, from_environ, init_process_group
 from mcorekit.train.fsdp import wrap_chunk
 from mcorekit.train.lora import apply_lora, is_lora
 from mcorekit.train.metrics import startup
-from mcorekit.train.step_graph import forward_backward
+from mcorekit.train.step_graph import forward_backward, use_capture_stream
 
 
 @dataclass
@@ -80,6 +80,8 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
     full_graph = use_full_graph(exp, spec, use_te, nodes.gpus, layout_of(exp).dp(ranks.world_size))
     startup.mark("checks")  # Megatron-Core's and TE's imports happen here: the rules build Megatron-Core's configs
     env = init_distributed(exp, graph_safe_rng=full_graph)
+    if full_graph:
+        use_capture_stream()
     startup.mark("dist_init")
     config = margs.transformer_config(exp, spec, use_te, full_graph=full_graph)
     if config.tp_comm_overlap:

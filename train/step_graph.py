@@ -37,6 +37,17 @@ class StepGraph:
         return self.wrapper.cuda_graph["training"] is not None
 
 
+def use_capture_stream() -> None:
+    """Run this process's GPU work on the stream the step is captured on, from before the model is built. DDP makes
+    each weight's gradient accumulator when it wraps the model, and autograd remembers the stream that was current
+    then; left on the legacy default stream, the captured backward must wait on that stream, which CUDA refuses
+    (cudaErrorStreamCaptureImplicit, seen on an H200 with torch 2.11, whose autograd lacks
+    set_override_stale_capture_stream)."""
+    from megatron.core.full_cuda_graph import get_shared_capture_stream
+
+    torch.cuda.set_stream(get_shared_capture_stream())
+
+
 def forward_backward(full_graph: bool) -> Any:
     """Megatron-Core's schedule for this layout, captured as one graph per step when `full_graph`."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
