@@ -121,6 +121,8 @@ def parse(out: str) -> dict[str, Any]:
     for line in out.splitlines():
         if line.startswith("mcorekit.train: startup "):
             events.append(("startup", json.loads(line.split(" ", 2)[2])))
+        elif line.startswith("mcorekit.train: shutdown "):
+            events.append(("shutdown", json.loads(line.split(" ", 2)[2])))
         elif line.startswith("mcorekit.train: checkpoint "):
             events.append(("checkpoint", json.loads(line.split(" ", 2)[2])))
         elif m := re.match(r"step (\d+)/\d+ ", line):
@@ -141,6 +143,22 @@ def phases(startup: dict[str, float]) -> dict[str, float]:
     order = ["imports", "checks", "dist_init", "model", "optimizer", "resume", "step1"]
     marks = [(k, startup[k]) for k in order if k in startup]
     return {k: round(t - (marks[i - 1][1] if i else 0.0), 2) for i, (k, t) in enumerate(marks)}
+
+
+def exit_phases(events: list[tuple[str, Any]], saved_end: float, ended: float) -> dict[str, float]:
+    """Where the time after the last save went: closing the run (saver, metrics), releasing torch's cached pinned
+    host memory, the barrier and process-group teardown, and the rest (the interpreter's exit), in seconds."""
+    marks = next((e for kind, e in events if kind == "shutdown"), None)
+    if not marks:
+        return {}
+    order = [k for k in ("trained", "host_cache_released", "destroyed") if k in marks]
+    names = {"trained": "close", "host_cache_released": "host_cache", "destroyed": "destroy"}
+    out, last = {}, saved_end
+    for k in order:
+        out[names[k]] = round(marks[k] - last, 2)
+        last = marks[k]
+    out["interpreter_exit"] = round(ended - last, 2)
+    return out
 
 
 def in_flight_steps(events: list[tuple[str, Any]], save_step: int) -> set[int]:
@@ -169,7 +187,8 @@ def save_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
     return {"startup": got["startup"], "phases": phases(got["startup"]),
             "step_s": round(statistics.mean(v for k, v in steps.items() if k > 1), 3),
             "save_s": saved[-1]["seconds"], "ckpt_gb": saved[-1]["gb"], "save_gb_per_s": saved[-1]["gb_per_s"],
-            "exit_after_save_s": round(ended - saved[-1]["end"], 2)}
+            "exit_after_save_s": round(ended - saved[-1]["end"], 2),
+            "exit_phases": exit_phases(got["events"], saved[-1]["end"], ended)}
 
 
 def async_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
@@ -199,7 +218,8 @@ def async_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
             "async_save_gb_per_s": saved[ASYNC_AT]["gb_per_s"], "steps_in_flight": sorted(overlapped),
             "step_s_in_flight": round(statistics.mean(busy), 3) if busy else None,
             "step_s_free": round(statistics.mean(free), 3) if free else None,
-            "final_save_s": saved[ASYNC_END]["seconds"], "exit_after_final_save_s": round(ended - saved[ASYNC_END]["end"], 2)}
+            "final_save_s": saved[ASYNC_END]["seconds"], "exit_after_final_save_s": round(ended - saved[ASYNC_END]["end"], 2),
+            "exit_phases": exit_phases(got["events"], saved[ASYNC_END]["end"], ended)}
 
 
 def measure(shape: str, out: Path, dd_gb: int, results: list[dict[str, Any]]) -> None:
@@ -243,6 +263,8 @@ def table(results: list[dict[str, Any]]) -> str:
         ("save GB/s", lambda r: cell(r, "save", "save_gb_per_s", "{:.2f}") + share(r, ("save", "save_gb_per_s"),
                                                                                     "dd_write_gb_per_s")),
         ("process lived on after the save, s", lambda r: cell(r, "save", "exit_after_save_s")),
+        ("  of which close / pinned host memory / teardown / interpreter exit, s",
+         lambda r: " / ".join(str(v) for v in r.get("save", {}).get("exit_phases", {}).values())),
         ("load (resume), s", lambda r: cell(r, "async", "load_s")),
         ("load GB/s (page cache dropped)", lambda r: cell(r, "", "load_gb_per_s", "{:.2f}") +
          share(r, ("", "load_gb_per_s"), "dd_read_gb_per_s")),
