@@ -414,14 +414,22 @@ def full_graph_blockers(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: 
         ("no parallel.fsdp", exp.parallel.fsdp is None),
         ("no multi-token prediction", not model.mtp_layers),
         ("no optimizer.tp_comm_overlap", not exp.optimizer.tp_comm_overlap),
+        # with DDP's own NaN check off in the graph, the gradient norm that clipping computes is the check
+        ("optimizer.clip_grad > 0 (its gradient norm is the step's NaN check)", exp.optimizer.clip_grad > 0),
+        ("a Llama/Qwen/Mixtral-style model: no multi-latent attention, sliding window, attention sinks or biases on "
+         "every linear", not (model.kv_lora_rank or model.sliding_window or model.attention_sinks or model.linear_bias)),
+        ("SwiGLU MLPs (activation silu, no clamp)", model.activation == "silu" and model.glu_clamp is None),
     ]
     if model.is_moe:
         checks += [
             ("MoE: the torch._grouped_mm experts (moe.expert_gemm auto or torch)", use_torch_expert_gemm(exp, uses_te)),
             ("MoE: the alltoall dispatcher with fused permutation", m.dispatcher == "alltoall" and m.permute_fusion),
             ("MoE: no token dropping (moe.capacity_factor unset)", m.capacity_factor is None),
-            ("MoE: no moe.expert_bias, moe.shared_expert_overlap or moe.a2a_overlap",
-             not (m.expert_bias or m.shared_expert_overlap or m.a2a_overlap)),
+            ("MoE: no expert bias or shared expert (moe.expert_bias, moe.shared_expert_ffn, or the model's own)",
+             not (m.expert_bias or model.moe_router_expert_bias or m.shared_expert_ffn
+                  or model.moe_shared_expert_ffn_hidden_size)),
+            ("MoE: no moe.router_fusion, moe.shared_expert_overlap or moe.a2a_overlap",
+             not (m.router_fusion or m.shared_expert_overlap or m.a2a_overlap)),
         ]
     return [what for what, ok in checks if not ok]
 

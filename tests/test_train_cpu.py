@@ -226,6 +226,8 @@ def test_step_graph_where_it_applies() -> None:
     it cannot. With the graph, DDP overlaps nothing (one rank) and checks no NaN on the host."""
     from mcorekit.config.megatron import ddp_config, optimizer_config, transformer_kwargs
     from mcorekit.config.rules import Nodes, full_graph_blockers, problems, use_full_graph
+    from dataclasses import replace
+
     from mcorekit.models.spec import resolve
 
     dense, moe = resolve("llama-tiny", None, {}), resolve("mixtral-tiny", None, {})
@@ -240,6 +242,20 @@ def test_step_graph_where_it_applies() -> None:
         "MoE: the torch._grouped_mm experts (moe.expert_gemm auto or torch)",
         "MoE: no token dropping (moe.capacity_factor unset)"]
     assert full_graph_blockers(exp("recompute.granularity=full"), dense, True, True, 1) == ["no recompute"]
+    # what has not been compared with the eager step keeps it (tests/test_gpu_train.py compares the rest)
+    assert full_graph_blockers(exp("optimizer.clip_grad=0"), dense, True, True, 1) == [
+        "optimizer.clip_grad > 0 (its gradient norm is the step's NaN check)"]
+    assert full_graph_blockers(exp("moe.router_fusion=true"), moe, True, True, 1) == [
+        "MoE: no moe.router_fusion, moe.shared_expert_overlap or moe.a2a_overlap"]
+    model_wide = "a Llama/Qwen/Mixtral-style model: no multi-latent attention, sliding window, attention sinks or " \
+                 "biases on every linear"
+    for changed in ({"kv_lora_rank": 64}, {"sliding_window": 128}, {"attention_sinks": True}, {"linear_bias": True}):
+        assert full_graph_blockers(exp(), replace(dense, **changed), True, True, 1) == [model_wide], changed
+    assert full_graph_blockers(exp(), replace(moe, activation="silu", glu_clamp=7.0), True, True, 1) == [
+        "SwiGLU MLPs (activation silu, no clamp)"]
+    for changed in ({"moe_router_expert_bias": True}, {"moe_shared_expert_ffn_hidden_size": 64}):  # DeepSeek, Qwen2-MoE
+        assert full_graph_blockers(exp(), replace(moe, **changed), True, True, 1) == [
+            "MoE: no expert bias or shared expert (moe.expert_bias, moe.shared_expert_ffn, or the model's own)"]
     # true: the same rules, as an error before queueing; auto and false never refuse
     assert problems(exp("schedule.cuda_graph=true"), 1, gpu) == []
     [p] = problems(exp("schedule.cuda_graph=true"), 2, gpu)
@@ -252,6 +268,22 @@ def test_step_graph_where_it_applies() -> None:
     d, o = ddp_config(exp(), full_graph=True), optimizer_config(exp(), full_graph=True)
     assert not (d.overlap_grad_reduce or d.overlap_param_gather or d.check_for_nan_in_grad or o.overlap_param_gather)
     assert ddp_config(exp()).overlap_grad_reduce and optimizer_config(exp()).overlap_param_gather
+
+
+def test_step_graph_refuses_a_batch_of_another_shape() -> None:
+    """The graph's input buffers are copied into: a micro-batch of another shape, dtype or key set stops the run."""
+    import torch
+
+    from mcorekit.train.step_graph import StepGraph
+
+    graph = object.__new__(StepGraph)  # the checker alone: building the wrapper needs CUDA
+    graph.batch_layout = None
+    batch = {"tokens": torch.zeros(2, 8, dtype=torch.long), "loss_mask": torch.ones(2, 8)}
+    assert list(graph._same_layout(iter([batch, dict(batch)]))) == [batch, batch]
+    for other in ({**batch, "tokens": torch.zeros(2, 4, dtype=torch.long)}, {**batch, "loss_mask": torch.ones(2, 8).long()},
+                  {"tokens": batch["tokens"]}):
+        with pytest.raises(RuntimeError, match="that each step's CUDA graph reads; set schedule.cuda_graph=false"):
+            list(graph._same_layout(iter([other])))
 
 
 @pytest.mark.parametrize("decay", ["cosine", "linear", "wsd", "constant"])

@@ -24,13 +24,27 @@ class StepGraph:
         StaticBufferLoader.static_buffers = {"training": [], "validation": []}
         self.wrapper = FullCudaGraphWrapper(forward_backward, cuda_graph_warmup_steps=WARMUP_STEPS)
         self.wrapper.reset_cuda_graph()
+        self.batch_layout: dict[str, Any] | None = None
 
     def __call__(self, **kwargs: Any) -> Any:
         if kwargs["forward_only"]:  # validation runs eagerly
             return self.wrapper.forward_backward_func(**kwargs)
         if self.wrapper.curr_iter("training") == WARMUP_STEPS:
             torch.cuda.empty_cache()
+        kwargs["data_iterator"] = self._same_layout(kwargs["data_iterator"])
         return self.wrapper(**kwargs)
+
+    def _same_layout(self, batches: Any) -> Any:
+        """The micro-batches, each checked to have the keys, shapes and dtypes of the first: the graph's input
+        buffers are copied into, and a batch of another shape would be broadcast or cut without a word."""
+        for batch in batches:
+            layout = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for k, v in batch.items()}
+            if self.batch_layout is None:
+                self.batch_layout = layout
+            elif layout != self.batch_layout:
+                raise RuntimeError(f"mcorekit: a micro-batch of {layout} differs from the {self.batch_layout} that each "
+                                   f"step's CUDA graph reads; set schedule.cuda_graph=false for data of varying shape")
+            yield batch
 
     @property
     def captured(self) -> bool:
