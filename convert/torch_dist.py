@@ -14,8 +14,9 @@ The format has no parallel layout: Megatron reshards it to whatever TP/PP/EP it 
 Reading trusts nothing in the directory: DCP's own `read_metadata()` unpickles `.metadata` (any class, so a
 crafted file runs code); here a restricted unpickler admits only the classes DCP metadata is made of, the
 result is checked (types, bounds, storage files inside the directory, enough bytes behind every chunk) before
-anything is allocated, bytes entries are loaded with `weights_only=True`, and a read fails unless the stored
-chunks cover every element it returns.
+anything is allocated, bytes entries are loaded with `weights_only=True`, tensor chunks are read straight from
+the .distcp files without unpickling anything (distcp.py), and a read fails unless the stored chunks cover every
+element it returns. The writer starts every item at a multiple of 64 bytes, so that large chunks can be mapped.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint.utils import _create_file_view
 
+from mcorekit.convert import distcp
 from mcorekit.convert.files import WRITEBACK_BYTES, model_file, read_json, start_writeback, write_failure
 from mcorekit.errors import ConversionError
 
@@ -205,6 +206,31 @@ class _WritebackFile(io.FileIO):
         return n
 
 
+ITEM_ALIGN = 64  # every stored item starts at a multiple of this in its .distcp file
+
+
+class _AligningStream(io.BufferedWriter):
+    """The stream DCP writes one .distcp file to. DCP takes an item's offset and then its end with tell(), and
+    the next item's offset with the next tell(): a tell() with no write since the one before is where an item
+    begins, and zeros put in there (between items, in none) start every item, and so the data of each chunk's
+    torch.save archive (64-byte aligned inside the archive), at a multiple of ITEM_ALIGN in the file. That lets
+    the reader map a chunk's bytes from the page cache instead of copying them (distcp.storage)."""
+
+    _told = False
+
+    def write(self, b: Any) -> int:
+        self._told = False
+        return super().write(b)
+
+    def tell(self) -> int:
+        pos = super().tell()
+        if self._told and pos % ITEM_ALIGN:
+            super().write(bytes(ITEM_ALIGN - pos % ITEM_ALIGN))
+            pos = super().tell()
+        self._told = True
+        return pos
+
+
 class _WritebackFS(FileSystem):
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -212,7 +238,7 @@ class _WritebackFS(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with io.BufferedWriter(_WritebackFile(path, mode)) as stream:
+        with _AligningStream(_WritebackFile(path, mode)) as stream:
             yield stream
 
 
@@ -463,39 +489,45 @@ class TorchDistReader:
         return out.reshape(size[len(index):])
 
     def _read_items(self, md: TensorStorageMetadata, sizes: tuple[int, ...], items: list[Any]) -> torch.Tensor:
-        """The requested block from its stored chunks, each loaded with torch.load(weights_only=True) as DCP's
-        reader does (without dcp.load's planning around it). A stored chunk that is the whole request, in the
-        checkpoint's dtype and contiguous, is returned as loaded (no second buffer, no copy)."""
+        """The requested block from its stored chunks, read straight from the .distcp files (distcp.locate finds
+        each chunk's bytes without unpickling anything). A stored chunk that is the whole request is returned as
+        it lies in the file: mapped from the page cache when it is large and aligned there, else read into the
+        returned tensor's own memory; otherwise each chunk's part is copied into one buffer."""
         dtype = md.properties.dtype
         buf = None
         for item in items:
-            stored = self.metadata.storage_data[item.storage_index]
-            with open(self.path / stored.relative_path, "rb") as f:
-                view = _create_file_view(f, stored.offset, stored.length)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    loaded = torch.load(view, map_location="cpu", weights_only=True)
-            if not isinstance(loaded, torch.Tensor):
-                raise ConversionError(f"{self.path}: chunk {item.storage_index.fqn!r} at {tuple(item.storage_index.offset)} "
-                                      f"holds a {type(loaded).__name__}, not a tensor")
-            part = loaded
-            for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
-                if dim >= part.dim() or o + n > part.shape[dim]:
-                    raise ConversionError(f"{self.path}: chunk {item.storage_index.fqn!r} at {tuple(item.storage_index.offset)} "
-                                          f"is stored as {tuple(loaded.shape)}, smaller than its metadata says")
-                part = part.narrow(dim, o, n)
-            if tuple(part.shape) != tuple(item.lengths):
-                raise ConversionError(f"{self.path}: chunk {item.storage_index.fqn!r} at {tuple(item.storage_index.offset)} "
-                                      f"is stored as {tuple(loaded.shape)}, not as its metadata says")
-            if (len(items) == 1 and tuple(loaded.shape) == tuple(sizes) and loaded.dtype == dtype
-                    and loaded.is_contiguous() and loaded.untyped_storage().nbytes() == loaded.nbytes):
-                return loaded  # the stored chunk is the request, and nothing else is kept alive with it
-            if buf is None:
-                buf = torch.empty(sizes, dtype=dtype)  # every element is filled: _check_coverage
-            dest = buf
-            for dim, (o, n) in enumerate(zip(item.dest_offsets, item.lengths)):
-                dest = dest.narrow(dim, o, n)
-            dest.copy_(part)
+            index = item.storage_index
+            info = self.metadata.storage_data[index]
+            where = f"{self.path / info.relative_path} at byte {info.offset}"
+            fd = os.open(self.path / info.relative_path, os.O_RDONLY)
+            try:
+                try:
+                    stored = distcp.locate(fd, info.offset, info.length)
+                except distcp.NotATensorChunk as e:
+                    raise ConversionError(f"{self.path}: cannot read tensor {index.fqn!r} (chunk at "
+                                          f"{tuple(index.offset)}, {where}: {e})") from None
+                if stored.dtype != dtype or len(stored.size) != len(sizes) or any(
+                        o + n > d for o, n, d in zip(item.storage_offsets, item.lengths, stored.size)):
+                    raise ConversionError(f"{self.path}: cannot read tensor {index.fqn!r} (chunk at {tuple(index.offset)}, "
+                                          f"{where}: stored as {tuple(stored.size)} of {stored.dtype}, not as .metadata "
+                                          f"says: {dtype}, at least {tuple(item.lengths)})")
+                whole = stored.is_dense() and tuple(item.storage_offsets) == (0,) * len(sizes)
+                if len(items) == 1 and whole and stored.size == tuple(sizes):
+                    return distcp.storage(fd, stored).view(sizes)  # the stored chunk is the request
+                if buf is None:
+                    buf = torch.empty(sizes, dtype=dtype)  # every element is filled: _check_coverage
+                dest = buf
+                for dim, (o, n) in enumerate(zip(item.dest_offsets, item.lengths)):
+                    dest = dest.narrow(dim, o, n)
+                if whole and stored.size == tuple(item.lengths) and dest.is_contiguous():
+                    distcp.pread_into(fd, dest, stored.data_offset)  # e.g. one of the chunks a dim-0 split made
+                    continue
+                part = distcp.storage(fd, stored).as_strided(stored.size, stored.stride, stored.storage_offset)
+                for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    part = part.narrow(dim, o, n)
+                dest.copy_(part)
+            finally:
+                os.close(fd)
         assert buf is not None  # _check_coverage: at least one item
         return buf
 

@@ -1,0 +1,287 @@
+"""Where a stored torch_dist chunk's bytes lie in its .distcp file, found without running anything from the file.
+
+torch.distributed.checkpoint stores each tensor chunk as a `torch.save` archive (an uncompressed zip) at the offset
+and length that `.metadata` gives. Its `data.pkl` describes the tensor (storage type, element count, offset, size,
+strides) and `data/<key>` holds the storage's bytes. Here the zip directory is read with `zipfile` (which only
+parses) and `data.pkl` is disassembled with `pickletools.genops` and evaluated symbolically: the few opcodes that
+`torch.save` of one tensor uses build plain ints, strings and tuples, globals stay names, nothing is imported or
+called. Anything else (another opcode, another callable, a compressed record, a second storage, bytes that do not
+fit) is refused with a reason, and the caller reads the bytes straight from the file into the tensor's memory.
+
+Like `torch.load`, the data record's CRC-32 is not checked (that would cost a pass over every byte).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickletools
+import struct
+import zipfile
+from dataclasses import dataclass
+
+import torch
+from torch.storage import _dtype_to_storage_type_map
+
+STORAGE_DTYPES = {name: dtype for dtype, name in _dtype_to_storage_type_map().items()}
+MAX_PICKLE_BYTES = 1024**2  # data.pkl of one tensor is ~200 bytes
+LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
+
+
+class NotATensorChunk(ValueError):
+    """The stored bytes are not one tensor as torch.save writes it; the message says why."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One stored chunk: its storage's bytes at `data_offset` (from the start of the file), `numel` elements of
+    `dtype`, and the tensor as a strided view of that storage."""
+
+    data_offset: int
+    dtype: torch.dtype
+    numel: int
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def is_dense(self) -> bool:
+        """The tensor is its whole storage, row-major: its bytes are the chunk's elements in order."""
+        expect, run = [0] * len(self.size), 1
+        for i in reversed(range(len(self.size))):
+            expect[i] = run
+            run *= self.size[i]
+        # strides of size-1 dimensions do not matter
+        return self.storage_offset == 0 and self.numel == run and all(
+            s == e for d, s, e in zip(self.size, self.stride, expect) if d != 1)
+
+
+class _Window(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, read with pread (a seekable file for zipfile)."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        if base + pos < 0:
+            raise OSError("seek before the start of the chunk")
+        self.pos = base + pos
+        return self.pos
+
+    def readinto(self, b: bytearray | memoryview) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        got = os.preadv(self.fd, [memoryview(b)[:n]], self.start + self.pos) if n else 0
+        self.pos += got
+        return got
+
+
+class _Global:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _Persistent:
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: object) -> None:
+        self.pid = pid
+
+
+class _Call:
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn: object, args: object) -> None:
+        self.fn, self.args = fn, args
+
+
+_INTS = {"BININT", "BININT1", "BININT2", "LONG1"}
+_STRINGS = {"BINUNICODE", "SHORT_BINUNICODE"}
+_TUPLES = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
+
+
+def evaluate(pkl: bytes) -> object:
+    """The value of a pickle built from plain values only: ints, strings, booleans and tuples; a global is a
+    _Global holding its name, a persistent id a _Persistent, a call (REDUCE) a _Call. Nothing is looked up or
+    run. ValueError for any other opcode or a malformed stream."""
+    stack: list[object] = []
+    marks: list[int] = []
+    memo: dict[int, object] = {}
+    try:
+        for op, arg, _ in pickletools.genops(pkl):
+            name = op.name
+            if name == "PROTO":
+                continue
+            if name == "STOP":
+                if len(stack) != 1 or marks:
+                    raise ValueError("unbalanced stack at STOP")
+                return stack[0]
+            if name == "GLOBAL":
+                stack.append(_Global(str(arg).replace(" ", ".", 1)))
+            elif name == "MARK":
+                marks.append(len(stack))
+            elif name in ("BINPUT", "LONG_BINPUT"):
+                memo[int(arg)] = stack[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("BINGET", "LONG_BINGET"):
+                stack.append(memo[int(arg)])
+            elif name in _INTS or name in _STRINGS:
+                stack.append(arg)
+            elif name in ("NEWFALSE", "NEWTRUE"):
+                stack.append(name == "NEWTRUE")
+            elif name == "EMPTY_TUPLE":
+                stack.append(())
+            elif name in _TUPLES:
+                n = _TUPLES[name]
+                if len(stack) - (marks[-1] if marks else 0) < n:
+                    raise ValueError(f"{name} on a short stack")
+                items = tuple(stack[-n:])
+                del stack[-n:]
+                stack.append(items)
+            elif name == "TUPLE":
+                start = marks.pop()
+                items = tuple(stack[start:])
+                del stack[start:]
+                stack.append(items)
+            elif name == "BINPERSID":
+                stack.append(_Persistent(stack.pop()))
+            elif name == "REDUCE":
+                args = stack.pop()
+                stack.append(_Call(stack.pop(), args))
+            else:
+                raise ValueError(f"opcode {name}, which torch.save of a tensor does not write")
+            if marks and marks[-1] > len(stack):
+                raise ValueError("stack below the last mark")
+    except (IndexError, KeyError) as e:
+        raise ValueError(f"malformed pickle ({type(e).__name__})") from None
+    raise ValueError("no STOP opcode")
+
+
+def _is_global(v: object, name: str) -> bool:
+    return isinstance(v, _Global) and v.name == name
+
+
+def _ints(v: object) -> tuple[int, ...] | None:
+    return v if isinstance(v, tuple) and all(type(d) is int and d >= 0 for d in v) else None
+
+
+def describe(pkl: bytes) -> tuple[torch.dtype, str, int, int, tuple[int, ...], tuple[int, ...]]:
+    """(dtype, storage key, storage elements, storage offset, size, stride) of the one tensor that `data.pkl`
+    rebuilds, or NotATensorChunk."""
+    try:
+        value = evaluate(pkl)
+    except ValueError as e:
+        raise NotATensorChunk(f"data.pkl is not a saved tensor ({e})") from None
+    if not (isinstance(value, _Call) and _is_global(value.fn, "torch._utils._rebuild_tensor_v2")
+            and isinstance(value.args, tuple) and len(value.args) == 6):
+        raise NotATensorChunk("data.pkl does not rebuild one plain tensor (torch._utils._rebuild_tensor_v2)")
+    persistent, storage_offset, size, stride, requires_grad, hooks = value.args
+    pid = persistent.pid if isinstance(persistent, _Persistent) else None
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _Global)):
+        raise NotATensorChunk("data.pkl names its storage in an unknown way")
+    _, storage_type, key, _location, numel = pid
+    module, _, type_name = storage_type.name.rpartition(".")
+    dtype = STORAGE_DTYPES.get(type_name) if module == "torch" else None
+    if dtype is None:
+        raise NotATensorChunk(f"data.pkl names storage type {storage_type.name}, which is not a plain dtype's")
+    if not (isinstance(key, str) and type(numel) is int and numel >= 0 and type(storage_offset) is int
+            and storage_offset >= 0 and _ints(size) is not None and _ints(stride) is not None
+            and len(size) == len(stride) and requires_grad is False and isinstance(hooks, _Call)
+            and _is_global(hooks.fn, "collections.OrderedDict") and hooks.args == ()):
+        raise NotATensorChunk("data.pkl holds an unexpected tensor description")
+    last = storage_offset + sum((d - 1) * s for d, s in zip(size, stride)) if all(size) else storage_offset - 1
+    if last >= numel:
+        raise NotATensorChunk(f"data.pkl describes a tensor {size} with strides {stride} beyond its storage of {numel}")
+    return dtype, key, numel, storage_offset, tuple(size), tuple(stride)
+
+
+def locate(fd: int, start: int, length: int) -> StoredTensor:
+    """The one tensor in the torch.save archive at bytes [start, start + length) of `fd`."""
+    window = _Window(fd, start, length)
+    try:
+        archive = zipfile.ZipFile(window)
+        infos = archive.infolist()
+        pkl_infos = [i for i in infos if i.filename.endswith("/data.pkl")]
+        if len(pkl_infos) != 1:
+            raise NotATensorChunk(f"{len(pkl_infos)} data.pkl records, expected one")
+        prefix = pkl_infos[0].filename[: -len("data.pkl")]
+        if pkl_infos[0].file_size > MAX_PICKLE_BYTES:
+            raise NotATensorChunk(f"data.pkl of {pkl_infos[0].file_size} bytes")
+        pkl = archive.read(pkl_infos[0])  # CRC-checked by zipfile
+        names = {i.filename: i for i in infos}
+        order = names.get(prefix + "byteorder")
+        if order is not None and (order.file_size > 16 or archive.read(order) != b"little"):
+            raise NotATensorChunk("stored big-endian")
+    except zipfile.BadZipFile as e:
+        raise NotATensorChunk(f"not a torch.save archive ({e})") from None
+    except (zipfile.LargeZipFile, NotImplementedError, EOFError, struct.error) as e:
+        raise NotATensorChunk(f"unreadable torch.save archive ({type(e).__name__}: {e})") from None
+    dtype, key, numel, storage_offset, size, stride = describe(pkl)
+    storages = [n for n in names if n.startswith(prefix + "data/")]
+    record = names.get(prefix + "data/" + key)
+    if record is None or len(storages) != 1:
+        raise NotATensorChunk(f"{len(storages)} storage records, expected one named data/{key}")
+    if record.compress_type != zipfile.ZIP_STORED:
+        raise NotATensorChunk(f"record data/{key} is compressed")
+    if record.file_size != numel * dtype.itemsize:
+        raise NotATensorChunk(f"record data/{key} holds {record.file_size} bytes, the tensor's storage needs "
+                              f"{numel * dtype.itemsize}")
+    head = os.pread(fd, LOCAL_HEADER.size, start + record.header_offset)
+    if len(head) != LOCAL_HEADER.size or record.header_offset + LOCAL_HEADER.size > length:
+        raise NotATensorChunk(f"record data/{key} lies outside the chunk")
+    fields = LOCAL_HEADER.unpack(head)
+    if fields[0] != b"PK\x03\x04":
+        raise NotATensorChunk(f"record data/{key} has no local header")
+    data = record.header_offset + LOCAL_HEADER.size + fields[9] + fields[10]
+    if data + record.file_size > length:
+        raise NotATensorChunk(f"record data/{key} ends past the chunk")
+    return StoredTensor(start + data, dtype, numel, storage_offset, size, stride)
+
+
+MAP_BYTES = 1024**2  # chunks this large are mapped rather than read, when their bytes lie aligned in the file
+
+
+def pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
+    """Fill contiguous `out` with the file's bytes from `offset` (straight into its memory, no buffer between)."""
+    view, done, nbytes = memoryview(out.view(-1).view(torch.uint8).numpy()), 0, out.numel() * out.element_size()
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise NotATensorChunk(f"the file ends at byte {offset + done}, inside the chunk")
+        done += got
+
+
+def storage(fd: int, stored: StoredTensor, mapped: bool = True) -> torch.Tensor:
+    """The stored chunk's storage as a flat tensor: a private mapping of the file's pages when it is large and its
+    bytes lie at a multiple of the element size (nothing copied; unmapped when the tensor is freed), else read
+    into fresh memory."""
+    nbytes = stored.nbytes
+    if nbytes == 0:
+        return torch.empty(0, dtype=stored.dtype)
+    if mapped and nbytes >= MAP_BYTES and stored.data_offset % stored.dtype.itemsize == 0:
+        if os.fstat(fd).st_size < stored.data_offset + nbytes:  # shrunk since .metadata was checked
+            raise NotATensorChunk(f"the file ends before byte {stored.data_offset + nbytes}, inside the chunk")
+        lead = stored.data_offset % mmap.ALLOCATIONGRANULARITY
+        region = mmap.mmap(fd, nbytes + lead, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                           offset=stored.data_offset - lead)
+        region.madvise(mmap.MADV_WILLNEED)  # the whole chunk's reads start now, not page by page
+        return torch.frombuffer(region, dtype=stored.dtype, count=stored.numel, offset=lead)
+    out = torch.empty(stored.numel, dtype=stored.dtype)
+    pread_into(fd, out, stored.data_offset)
+    return out
