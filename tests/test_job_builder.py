@@ -102,9 +102,15 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     # A launch makes a new run folder, timestamped; the dry run and the submission get the same one here.
     monkeypatch.setattr(api, "new_run_dir", lambda profile, name: Path(profile.run_root).resolve() / name)
-    # The smoke command waits for its job's results; this one never runs.
+    # The smoke command waits for its job to end, then reads its results; this one never runs. Its state is the fake
+    # one too: asking the real cluster about job "1" found whatever job 1 is there (a lost-and-restarted dev cluster
+    # numbers from 1 again), and the wait never ended.
     from submitit.slurm.slurm import SlurmJob
+
+    from mcorekit.launch import accounting
     monkeypatch.setattr(SlurmJob, "results", lambda self: [{"sum": 10.0, "expected": 10.0, "world_size": 4, "backend": "nccl"}])
+    monkeypatch.setattr(accounting, "job_record", lambda job_id: accounting.JobRecord(job_id, "smoke", "COMPLETED", "0:0",
+                                                                                       "00:00:01", 0))
     return bin_dir / "submitted"
 
 
