@@ -151,12 +151,10 @@ def exit_phases(events: list[tuple[str, Any]], saved_end: float, ended: float) -
     marks = next((e for kind, e in events if kind == "shutdown"), None)
     if not marks:
         return {}
-    order = [k for k in ("trained", "host_cache_released", "destroyed") if k in marks]
-    names = {"trained": "close", "host_cache_released": "host_cache", "destroyed": "destroy"}
     out, last = {}, saved_end
-    for k in order:
-        out[names[k]] = round(marks[k] - last, 2)
-        last = marks[k]
+    for mark, name in (("trained", "close"), ("host_cache_released", "host_cache"), ("destroyed", "destroy")):
+        if mark in marks:
+            out[name], last = round(marks[mark] - last, 2), marks[mark]
     out["interpreter_exit"] = round(ended - last, 2)
     return out
 

@@ -14,7 +14,6 @@ Like `torch.load`, the data record's CRC-32 is not checked (that would cost a pa
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import pickletools
 import struct
@@ -23,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 from torch.storage import _dtype_to_storage_type_map
+
+from mcorekit.convert import files
+from mcorekit.convert.files import read_flat
 
 STORAGE_DTYPES = {name: dtype for dtype, name in _dtype_to_storage_type_map().items()}
 MAX_PICKLE_BYTES = 1024**2  # data.pkl of one tensor is ~200 bytes
@@ -254,34 +256,18 @@ def locate(fd: int, start: int, length: int) -> StoredTensor:
     return StoredTensor(start + data, dtype, numel, storage_offset, size, stride)
 
 
-MAP_BYTES = 1024**2  # chunks this large are mapped rather than read, when their bytes lie aligned in the file
+def storage(fd: int, stored: StoredTensor) -> torch.Tensor:
+    """The stored chunk's storage as a flat tensor (files.read_flat): mapped from the page cache when it is large and
+    its bytes lie at a multiple of the element size, else read into fresh memory."""
+    try:
+        return read_flat(fd, stored.data_offset, stored.nbytes, stored.dtype,
+                         may_map=stored.data_offset % stored.dtype.itemsize == 0)
+    except EOFError as e:
+        raise NotATensorChunk(f"{e}, inside the chunk") from None
 
 
 def pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
-    """Fill contiguous `out` with the file's bytes from `offset` (straight into its memory, no buffer between)."""
-    view, done, nbytes = memoryview(out.view(-1).view(torch.uint8).numpy()), 0, out.numel() * out.element_size()
-    while done < nbytes:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise NotATensorChunk(f"the file ends at byte {offset + done}, inside the chunk")
-        done += got
-
-
-def storage(fd: int, stored: StoredTensor, mapped: bool = True) -> torch.Tensor:
-    """The stored chunk's storage as a flat tensor: a private mapping of the file's pages when it is large and its
-    bytes lie at a multiple of the element size (nothing copied; unmapped when the tensor is freed), else read
-    into fresh memory."""
-    nbytes = stored.nbytes
-    if nbytes == 0:
-        return torch.empty(0, dtype=stored.dtype)
-    if mapped and nbytes >= MAP_BYTES and stored.data_offset % stored.dtype.itemsize == 0:
-        if os.fstat(fd).st_size < stored.data_offset + nbytes:  # shrunk since .metadata was checked
-            raise NotATensorChunk(f"the file ends before byte {stored.data_offset + nbytes}, inside the chunk")
-        lead = stored.data_offset % mmap.ALLOCATIONGRANULARITY
-        region = mmap.mmap(fd, nbytes + lead, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                           offset=stored.data_offset - lead)
-        region.madvise(mmap.MADV_WILLNEED)  # the whole chunk's reads start now, not page by page
-        return torch.frombuffer(region, dtype=stored.dtype, count=stored.numel, offset=lead)
-    out = torch.empty(stored.numel, dtype=stored.dtype)
-    pread_into(fd, out, stored.data_offset)
-    return out
+    try:
+        files.pread_into(fd, out, offset)
+    except EOFError as e:
+        raise NotATensorChunk(f"{e}, inside the chunk") from None

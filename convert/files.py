@@ -5,10 +5,13 @@ that a model directory names stay inside it."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from mcorekit.errors import ConversionError, OutputError
 from mcorekit.outputs import require_inside
@@ -110,3 +113,36 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     except (OSError, AttributeError):
         pass
+
+
+MAP_BYTES = 1024**2  # tensors this large are mapped rather than read
+
+
+def read_flat(fd: int, offset: int, nbytes: int, dtype: torch.dtype, may_map: bool = True) -> torch.Tensor:
+    """`nbytes` of the file from `offset` as a flat tensor of `dtype`: a private (copy-on-write) mapping of the page
+    cache when it is MAP_BYTES or more and `may_map` (nothing copied; unmapped when the tensor is freed), else read
+    into fresh memory. EOFError when the file ends first."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    if may_map and nbytes >= MAP_BYTES:
+        if os.fstat(fd).st_size < offset + nbytes:  # shrunk since its header was checked
+            raise EOFError(f"the file ends before byte {offset + nbytes}")
+        lead = offset % mmap.ALLOCATIONGRANULARITY
+        region = mmap.mmap(fd, nbytes + lead, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                           offset=offset - lead)
+        region.madvise(mmap.MADV_WILLNEED)  # the whole tensor's reads start now, not page by page
+        return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=lead).view(dtype)
+    out = torch.empty(nbytes, dtype=torch.uint8).view(dtype)  # unlike bytearray, not zero-filled before pread
+    pread_into(fd, out, offset)
+    return out
+
+
+def pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
+    """Fill contiguous `out` with the file's bytes from `offset` (straight into its memory, no buffer between).
+    EOFError when the file ends first."""
+    view, done, nbytes = memoryview(out.view(-1).view(torch.uint8).numpy()), 0, out.numel() * out.element_size()
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise EOFError(f"the file ends at byte {offset + done}")
+        done += got

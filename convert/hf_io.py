@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import json
 import math
-import mmap
 import os
 import shutil
 import struct
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mcorekit.convert.files import WRITEBACK_BYTES, model_file, read_json, start_writeback
+from mcorekit.convert.files import WRITEBACK_BYTES, model_file, read_json, read_flat, start_writeback
 from mcorekit.errors import ConversionError
 
 INDEX = "model.safetensors.index.json"
@@ -78,15 +77,13 @@ def parse_entry(name: str, info: object, data_bytes: int) -> tuple[torch.dtype, 
 
 
 class HFReader:
-    """Reads one tensor at a time: a tensor of MAP_BYTES or more is a private (copy-on-write) mapping of its own
+    """Reads one tensor at a time (files.read_flat): a tensor of MAP_BYTES or more is a private (copy-on-write) mapping of its own
     bytes of the shard, unmapped when the tensor is freed, so untouched shards never count against memory and
     its bytes go from the page cache to wherever they are used without a copy into fresh memory first (half
     the system time of hf-to-mcore); smaller ones are read with pread. Every shard's header is parsed and
     checked against the file size up front, so a missing, corrupt or truncated shard fails before anything is
     written. (A shard truncated by another process while it is being converted ends the process with SIGBUS
     rather than an error message: mapped files cannot report it otherwise.)"""
-
-    MAP_BYTES = 1024**2
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -174,24 +171,10 @@ class HFReader:
                 raise ConversionError(f"{self.path / entry.shard}: tensor {name!r} of shape {entry.shape} has no row {row}")
             nbytes //= entry.shape[0]
             shape, offset = entry.shape[1:], offset + row * nbytes
-        if nbytes == 0:
-            return torch.empty(shape, dtype=entry.dtype)
-        if nbytes >= self.MAP_BYTES:
-            lead = offset % mmap.ALLOCATIONGRANULARITY
-            if os.fstat(fd).st_size < offset + nbytes:  # shrunk since the header was checked
-                raise ConversionError(f"{self.path / entry.shard}: file ended inside tensor {name!r}")
-            mapped = mmap.mmap(fd, nbytes + lead, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                               offset=offset - lead)
-            mapped.madvise(mmap.MADV_WILLNEED)  # the whole tensor's reads start now, not page by page
-            return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=lead).view(entry.dtype).reshape(shape)
-        buf = torch.empty(nbytes, dtype=torch.uint8)  # unlike bytearray, not zero-filled before pread fills it
-        view, done = memoryview(buf.numpy()), 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise ConversionError(f"{self.path / entry.shard}: file ended inside tensor {name!r}")
-            done += got
-        return buf.view(entry.dtype).reshape(shape)
+        try:
+            return read_flat(fd, offset, nbytes, entry.dtype).reshape(shape)
+        except EOFError:
+            raise ConversionError(f"{self.path / entry.shard}: file ended inside tensor {name!r}") from None
 
     def close(self) -> None:
         for fd in self._fds.values():

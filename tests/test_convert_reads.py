@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from hf_models import make_model
-from mcorekit.convert import distcp, torch_dist
+from mcorekit.convert import distcp, files, torch_dist
 from mcorekit.convert.torch_dist import BACKEND, ChunkSource, PlannedTensor, TorchDistReader, load_metadata
 from test_faults_convert import assert_nothing_at, assert_one_error, convert, tree_digest
 
@@ -104,13 +104,13 @@ def test_writer_aligns_every_chunk(chunked: Path, monkeypatch: pytest.MonkeyPatc
 def test_big_aligned_chunk_is_mapped_not_copied(chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A large chunk whose bytes lie aligned is a mapping of the file (no copy); unaligned, it is read."""
     maps = []
-    real = distcp.mmap.mmap
+    real = files.mmap.mmap  # the one reader both checkpoint formats use
 
     def counting(*args: object, **kwargs: object) -> object:
         maps.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(distcp.mmap, "mmap", counting)
+    monkeypatch.setattr(files.mmap, "mmap", counting)
     reader = TorchDistReader(chunked)
     got = [reader.read("big", (layer,)) for layer in range(3)]
     element_aligned = 0  # DCP alone places a chunk's data at an odd byte about every other time

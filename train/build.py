@@ -18,7 +18,7 @@ from mcorekit.runtime.env import DistEnv, from_environ, init_process_group
 from mcorekit.train.fsdp import wrap_chunk
 from mcorekit.train.lora import apply_lora, is_lora
 from mcorekit.train.metrics import startup
-from mcorekit.train.step_graph import forward_backward, use_capture_stream
+from mcorekit.train.step_graph import StepGraph, forward_backward, use_capture_stream
 
 
 @dataclass
@@ -34,7 +34,11 @@ class Trainer:
     dp_rank: int
     weights_from: Any = None  # parallel.fsdp: the checkpoint whose weights went into the model before wrapping
     forward_backward: Any = None  # Megatron-Core's schedule, or train/step_graph.StepGraph around it
-    full_graph: bool = False  # each training step runs as one CUDA graph (schedule.cuda_graph)
+
+    @property
+    def full_graph(self) -> bool:
+        """Each training step runs as one CUDA graph (schedule.cuda_graph)."""
+        return isinstance(self.forward_backward, StepGraph)
 
 
 def init_distributed(exp: Experiment, graph_safe_rng: bool = False) -> DistEnv:
@@ -118,7 +122,7 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
     startup.mark("optimizer")
     return Trainer(exp, spec, env, chunks, optimizer, scheduler, padded_vocab,
                    ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), weights_from,
-                   forward_backward(full_graph), full_graph)
+                   forward_backward(full_graph))
 
 
 def mtp_weights_check(path: Any, spec: ModelSpec) -> str | None:

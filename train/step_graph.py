@@ -46,10 +46,6 @@ class StepGraph:
                                    f"step's CUDA graph reads; set schedule.cuda_graph=false for data of varying shape")
             yield batch
 
-    @property
-    def captured(self) -> bool:
-        return self.wrapper.cuda_graph["training"] is not None
-
 
 def use_capture_stream() -> None:
     """Run this process's GPU work on the stream the step is captured on, from before the model is built. DDP makes
