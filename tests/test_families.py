@@ -119,7 +119,7 @@ def test_deepseek_v3_mtp_megatron_keys_logits_and_loss(mtp_model, tmp_path: Path
     norms, [enorm(embedding); hnorm(hidden)], eh_proj, the HF decoder layer, shared head) within 1e-5 in fp32."""
     pipeline.hf_to_mcore(mtp_model, tmp_path / "m", dtype="fp32", quiet=True)
     ckpt = {k: list(v.size) for k, v in TorchDistReader(tmp_path / "m/release").tensor_keys().items()}
-    env = {**os.environ, "PYTHONPATH": str(HERE), "LOGITS_PORT": "29671", "TORCHDYNAMO_DISABLE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(HERE), "LOGITS_PORT": "29681", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.run([sys.executable, str(HERE / "family_megatron.py"), "mtp", str(mtp_model), str(tmp_path / "m/release")],
                           capture_output=True, text=True, env=env, timeout=600)
     lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith(("KEYS ", "LOGITS ", "MTP "))}
