@@ -8,7 +8,8 @@ parses) and `data.pkl` is disassembled with `pickletools.genops` and evaluated s
 called. Anything else (another opcode, another callable, a compressed record, a second storage, bytes that do not
 fit) is refused with a reason, and the caller reads the bytes straight from the file into the tensor's memory.
 
-Like `torch.load`, the data record's CRC-32 is not checked (that would cost a pass over every byte).
+Like `torch.load`, the data record's CRC-32 is not checked (that would cost a pass over every byte); our writers
+write none (train/checkpoint.without_crc32), and data.pkl's is checked where one was written.
 """
 
 from __future__ import annotations
@@ -213,6 +214,14 @@ def describe(pkl: bytes) -> tuple[torch.dtype, str, int, int, tuple[int, ...], t
     return dtype, key, numel, storage_offset, tuple(size), tuple(stride)
 
 
+def _read_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    """A small record's bytes, CRC-checked by zipfile where the writer wrote a CRC; torch.save with CRC-32s off
+    (train/checkpoint.without_crc32) writes 0 there, and zipfile skips the check for a ZipInfo without one."""
+    if info.CRC == 0:
+        del info.CRC
+    return archive.read(info)
+
+
 def locate(fd: int, start: int, length: int) -> StoredTensor:
     """The one tensor in the torch.save archive at bytes [start, start + length) of `fd`."""
     window = _Window(fd, start, length)
@@ -225,10 +234,10 @@ def locate(fd: int, start: int, length: int) -> StoredTensor:
         prefix = pkl_infos[0].filename[: -len("data.pkl")]
         if pkl_infos[0].file_size > MAX_PICKLE_BYTES:
             raise NotATensorChunk(f"data.pkl of {pkl_infos[0].file_size} bytes")
-        pkl = archive.read(pkl_infos[0])  # CRC-checked by zipfile
+        pkl = _read_record(archive, pkl_infos[0])
         names = {i.filename: i for i in infos}
         order = names.get(prefix + "byteorder")
-        if order is not None and (order.file_size > 16 or archive.read(order) != b"little"):
+        if order is not None and (order.file_size > 16 or _read_record(archive, order) != b"little"):
             raise NotATensorChunk("stored big-endian")
     except zipfile.BadZipFile as e:
         raise NotATensorChunk(f"not a torch.save archive ({e})") from None

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from mcorekit.convert import distcp
 from mcorekit.convert.files import WRITEBACK_BYTES, model_file, read_json, start_writeback, write_failure
 from mcorekit.errors import ConversionError
+from mcorekit.train.checkpoint import without_crc32
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
@@ -264,7 +265,7 @@ def write(path: Path, tensors: list[PlannedTensor], blobs: dict[str, bytes], thr
     planner = StreamingSavePlanner(tensors, blobs, on_chunk)
     failures: list[BaseException] = []
     running = set(threading.enumerate())
-    with _quiet_dcp(), _thread_errors() as thread_errors:
+    with _quiet_dcp(), _thread_errors() as thread_errors, without_crc32():
         try:
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as e:

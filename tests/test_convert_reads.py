@@ -251,9 +251,18 @@ def _saved(obj: object) -> bytes:
     return buf.getvalue()
 
 
+def _flipped(blob: bytes) -> bytes:
+    return blob.replace(b"_rebuild_tensor_v2", b"_rebuild_tensor_v3")
+
+
 CORRUPTIONS = {
     "end-record-zeroed": (_end_record, "not a torch.save archive"),
-    "data-pkl-flipped": (lambda c: _patch(c, b"_rebuild_tensor_v2", lambda b: b"_rebuild_tensor_v3"), "Bad CRC-32"),
+    # our writer writes no CRC-32s (train/checkpoint.without_crc32): the damage is found by the disassembly
+    "data-pkl-flipped": (lambda c: _patch(c, b"_rebuild_tensor_v2", lambda b: b"_rebuild_tensor_v3"),
+                         "does not rebuild one plain tensor"),
+    # a chunk written with CRC-32s (Megatron-Core's own writer): zipfile checks data.pkl's
+    "data-pkl-flipped-with-crc": (lambda c: _replace_chunk(c, _flipped(_saved(torch.zeros(256, 64, dtype=torch.bfloat16)))),
+                                  "Bad CRC-32"),
     "local-header-gone": (_local_header, "no local header"),
     "fp32-in-a-bf16-chunk": (lambda c: _replace_chunk(c, _saved(torch.zeros(256, 64))), "stored as (256, 64) of torch.float32"),
     "wrong-shape": (lambda c: _replace_chunk(c, _saved(torch.zeros(64, 255, dtype=torch.bfloat16))), "stored as (64, 255)"),

@@ -1,0 +1,175 @@
+"""How fast one GPU writes a checkpoint, lever by lever (issue "Speed", part 3), next to the disk's own speed.
+
+    python bench/save_levers.py [--gb 36] [--levers megatron,nocrc,per-tensor,defaults] [--dd-gb 8] [--out DIR]
+
+The state: bf16 weights and their fp32 main copies and two Adam moments, shaped as the llama-3b preset's layers
+(2.6B parameters, ~36 GB with --gb 36), random, on the GPU, written by Megatron-Core's torch_dist writer through
+`dist_checkpointing.save` as train/checkpoint.Saver calls it, one lever changed at a time:
+  megatron     Megatron-Core's writer as it comes: every tensor staged in pinned host memory first, then written
+               with torch.save's CRC-32 of every record
+  nocrc        the same without CRC-32s (train/checkpoint.without_crc32)
+  per-tensor   each tensor copied to host memory by the writer just before it is written (stage_per_tensor)
+  defaults     both (what a synchronous save of mcorekit does)
+  defaults-2t  the defaults with two writer threads (and two files)
+Each save's seconds include the writer's fsync; `release_s` is how long torch then takes to hand its cached pinned
+host memory back (what a process pays at exit). The folder is deleted after each save; one checkpoint at a time.
+Prints a Markdown table and writes results.json (after every lever).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from results import fresh_dir
+from start_save import dd_speed
+
+LEVERS = {  # name: (CRC-32s, staged per tensor, writer threads)
+    "megatron": (True, False, 1),
+    "nocrc": (False, False, 1),
+    "per-tensor": (True, True, 1),
+    "defaults": (False, True, 1),
+    "defaults-2t": (False, True, 2),
+}
+
+
+def layer_shapes(hidden: int = 3072, ffn: int = 8192, heads: int = 24, groups: int = 8, head_dim: int = 128,
+                 vocab: int = 32768, layers: int = 24) -> list[tuple[str, tuple[int, ...]]]:
+    """The llama-3b preset's parameters (models/spec.py), one entry per layer and matrix."""
+    qkv = (heads + 2 * groups) * head_dim
+    shapes = [("embedding.word_embeddings.weight", (vocab, hidden)), ("output_layer.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"decoder.layers.{i}."
+        shapes += [(p + "self_attention.linear_qkv.weight", (qkv, hidden)),
+                   (p + "self_attention.linear_proj.weight", (hidden, heads * head_dim)),
+                   (p + "mlp.linear_fc1.weight", (2 * ffn, hidden)), (p + "mlp.linear_fc2.weight", (hidden, ffn)),
+                   (p + "input_layernorm.weight", (hidden,)), (p + "pre_mlp_layernorm.weight", (hidden,))]
+    return shapes
+
+
+def make_state(gb: float) -> tuple[dict[str, Any], int]:
+    """ShardedTensors of weights (bf16), main weights and moments (fp32) on the GPU: 14 bytes per parameter,
+    layers repeated or cut until about `gb` GB."""
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    state, nbytes, shapes = {}, 0, layer_shapes()
+    for rep in range(1000):
+        for name, shape in shapes:
+            if nbytes >= gb * 1e9:
+                return state, nbytes
+            for kind, dtype in (("", torch.bfloat16), ("optimizer.param.", torch.float32),
+                                ("optimizer.exp_avg.", torch.float32), ("optimizer.exp_avg_sq.", torch.float32)):
+                key = f"{kind}r{rep}.{name}"
+                t = torch.randn(shape, device="cuda", dtype=dtype)
+                state[key] = ShardedTensor.from_rank_offsets(key, t, replica_id=0)
+                nbytes += t.numel() * t.element_size()
+    return state, nbytes
+
+
+def save_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from mcorekit.train.checkpoint import stage_per_tensor, without_crc32
+
+    crc, per_tensor, threads = LEVERS[lever]
+    path.mkdir(parents=True)
+    strategy = TorchDistSaveShardedStrategy(thread_count=threads)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(crc)
+    try:
+        request = dist_checkpointing.save(state, str(path), sharded_strategy=strategy, async_sharded_save=True,
+                                          async_strategy="mcore")
+        (stage_per_tensor(request) if per_tensor else request).execute_sync()
+    finally:
+        torch.serialization.set_crc32_options(before)
+    seconds = time.perf_counter() - start
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    start = time.perf_counter()
+    torch._C._host_emptyCache()
+    release = time.perf_counter() - start
+    check = _read_back(path, state)
+    shutil.rmtree(path)
+    os.sync()
+    return {"lever": lever, "crc32": crc, "per_tensor": per_tensor, "threads": threads, "seconds": round(seconds, 2),
+            "gb": round(size / 1e9, 3), "gb_per_s": round(size / 1e9 / seconds, 3), "release_s": round(release, 2),
+            "read_back": check}
+
+
+def _read_back(path: Path, state: dict[str, Any]) -> str:
+    """One tensor read back by convert/'s reader (which never unpickles), compared bitwise."""
+    import torch
+
+    from mcorekit.convert.torch_dist import TorchDistReader
+
+    key = next(k for k in state if k.startswith("optimizer.exp_avg."))
+    got = TorchDistReader(path).read(key)
+    return "equal" if torch.equal(got, state[key].data.cpu()) else "DIFFERENT"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    disk = next((r for r in rows if "dd_write_gb_per_s" in r), {})
+    lines = [f"disk (dd O_DIRECT): write {disk.get('dd_write_gb_per_s')} GB/s, read {disk.get('dd_read_gb_per_s')} GB/s",
+             "", "| lever | CRC-32 | staged | threads | GB | save s | GB/s | of dd write | pinned release s | read back |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "lever" not in r:
+            continue
+        if "error" in r:
+            lines.append(f"| {r['lever']} | error: {r['error']} |||||||||")
+            continue
+        share = f"{100 * r['gb_per_s'] / disk['dd_write_gb_per_s']:.0f}%" if disk else "-"
+        lines.append(f"| {r['lever']} | {'on' if r['crc32'] else 'off'} | "
+                     f"{'per tensor' if r['per_tensor'] else 'all, pinned'} | {r['threads']} | {r['gb']} | "
+                     f"{r['seconds']} | {r['gb_per_s']} | {share} | {r['release_s']} | {r['read_back']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gb", type=float, default=36.0, help="checkpoint size, GB")
+    p.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated, of {', '.join(LEVERS)}")
+    p.add_argument("--dd-gb", type=int, default=8)
+    p.add_argument("--budget", type=float, default=540, help="seconds; no lever starts after 80%% of it")
+    p.add_argument("--out", default="/tmp/mcorekit-save-levers")
+    a = p.parse_args(argv)
+    levers = a.levers.split(",")
+    if unknown := [x for x in levers if x not in LEVERS]:
+        p.error(f"unknown levers {unknown}; known: {', '.join(LEVERS)}")
+    began = time.perf_counter()
+    out = fresh_dir(a.out)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29733", "RANK": "0", "WORLD_SIZE": "1"})
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    rows: list[dict[str, Any]] = [dd_speed(out, a.dd_gb)]
+    print(json.dumps(rows[0]), flush=True)
+    state, nbytes = make_state(a.gb)
+    print(f"state: {len(state)} tensors, {nbytes / 1e9:.1f} GB on the GPU", flush=True)
+    for lever in levers:
+        if time.perf_counter() - began > 0.8 * a.budget:
+            rows.append({"lever": lever, "error": "not run: out of time"})
+            continue
+        try:
+            rows.append(save_once(state, out / lever, lever))
+        except Exception as e:  # noqa: BLE001 - a lever that fails is a row, the others still run
+            rows.append({"lever": lever, "error": f"{type(e).__name__}: {e}"})
+        print(json.dumps(rows[-1]), flush=True)
+        (out / "results.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    dist.destroy_process_group()
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
