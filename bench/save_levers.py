@@ -1,6 +1,7 @@
 """How fast one GPU writes a checkpoint, lever by lever (issue "Speed", part 3), next to the disk's own speed.
 
     python bench/save_levers.py [--gb 36] [--levers megatron,nocrc,per-tensor,defaults] [--dd-gb 8] [--out DIR]
+    python bench/save_levers.py --device cpu --gb 6 --levers no-writeback,defaults   # the writer alone, no GPU
 
 The state: bf16 weights and their fp32 main copies and two Adam moments, shaped as the llama-3b preset's layers
 (2.6B parameters, ~36 GB with --gb 36), random, on the GPU, written by Megatron-Core's torch_dist writer through
@@ -9,8 +10,12 @@ The state: bf16 weights and their fp32 main copies and two Adam moments, shaped 
                with torch.save's CRC-32 of every record
   nocrc        the same without CRC-32s (train/checkpoint.without_crc32)
   per-tensor   each tensor copied to host memory by the writer just before it is written (stage_per_tensor)
-  defaults     both (what a synchronous save of mcorekit does)
+  no-writeback both, the disk left to write at the kernel's pace and at the closing fsync
+  defaults     both, and what is written handed to the kernel's writeback every 32 MiB (what a synchronous save of
+               mcorekit does)
   defaults-2t  the defaults with two writer threads (and two files)
+With --device cpu the state lies in host memory and one gloo rank writes it: the staging is then no copy, and
+only the levers staged per tensor run (Megatron-Core's own staging needs CUDA).
 Each save's seconds include the writer's fsync; `release_s` is how long torch then takes to hand its cached pinned
 host memory back (what a process pays at exit). The folder is deleted after each save; one checkpoint at a time.
 Prints a Markdown table and writes results.json (after every lever).
@@ -29,12 +34,13 @@ from typing import Any
 from results import fresh_dir
 from start_save import dd_speed
 
-LEVERS = {  # name: (CRC-32s, staged per tensor, writer threads)
-    "megatron": (True, False, 1),
-    "nocrc": (False, False, 1),
-    "per-tensor": (True, True, 1),
-    "defaults": (False, True, 1),
-    "defaults-2t": (False, True, 2),
+LEVERS = {  # name: (CRC-32s, staged per tensor, writer threads, writeback every 32 MiB)
+    "megatron": (True, False, 1, False),
+    "nocrc": (False, False, 1, False),
+    "per-tensor": (True, True, 1, False),
+    "no-writeback": (False, True, 1, False),
+    "defaults": (False, True, 1, True),
+    "defaults-2t": (False, True, 2, True),
 }
 
 
@@ -52,8 +58,8 @@ def layer_shapes(hidden: int = 3072, ffn: int = 8192, heads: int = 24, groups: i
     return shapes
 
 
-def make_state(gb: float) -> tuple[dict[str, Any], int]:
-    """ShardedTensors of weights (bf16), main weights and moments (fp32) on the GPU: 14 bytes per parameter,
+def make_state(gb: float, device: str = "cuda") -> tuple[dict[str, Any], int]:
+    """ShardedTensors of weights (bf16), main weights and moments (fp32) on `device`: 14 bytes per parameter,
     layers repeated or cut until about `gb` GB."""
     import torch
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -66,7 +72,7 @@ def make_state(gb: float) -> tuple[dict[str, Any], int]:
             for kind, dtype in (("", torch.bfloat16), ("optimizer.param.", torch.float32),
                                 ("optimizer.exp_avg.", torch.float32), ("optimizer.exp_avg_sq.", torch.float32)):
                 key = f"{kind}r{rep}.{name}"
-                t = torch.randn(shape, device="cuda", dtype=dtype)
+                t = torch.randn(shape, device=device, dtype=dtype)
                 state[key] = ShardedTensor.from_rank_offsets(key, t, replica_id=0)
                 nbytes += t.numel() * t.element_size()
     return state, nbytes
@@ -79,17 +85,18 @@ def save_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
 
     from mcorekit.train.checkpoint import stage_per_tensor, without_crc32
 
-    crc, per_tensor, threads = LEVERS[lever]
+    crc, per_tensor, threads, writeback = LEVERS[lever]
     path.mkdir(parents=True)
     strategy = TorchDistSaveShardedStrategy(thread_count=threads)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     start = time.perf_counter()
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(crc)
     try:
         request = dist_checkpointing.save(state, str(path), sharded_strategy=strategy, async_sharded_save=True,
                                           async_strategy="mcore")
-        (stage_per_tensor(request) if per_tensor else request).execute_sync()
+        (stage_per_tensor(request, writeback) if per_tensor else request).execute_sync()
     finally:
         torch.serialization.set_crc32_options(before)
     seconds = time.perf_counter() - start
@@ -100,7 +107,8 @@ def save_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
     check = _read_back(path, state)
     shutil.rmtree(path)
     os.sync()
-    return {"lever": lever, "crc32": crc, "per_tensor": per_tensor, "threads": threads, "seconds": round(seconds, 2),
+    return {"lever": lever, "crc32": crc, "per_tensor": per_tensor, "threads": threads, "writeback": writeback,
+            "seconds": round(seconds, 2),
             "gb": round(size / 1e9, 3), "gb_per_s": round(size / 1e9 / seconds, 3), "release_s": round(release, 2),
             "read_back": check}
 
@@ -119,17 +127,18 @@ def _read_back(path: Path, state: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     disk = next((r for r in rows if "dd_write_gb_per_s" in r), {})
     lines = [f"disk (dd O_DIRECT): write {disk.get('dd_write_gb_per_s')} GB/s, read {disk.get('dd_read_gb_per_s')} GB/s",
-             "", "| lever | CRC-32 | staged | threads | GB | save s | GB/s | of dd write | pinned release s | read back |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| lever | CRC-32 | staged | threads | writeback | GB | save s | GB/s | of dd write | pinned release s | "
+             "read back |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "lever" not in r:
             continue
         if "error" in r:
-            lines.append(f"| {r['lever']} | error: {r['error']} |||||||||")
+            lines.append(f"| {r['lever']} | error: {r['error']} ||||||||||")
             continue
         share = f"{100 * r['gb_per_s'] / disk['dd_write_gb_per_s']:.0f}%" if disk else "-"
         lines.append(f"| {r['lever']} | {'on' if r['crc32'] else 'off'} | "
-                     f"{'per tensor' if r['per_tensor'] else 'all, pinned'} | {r['threads']} | {r['gb']} | "
+                     f"{'per tensor' if r['per_tensor'] else 'all, pinned'} | {r['threads']} | "
+                     f"{'32 MiB' if r.get('writeback') else 'off'} | {r['gb']} | "
                      f"{r['seconds']} | {r['gb_per_s']} | {share} | {r['release_s']} | {r['read_back']} |")
     return "\n".join(lines)
 
@@ -141,21 +150,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dd-gb", type=int, default=8)
     p.add_argument("--budget", type=float, default=540, help="seconds; no lever starts after 80%% of it")
     p.add_argument("--out", default="/tmp/mcorekit-save-levers")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     a = p.parse_args(argv)
     levers = a.levers.split(",")
     if unknown := [x for x in levers if x not in LEVERS]:
         p.error(f"unknown levers {unknown}; known: {', '.join(LEVERS)}")
+    if a.device == "cpu" and (pinned := [x for x in levers if not LEVERS[x][1]]):
+        p.error(f"levers {pinned} stage through pinned memory, which needs CUDA")
     began = time.perf_counter()
     out = fresh_dir(a.out)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29733", "RANK": "0", "WORLD_SIZE": "1"})
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    if a.device == "cuda":
+        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    else:  # Megatron-Core's finalize broadcasts a flag from torch.cuda.current_device(): the CPU here
+        dist.init_process_group("gloo")
+        torch.cuda.current_device = lambda: "cpu"
     rows: list[dict[str, Any]] = [dd_speed(out, a.dd_gb)]
     print(json.dumps(rows[0]), flush=True)
-    state, nbytes = make_state(a.gb)
-    print(f"state: {len(state)} tensors, {nbytes / 1e9:.1f} GB on the GPU", flush=True)
+    state, nbytes = make_state(a.gb, a.device)
+    print(f"state: {len(state)} tensors, {nbytes / 1e9:.1f} GB on {a.device}", flush=True)
+    # Megatron-Core's first save starts its helpers (a multiprocessing Manager's server process): once, unrecorded
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    warm = torch.randn(1024, device=a.device)
+    save_once({"optimizer.exp_avg.warm": ShardedTensor.from_rank_offsets("optimizer.exp_avg.warm", warm, replica_id=0)},
+              out / "warm-up", levers[0])
     for lever in levers:
         if time.perf_counter() - began > 0.8 * a.budget:
             rows.append({"lever": lever, "error": "not run: out of time"})

@@ -102,19 +102,6 @@ def write_failure(path: Path, error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-# Written bytes are handed to the kernel's writeback every WRITEBACK_BYTES, so the disk writes while the next data
-# is still being made instead of all at the closing fsync (which is still what makes the file durable).
-WRITEBACK_BYTES = 32 * 1024**2
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing back this range of fd without waiting (POSIX_FADV_DONTNEED); a hint only."""
-    try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    except (OSError, AttributeError):
-        pass
-
-
 MAP_BYTES = 1024**2  # tensors this large are mapped rather than read
 
 

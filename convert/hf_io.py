@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from mcorekit.convert.files import WRITEBACK_BYTES, model_file, read_json, read_flat, start_writeback
+from mcorekit.convert.files import model_file, read_json, read_flat
 from mcorekit.errors import ConversionError
+from mcorekit.outputs import WRITEBACK_BYTES, start_writeback
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

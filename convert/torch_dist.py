@@ -60,8 +60,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from mcorekit.convert import distcp
-from mcorekit.convert.files import WRITEBACK_BYTES, model_file, read_json, start_writeback, write_failure
+from mcorekit.convert.files import model_file, read_json, write_failure
 from mcorekit.errors import ConversionError
+from mcorekit.outputs import WRITEBACK_BYTES, start_writeback
 from mcorekit.train.checkpoint import without_crc32
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
@@ -191,7 +192,7 @@ class StreamingSavePlanner(SavePlanner):
 
 
 class _WritebackFile(io.FileIO):
-    """A file that hands what was written to the kernel's writeback every WRITEBACK_BYTES (files.start_writeback),
+    """A file that hands what was written to the kernel's writeback every WRITEBACK_BYTES (mcorekit.outputs.start_writeback),
     so the disk writes while chunks are still being read and serialized."""
 
     def __init__(self, path: Any, mode: str) -> None:

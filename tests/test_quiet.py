@@ -56,5 +56,7 @@ def test_help_is_fast_and_imports_no_torch(command: list[str]) -> None:
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
     imported_torch, seconds = proc.stderr.split()[-2:]
     assert imported_torch == "False", f"{command} --help imported torch"
-    # in-process time of the command (interpreter start-up excluded: on this 2-core CI machine it varies)
-    assert float(seconds) < 1.0, f"{command} --help took {seconds} s (wall {wall:.1f} s)"
+    # in-process time of the command (interpreter start-up excluded: on this 2-core CI machine it varies). launch
+    # --help took 0.74-1.15 s there on 2026-12-02 (pydantic and yaml); the bound is for a heavy import slipping in
+    # (torch alone takes seconds), not a benchmark
+    assert float(seconds) < 2.0, f"{command} --help took {seconds} s (wall {wall:.1f} s)"

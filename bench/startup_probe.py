@@ -1,0 +1,48 @@
+"""Where the "checks" phase of start-up goes: CUDA's initialisation and Megatron-Core/TE's imports, alone, one after
+the other, and overlapped (CUDA initialised on a thread while the main thread imports). One fresh process each.
+
+    python bench/startup_probe.py [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+CASES = {
+    "torch": "import torch",
+    "cuda_init": "import torch; torch.cuda.init(); torch.cuda.get_device_capability(0)",
+    "imports": "import torch, transformer_engine.pytorch, megatron.core.models.gpt, megatron.core.optimizer",
+    "sequential": "import torch, transformer_engine.pytorch, megatron.core.models.gpt, megatron.core.optimizer; "
+                  "torch.cuda.init(); torch.cuda.get_device_capability(0)",
+    "cuda_first": "import torch; torch.cuda.init(); torch.cuda.get_device_capability(0); "
+                  "import transformer_engine.pytorch, megatron.core.models.gpt, megatron.core.optimizer",
+    "overlapped": "import torch, threading; t = threading.Thread(target=torch.cuda.init); t.start(); "
+                  "import transformer_engine.pytorch, megatron.core.models.gpt, megatron.core.optimizer; "
+                  "t.join(); torch.cuda.get_device_capability(0)",
+}
+TIMED = "import time; _t = time.perf_counter(); {body}; print('SECONDS', time.perf_counter() - _t)"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--repeats", type=int, default=2)
+    a = p.parse_args()
+    rows = {}
+    for r in range(a.repeats):
+        for name, body in CASES.items():
+            out = subprocess.run([sys.executable, "-c", TIMED.format(body=body)], capture_output=True, text=True)
+            line = [x for x in out.stdout.splitlines() if x.startswith("SECONDS")]
+            rows.setdefault(name, []).append(float(line[0].split()[1]) if line else float("nan"))
+            if not line:
+                print(name, out.stderr[-2000:], file=sys.stderr)
+    for name, s in rows.items():
+        print(json.dumps({"case": name, "seconds": [round(x, 2) for x in s], "median": round(statistics.median(s), 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
