@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import textwrap
 from pathlib import Path
@@ -484,6 +485,33 @@ def grpo_example_headline(m: Measurement) -> str:
             f"{tok['static engine'] / tok['transformers']:.2f}x transformers' generate; {r['summary']}")
 
 
+def save_levers_rows(m: Measurement) -> tuple[dict, list[dict]]:
+    disk = next(r for r in m.results if "dd_write_gb_per_s" in r)
+    return disk, [r for r in m.results if "lever" in r and "error" not in r]
+
+
+def save_levers_table(m: Measurement) -> str:
+    disk, rows = save_levers_rows(m)
+    on = {True: "on", False: "off"}
+    return table(["lever", "CRC-32s", "staged", "writeback", "GB", "save s", "GB/s", "of dd write", "pinned release s",
+                  "read back"],
+                 [[r["lever"], on[r["crc32"]], "per tensor" if r["per_tensor"] else "all, pinned",
+                   "32 MiB" if r.get("writeback") else "off", f"{r['gb']:.1f}", f"{r['seconds']:.1f}", f"{r['gb_per_s']:.2f}",
+                   pct(r["gb_per_s"] / disk["dd_write_gb_per_s"], 0), f"{r['release_s']:.1f}", r["read_back"]]
+                  for r in rows]) + (f"\n\ndd O_DIRECT: write {disk['dd_write_gb_per_s']:.2f} GB/s, "
+                                     f"read {disk['dd_read_gb_per_s']:.2f} GB/s.")
+
+
+def save_levers_headline(m: Measurement) -> str:
+    disk, rows = save_levers_rows(m)
+    by = {}
+    for r in rows:  # a lever run twice: its median
+        by.setdefault(r["lever"], []).append(r["gb_per_s"])
+    parts = [f"{lever} {statistics.median(v):.2f} GB/s ({pct(statistics.median(v) / disk['dd_write_gb_per_s'], 0)})"
+             for lever, v in by.items()]
+    return "save GB/s (of dd write): " + ", ".join(parts)
+
+
 KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str]]] = {
     "train_bench": (train_bench_table, train_bench_headline),
     "overlap_bench": (overlap_table, overlap_headline),
@@ -495,6 +523,7 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "post_bench": (post_bench_table, post_bench_headline),
     "start_save": (start_save_table, start_save_headline),
     "grpo_example": (grpo_example_table, grpo_example_headline),
+    "save_levers": (save_levers_table, save_levers_headline),
 }
 
 
