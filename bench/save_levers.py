@@ -13,7 +13,8 @@ The state: bf16 weights and their fp32 main copies and two Adam moments, shaped 
   no-writeback both, the disk left to write at the kernel's pace and at the closing fsync
   defaults     both, and what is written handed to the kernel's writeback every 32 MiB (what a synchronous save of
                mcorekit does)
-  defaults-2t  the defaults with two writer threads (and two files)
+  defaults-2t  the defaults with two writer threads and two files (Megatron-Core 0.19.2 writes its last bucket on
+               the calling thread before it starts the others, so this measures two files more than two writers)
 With --device cpu the state lies in host memory and one gloo rank writes it: the staging is then no copy, and
 only the levers staged per tensor run (Megatron-Core's own staging needs CUDA).
 Each save's seconds include the writer's fsync; `release_s` is how long torch then takes to hand its cached pinned
@@ -96,7 +97,11 @@ def save_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
     try:
         request = dist_checkpointing.save(state, str(path), sharded_strategy=strategy, async_sharded_save=True,
                                           async_strategy="mcore")
-        (stage_per_tensor(request, writeback) if per_tensor else request).execute_sync()
+        if per_tensor:
+            with stage_per_tensor(request, writeback) as staged:
+                staged.execute_sync()
+        else:
+            request.execute_sync()
     finally:
         torch.serialization.set_crc32_options(before)
     seconds = time.perf_counter() - start

@@ -6,6 +6,7 @@ On CPU with one gloo rank (the GPU copy that the staging does on a GPU node is t
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 from pathlib import Path
@@ -43,7 +44,8 @@ def _save(path: Path, ours: bool) -> None:
         with without_crc32():
             request = dist_checkpointing.save(_state(), str(path), sharded_strategy=save_strategy(),
                                               async_sharded_save=True, async_strategy="mcore")
-            stage_per_tensor(request).execute_sync()
+            with stage_per_tensor(request) as staged:
+                staged.execute_sync()
     else:  # Megatron-Core's own staging and writing; its copy to pinned memory needs CUDA, so a plain copy here
         request = dist_checkpointing.save(_state(), str(path), sharded_strategy=save_strategy(),
                                           async_sharded_save=True, async_strategy="mcore")
@@ -121,3 +123,79 @@ def test_without_crc32_restores_the_setting(crc: bool) -> None:
         assert torch.serialization.get_crc32_options() is crc
     finally:
         torch.serialization.set_crc32_options(before)
+
+
+def _save_with(path: Path, threads: int, writeback: bool) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    path.mkdir()
+    with without_crc32():
+        request = dist_checkpointing.save(_state(), str(path), async_sharded_save=True, async_strategy="mcore",
+                                          sharded_strategy=TorchDistSaveShardedStrategy(thread_count=threads))
+        with stage_per_tensor(request, writeback) as staged:
+            staged.execute_sync()
+
+
+def _open_files() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_writeback_hint_changes_no_byte_and_closes_its_files(model_parallel: None, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    from mcorekit.train import checkpoint
+
+    _save_with(tmp_path / "plain", threads, writeback=False)
+    hints: list[tuple[int, int]] = []
+    real = checkpoint.start_writeback
+    monkeypatch.setattr(checkpoint, "WRITEBACK_BYTES", 1)  # a hint between every two tensors
+    monkeypatch.setattr(checkpoint, "start_writeback", lambda fd, at, n: (hints.append((at, n)), real(fd, at, n)))
+    before = _open_files()
+    _save_with(tmp_path / "hinted", threads, writeback=True)
+    assert _open_files() == before
+    assert len(hints) >= 2 and all(n > 0 for _, n in hints)
+    names = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "hinted").iterdir())
+    assert sum(n.endswith(".distcp") for n in names) == threads
+    for name in names:
+        if name.endswith(".distcp"):
+            a, b = ((tmp_path / d / name).read_bytes() for d in ("plain", "hinted"))
+            assert _without_save_ids(a) == _without_save_ids(b), name
+
+
+def test_failed_write_leaves_no_file_open(model_parallel: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails half-way (a full disk, say) fails the save and leaves neither its hint's file descriptor
+    nor its staged tensors behind (the writer disables the garbage collector that would otherwise find them)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    real, calls = filesystem_async._write_item, []
+
+    @functools.wraps(real)  # Megatron-Core passes serialization_format where the signature names it
+    def fails_on_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(filesystem_async, "_write_item", fails_on_the_third)
+    before = _open_files()
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match="OSError"):
+        _save_with(tmp_path / "full", 1, writeback=True)
+    assert len(calls) == 3
+    assert _open_files() == before
+
+
+def test_overlapping_without_crc32_blocks_restore_once_both_end() -> None:
+    """Two saves' blocks that overlap (as on two threads: the first to start ends first) keep CRC-32s off until the
+    last ends, then restore what was there before either."""
+    before = torch.serialization.get_crc32_options()
+    a, b = without_crc32(), without_crc32()
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert torch.serialization.get_crc32_options() is False
+    b.__exit__(None, None, None)
+    assert torch.serialization.get_crc32_options() is before

@@ -141,7 +141,8 @@ class Saver:
                                               async_sharded_save=True, async_strategy="mcore")
             request.add_finalize_fn(lambda: self._finalize(path, step, started))
             if self.queue is None:
-                stage_per_tensor(request).execute_sync()
+                with stage_per_tensor(request) as staged:
+                    staged.execute_sync()
             else:
                 self.queue.schedule_async_request(request)
         if self.queue is not None:
@@ -182,42 +183,59 @@ class Saver:
         dist.barrier()
 
 
+_crc32 = {"lock": threading.Lock(), "depth": 0, "before": True}
+
+
 @contextmanager
 def without_crc32() -> Iterator[None]:
     """torch.save without the CRC-32 of each record: nothing that reads these checkpoints checks it (torch.load does
     not, convert/distcp.py neither for tensor records) and computing it is one CPU pass over every byte written,
     ~4 GB/s on one core, in the writer thread while it holds the GIL. The archives stay valid for torch.load;
-    `unzip -t` would report their CRCs as wrong. A forked background writer inherits the setting."""
+    `unzip -t` would report their CRCs as wrong. A forked background writer inherits the setting. The setting is
+    the process's: blocks that overlap (on several threads) share one, and the last to end restores it."""
     import torch
 
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
+    with _crc32["lock"]:
+        if _crc32["depth"] == 0:
+            _crc32["before"] = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc32["depth"] += 1
     try:
         yield
     finally:
-        torch.serialization.set_crc32_options(before)
+        with _crc32["lock"]:
+            _crc32["depth"] -= 1
+            if _crc32["depth"] == 0:
+                torch.serialization.set_crc32_options(_crc32["before"])
 
 
-def stage_per_tensor(request: Any, writeback: bool = True) -> Any:
+@contextmanager
+def stage_per_tensor(request: Any, writeback: bool = True) -> Iterator[Any]:
     """A synchronous save's request with each tensor copied to host memory by the writer just before it writes it,
     instead of Megatron-Core's staging of the whole checkpoint in pinned host memory first (which on one H200 took
     longer than writing: pinning 37 GB of pages, then unpinning them at exit, 13 s after the save had ended). Host
-    memory holds one tensor per writer thread, not the checkpoint. Same files, same bytes.
+    memory holds a tensor or two per writer thread, not the checkpoint. Same files, same bytes.
 
     With `writeback`, what the writer has written so far is handed to the kernel's writeback every WRITEBACK_BYTES
     (between two tensors), so the disk writes while the next tensors are copied and serialized rather than at the
-    writer's closing fsync, as convert/'s writers do."""
+    writer's closing fsync, as convert/'s writers do; a file that cannot be opened for the hint is written without.
+    On leaving the block every stager is closed (a write that failed half-way leaves one paused, holding its file
+    and the tensors it was given, until the garbage collector, which the writer disables, would find it)."""
     stage = request.preload_fn  # partial(FileSystemWriterAsync.preload_tensors, write_buckets, non_blocking)
     if stage is None:
-        return request
-    buckets = stage.args[0]
+        yield request
+        return
+    buckets, stagers = stage.args[0], []
 
     def one_at_a_time(file_name: str, tensors: list[Any]) -> Iterator[Any]:
         fd, handed = -1, 0
         try:
             for item, tensor in tensors:
                 if writeback and fd < 0:
-                    fd = os.open(file_name, os.O_RDONLY)  # the writer has opened (created) it before its first tensor
+                    try:  # the writer has opened (created) it before it asks for its first tensor
+                        fd = os.open(file_name, os.O_RDONLY)
+                    except OSError:
+                        pass
                 elif fd >= 0 and (size := os.fstat(fd).st_size) - handed >= WRITEBACK_BYTES:
                     start_writeback(fd, handed, size - handed)
                     handed = size
@@ -226,8 +244,16 @@ def stage_per_tensor(request: Any, writeback: bool = True) -> Any:
             if fd >= 0:
                 os.close(fd)
 
-    return request._replace(preload_fn=lambda: [(file, key, (blobs, one_at_a_time(file, tensors)))
-                                                for file, key, (blobs, tensors) in buckets])
+    def preload() -> list[Any]:
+        staged = [(file, key, (blobs, one_at_a_time(file, tensors))) for file, key, (blobs, tensors) in buckets]
+        stagers.extend(tensors for _, _, (_, tensors) in staged)
+        return staged
+
+    try:
+        yield request._replace(preload_fn=preload)
+    finally:
+        for stager in stagers:
+            stager.close()
 
 
 def _bytes_on_disk(path: Path) -> int:
