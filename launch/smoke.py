@@ -100,6 +100,7 @@ class CountingJob:
                     self._save(step)
         if rank == 0:
             self._save(step)
+        stop.work_done()
         return {"final_step": step, "restarts": restart_count()}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:

@@ -48,6 +48,14 @@ class StopSignal:
             return bool(flag.item())
         return local
 
+    def work_done(self) -> None:
+        """The job's work is complete: a time-limit warning from now on changes nothing, so it is ignored. Left to
+        the flag handler, it would kill the process: Python's exit puts the default action (terminate) back before
+        the process has ended, and a USR2 in those last seconds (interpreter exit alone took 4.5 s after a 3B run)
+        marked a finished job FAILED, whose afterok children (convert, export) then never ran. Seen in the requeue
+        test on the dev cluster, 2026-12-02. TERM (scancel, preemption) keeps its handler."""
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
     @property
     def is_time_limit(self) -> bool:
         return self.signum == signal.SIGUSR2

@@ -68,6 +68,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
         if step % exp.checkpoint.save_interval == 0 or step == s.train_iters:
             saver.save(step, t.model, t.optimizer, t.scheduler, wait=step == s.train_iters)
     saver.close()
+    stop.work_done()
     log.close()
     return losses
 
