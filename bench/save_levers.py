@@ -8,7 +8,7 @@ The state: bf16 weights and their fp32 main copies and two Adam moments, shaped 
 `dist_checkpointing.save` as train/checkpoint.Saver calls it, one lever changed at a time:
   megatron     Megatron-Core's writer as it comes: every tensor staged in pinned host memory first, then written
                with torch.save's CRC-32 of every record
-  nocrc        the same without CRC-32s (train/checkpoint.without_crc32)
+  nocrc        the same without CRC-32s (mcorekit.outputs.without_crc32)
   per-tensor   each tensor copied to host memory by the writer just before it is written (stage_per_tensor)
   no-writeback both, the disk left to write at the kernel's pace and at the closing fsync
   defaults     both, and what is written handed to the kernel's writeback every 32 MiB (what a synchronous save of
@@ -84,7 +84,8 @@ def save_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from mcorekit.train.checkpoint import stage_per_tensor, without_crc32
+    from mcorekit.outputs import without_crc32
+    from mcorekit.train.checkpoint import stage_per_tensor
 
     crc, per_tensor, threads, writeback = LEVERS[lever]
     path.mkdir(parents=True)

@@ -9,7 +9,7 @@ called. Anything else (another opcode, another callable, a compressed record, a 
 fit) is refused with a reason, and the caller reads the bytes straight from the file into the tensor's memory.
 
 Like `torch.load`, the data record's CRC-32 is not checked (that would cost a pass over every byte); our writers
-write none (train/checkpoint.without_crc32), and data.pkl's is checked where one was written.
+write none (mcorekit.outputs.without_crc32), and data.pkl's is checked where one was written.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def describe(pkl: bytes) -> tuple[torch.dtype, str, int, int, tuple[int, ...], t
 
 def _read_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
     """A small record's bytes, CRC-checked by zipfile where the writer wrote a CRC; torch.save with CRC-32s off
-    (train/checkpoint.without_crc32) writes 0 there, and zipfile skips the check for a ZipInfo without one."""
+    (mcorekit.outputs.without_crc32) writes 0 there, and zipfile skips the check for a ZipInfo without one."""
     if info.CRC == 0:
         del info.CRC
     return archive.read(info)

@@ -62,8 +62,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from mcorekit.convert import distcp
 from mcorekit.convert.files import model_file, read_json, write_failure
 from mcorekit.errors import ConversionError
-from mcorekit.outputs import WRITEBACK_BYTES, start_writeback
-from mcorekit.train.checkpoint import without_crc32
+from mcorekit.outputs import WRITEBACK_BYTES, start_writeback, without_crc32
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcorekit.train.checkpoint import save_strategy, stage_per_tensor, without_crc32
+from mcorekit.outputs import without_crc32
+from mcorekit.train.checkpoint import save_strategy, stage_per_tensor
 
 
 @pytest.fixture(autouse=True)

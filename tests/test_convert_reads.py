@@ -257,7 +257,7 @@ def _flipped(blob: bytes) -> bytes:
 
 CORRUPTIONS = {
     "end-record-zeroed": (_end_record, "not a torch.save archive"),
-    # our writer writes no CRC-32s (train/checkpoint.without_crc32): the damage is found by the disassembly
+    # our writer writes no CRC-32s (mcorekit.outputs.without_crc32): the damage is found by the disassembly
     "data-pkl-flipped": (lambda c: _patch(c, b"_rebuild_tensor_v2", lambda b: b"_rebuild_tensor_v3"),
                          "does not rebuild one plain tensor"),
     # a chunk written with CRC-32s (Megatron-Core's own writer): zipfile checks data.pkl's
