@@ -17,6 +17,7 @@ from mcorekit.config.experiment import Experiment, layout_of
 from mcorekit.config.model import model_problems, resolve_model
 from mcorekit.config.values import parse_time_minutes
 from mcorekit.errors import ModelError
+from mcorekit.models.fp8_grouped_mm import FP8_RECIPES, alignment_problem
 from mcorekit.models.parallel import MEGATRON, Layout
 from mcorekit.models.parallel import layout_problems as weight_split_problems
 from mcorekit.models.spec import ModelSpec
@@ -361,19 +362,34 @@ def validation_problems(exp: Experiment) -> list[str]:
 
 def use_torch_expert_gemm(exp: Experiment, uses_te: bool) -> bool:
     """Whether the MoE experts run as torch._grouped_mm (models/grouped_mm_experts.py): asked for, or by default
-    (auto), where it applies: bf16 without FP8, TE's grouped experts, and neither the a2a-overlap schedule (which
-    splits the experts' backward into TE's own steps) nor recompute of the expert activation (TEGroupedMLP's own)."""
+    (auto), where it applies: bf16, or FP8 with bf16 weights under the delayed or tensorwise recipe (the experts'
+    GEMMs then run torch._scaled_grouped_mm, models/fp8_grouped_mm.py), TE's grouped experts, and neither the
+    a2a-overlap schedule (which splits the experts' backward into TE's own steps) nor recompute of the expert
+    activation (TEGroupedMLP's own)."""
+    p = exp.precision
     moe_act_recompute = exp.recompute.granularity == "selective" and "moe_act" in exp.recompute.modules
-    return (exp.moe.expert_gemm != "te" and uses_te and exp.moe.grouped_gemm and exp.precision.dtype == "bf16"
-            and not exp.precision.fp8 and not exp.moe.a2a_overlap and not moe_act_recompute)
+    fp8_ok = not p.fp8 or (p.fp8 in FP8_RECIPES and not p.fp8_params)
+    return (exp.moe.expert_gemm != "te" and uses_te and exp.moe.grouped_gemm and p.dtype == "bf16" and fp8_ok
+            and not exp.moe.a2a_overlap and not moe_act_recompute)
 
 
-def expert_gemm_problems(exp: Experiment, uses_te: bool) -> list[str]:
-    if exp.moe.expert_gemm == "torch" and not use_torch_expert_gemm(exp, uses_te):
-        return ["moe.expert_gemm=torch computes TE's grouped experts in bf16 (torch._grouped_mm); with precision.fp8, "
-                "another dtype, moe.grouped_gemm=false, moe.a2a_overlap, recompute of moe_act or without TE use "
-                "moe.expert_gemm=te or auto"]
-    return []
+def expert_gemm_problems(exp: Experiment, uses_te: bool, model: ModelSpec | None = None) -> list[str]:
+    if exp.moe.expert_gemm != "torch":
+        return []
+    if not use_torch_expert_gemm(exp, uses_te):
+        return ["moe.expert_gemm=torch computes TE's grouped experts with torch._grouped_mm (bf16, or FP8 with the "
+                "delayed or tensorwise recipe and bf16 weights); with precision.fp8=blockwise/mxfp8, "
+                "precision.fp8_params, another dtype, moe.grouped_gemm=false, moe.a2a_overlap, recompute of moe_act "
+                "or without TE use moe.expert_gemm=te or auto"]
+    misaligned = fp8_expert_alignment(exp, model)
+    return [f"moe.expert_gemm=torch with precision.fp8: {misaligned}; use moe.expert_gemm=te"] if misaligned else []
+
+
+def fp8_expert_alignment(exp: Experiment, model: ModelSpec | None) -> str | None:
+    """Under FP8, what keeps the model's expert widths out of the FP8 grouped GEMM (the experts then run TE's)."""
+    if not exp.precision.fp8 or model is None or not model.is_moe:
+        return None
+    return alignment_problem(model.hidden_size, model.moe_ffn_hidden_size or model.ffn_hidden_size)
 
 
 def moe_problems(exp: Experiment, lay: Layout, uses_te: bool, model: ModelSpec | None = None) -> list[str]:
@@ -390,7 +406,7 @@ def moe_problems(exp: Experiment, lay: Layout, uses_te: bool, model: ModelSpec |
                    f"DeepSeek-V3's n_shared_experts) or leave moe.shared_expert_ffn unset")
     if exp.moe.a2a_overlap and lay.ep == 1:
         out.append("moe.a2a_overlap overlaps the expert-parallel all-to-all, so it needs parallel.ep > 1")
-    out += expert_gemm_problems(exp, uses_te)
+    out += expert_gemm_problems(exp, uses_te, model)
     if exp.moe.pad_to_capacity and exp.moe.capacity_factor is None:
         out.append("moe.pad_to_capacity pads each expert to its capacity, so it needs moe.capacity_factor (e.g. 1.0)")
     return out
@@ -406,7 +422,8 @@ def full_graph_blockers(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: 
         ("GPUs with Transformer Engine", gpus and uses_te),
         ("one model replica per GPU (tp, pp, cp, ep = 1)", (lay.tp, lay.pp, lay.cp, lay.ep, lay.vpp) == (1, 1, 1, 1, None)),
         ("one data-parallel rank", dp == 1),
-        ("precision.dtype=bf16 without precision.fp8", p.dtype == "bf16" and not p.fp8),
+        ("precision.dtype=bf16, without precision.fp8 or with its delayed or tensorwise recipe and bf16 weights",
+         p.dtype == "bf16" and (not p.fp8 or (p.fp8 in FP8_RECIPES and not p.fp8_params))),
         ("pretraining data (data.kind mock or indexed)", exp.data.kind in ("mock", "indexed")),
         ("no data.dynamic_batching", not exp.data.dynamic_batching),
         ("no peft.lora", exp.peft.lora is None),
@@ -422,7 +439,8 @@ def full_graph_blockers(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: 
     ]
     if model.is_moe:
         checks += [
-            ("MoE: the torch._grouped_mm experts (moe.expert_gemm auto or torch)", use_torch_expert_gemm(exp, uses_te)),
+            ("MoE: the torch._grouped_mm experts (moe.expert_gemm auto or torch)",
+             use_torch_expert_gemm(exp, uses_te) and fp8_expert_alignment(exp, model) is None),
             ("MoE: the alltoall dispatcher with fused permutation", m.dispatcher == "alltoall" and m.permute_fusion),
             ("MoE: no token dropping (moe.capacity_factor unset)", m.capacity_factor is None),
             ("MoE: no expert bias or shared expert (moe.expert_bias, moe.shared_expert_ffn, or the model's own)",

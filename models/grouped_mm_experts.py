@@ -4,12 +4,13 @@ Megatron-Core's TEGroupedMLP runs each expert's GEMM through Transformer Engine'
 work per call (splitting inputs, one cuBLAS launch and one output per expert, per-weight gradient bookkeeping)
 made the 8-expert benchmark host-bound on an H200: the GPU was busy 19% of a step (docs/train.md). This module
 keeps TEGroupedMLP's parameters, checkpoint keys and sharding (it subclasses it) and replaces only the
-computation, for bf16 without FP8; anything else goes to TEGroupedMLP's own forward.
+computation, for bf16 and for FP8 with bf16 weights (models/fp8_grouped_mm.py); anything else goes to
+TEGroupedMLP's own forward.
 Expert tensor parallelism needs nothing here: the experts' fc1 is split by columns, fc2 by rows, and the
 dispatcher's combine step reduces the partial outputs, as it does for TEGroupedMLP.
 
 With `gradient_accumulation_fusion` (and DDP's `main_grad` on the weights) the grouped GEMMs run through
-GroupedLinearMainGrad, which does for the experts what TE's linear layers do for theirs: the backward computes
+GroupedLinear, which does for the experts what TE's linear layers do for theirs: the backward computes
 the weight gradient of all experts in one grouped GEMM and adds it into their `main_grad` in one kernel (two when
 DDP laid the experts out in reverse, its usual order), sets `grad_added_to_main_grad` and returns dummy
 gradients, so DDP's per-parameter hooks still fire but skip their add. Without it, autograd splits the stacked
@@ -24,66 +25,86 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from mcorekit.models.fp8_grouped_mm import (FP8_RECIPES, Fp8Weights, alignment_problem, fp8_grouped_mm,
+                                            fp8_grouped_mm_dgrad, quantize_weights)
+
 def grouped_swiglu_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
                        fc1: torch.Tensor | Sequence[torch.Tensor], fc2: torch.Tensor | Sequence[torch.Tensor],
-                       activation: Any = None, fuse_wgrad: bool = False) -> torch.Tensor:
+                       activation: Any = None, fuse_wgrad: bool = False,
+                       fp8: tuple[Fp8Weights, Fp8Weights] | None = None) -> torch.Tensor:
     """Tokens sorted by expert -> fc2(act(fc1(x)) * prob) per expert.
 
     x: [tokens, hidden]; tokens_per_expert: [experts] (rows of x per expert, in order); probs: [tokens] router
     weights; fc1: [experts, 2*ffn, hidden] (gate rows, then up rows); fc2: [experts, hidden, ffn], each also as a
     sequence of per-expert weights (what `fuse_wgrad` needs, see grouped_linear).
     `activation(h, probs)` computes the weighted SwiGLU (default: silu(gate) * up, times probs in fp32 and cast
-    back, as Megatron's unfused path does)."""
+    back, as Megatron's unfused path does). `fp8`: fc1's and fc2's weights quantized (models/fp8_grouped_mm.py):
+    forward and input-gradient GEMMs in FP8, weight gradients in bf16."""
     ends = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int32), dim=0, dtype=torch.int32)
-    h = grouped_linear(x, ends, fc1, fuse_wgrad)
+    fp8_fc1, fp8_fc2 = fp8 if fp8 is not None else (None, None)
+    h = grouped_linear(x, ends, fc1, fuse_wgrad, fp8_fc1)
     if activation is None:
         gate, up = torch.chunk(h, 2, dim=-1)
         a = (F.silu(gate) * up * probs.unsqueeze(-1)).to(x.dtype)
     else:
         a = activation(h, probs.unsqueeze(-1))
-    return grouped_linear(a, ends, fc2, fuse_wgrad)
+    return grouped_linear(a, ends, fc2, fuse_wgrad, fp8_fc2)
 
 
 def grouped_linear(x: torch.Tensor, ends: torch.Tensor, weights: torch.Tensor | Sequence[torch.Tensor],
-                   fuse_wgrad: bool = False) -> torch.Tensor:
+                   fuse_wgrad: bool = False, fp8: Fp8Weights | None = None) -> torch.Tensor:
     """Rows of x sorted by expert (`ends`: cumulative row counts, int32) -> rows times their expert's weight.T.
 
     weights: [experts, out, in], or a sequence of [out, in] that is stacked here (autograd then hands each its
-    slice of the gradient). `fuse_wgrad` (a sequence of weights with `main_grad`): GroupedLinearMainGrad."""
-    if fuse_wgrad:
-        return GroupedLinearMainGrad.apply(x, ends, *weights)
+    slice of the gradient). `fuse_wgrad` (a sequence of weights with `main_grad`) or `fp8` (those weights
+    quantized): GroupedLinear."""
+    if fuse_wgrad or fp8 is not None:
+        return GroupedLinear.apply(x, ends, fuse_wgrad, fp8, *weights)
     w = weights if isinstance(weights, torch.Tensor) else torch.stack(list(weights))
     return torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
 
 
-class GroupedLinearMainGrad(torch.autograd.Function):
-    """grouped_linear whose weight gradient goes straight into the weights' `main_grad` (gradient-accumulation
-    fusion, the contract of TE's `fuse_wgrad_accumulation` with Megatron's DDP).
+class GroupedLinear(torch.autograd.Function):
+    """grouped_linear with its weight gradient straight into the weights' `main_grad` (`fuse_wgrad`:
+    gradient-accumulation fusion, the contract of TE's `fuse_wgrad_accumulation` with Megatron's DDP), and/or its
+    forward and input-gradient GEMMs in FP8 (`fp8`: the weights already quantized, see models/fp8_grouped_mm.py).
 
-    Forward and input gradient are the ops autograd runs for the stacked path (same `torch._grouped_mm` calls,
-    same operands and layouts), so both are bit-identical to it. The weight gradient is that path's too
-    ([experts, out, in] from one grouped GEMM, in the weights' dtype), added into main_grad as DDP's hooks would
-    add it (`main_grad.add_(grad)`), but in one add over the experts' contiguous main_grad region when DDP
-    placed them next to each other (see main_grad_region; reversed, its usual order, costs a flip of the
-    gradient first), else one add per expert. Each weight then gets
-    `grad_added_to_main_grad = True` and a dummy gradient, so DDP's hook fires (bucket bookkeeping, overlapped
-    reduce) and skips its add; a weight with `zero_out_wgrad` gets zeros, which the hook does add."""
+    Without fp8, forward and input gradient are the ops autograd runs for the stacked path (same
+    `torch._grouped_mm` calls, same operands and layouts), so both are bit-identical to it. The weight gradient
+    is that path's too ([experts, out, in] from one grouped GEMM, in the weights' dtype), with fp8 as well.
+    With fuse_wgrad it is added into main_grad as DDP's hooks would add it (`main_grad.add_(grad)`), but in one
+    add over the experts' contiguous main_grad region when DDP placed them next to each other (see
+    main_grad_region; reversed, its usual order, costs a flip of the gradient first), else one add per expert.
+    Each weight then gets `grad_added_to_main_grad = True` and a dummy gradient, so DDP's hook fires (bucket
+    bookkeeping, overlapped reduce) and skips its add; a weight with `zero_out_wgrad` gets zeros, which the hook
+    does add. Without fuse_wgrad each weight gets its slice of the stacked gradient, as autograd would give it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, ends: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, ends: torch.Tensor, fuse_wgrad: bool, fp8: Fp8Weights | None,
+                *weights: torch.Tensor) -> torch.Tensor:
+        ctx.weights, ctx.fuse_wgrad, ctx.fp8 = weights, fuse_wgrad, fp8
+        if fp8 is not None:  # the input gradient reads fp8.cols: no bf16 copy of the weights is kept
+            ctx.save_for_backward(x, ends)
+            return fp8_grouped_mm(x, ends, fp8)
         w = torch.stack(weights)
         ctx.save_for_backward(x, ends, w)
-        ctx.weights = weights
         return torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, ends, w = ctx.saved_tensors
-        # autograd's formulas for _grouped_mm(x, w.transpose(1, 2)): the same calls, operands and layouts
-        grad_x = torch._grouped_mm(grad, w, offs=ends) if ctx.needs_input_grad[0] else None
+        x, ends, *w = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # autograd's formulas for _grouped_mm(x, w.transpose(1, 2)): the same calls, operands and layouts
+            grad_x = fp8_grouped_mm_dgrad(grad, ends, ctx.fp8) if ctx.fp8 is not None \
+                else torch._grouped_mm(grad, w[0], offs=ends)
         grad_w = torch._grouped_mm(grad.transpose(-2, -1), x, offs=ends)  # [experts, out, in]
-        accumulate_main_grads(ctx.weights, grad_w)
-        return (grad_x, None, *dummy_wgrads(ctx.weights))
+        if ctx.fuse_wgrad:
+            accumulate_main_grads(ctx.weights, grad_w)
+            wgrads = dummy_wgrads(ctx.weights)
+        else:
+            wgrads = list(grad_w.unbind(0))
+        return (grad_x, None, None, None, *wgrads)
 
 
 def has_main_grad(weight: torch.Tensor) -> bool:
@@ -174,7 +195,7 @@ def grouped_mm_experts_class() -> type:
     class GroupedMMExperts(TEGroupedMLP):
         def _supported(self, x: torch.Tensor) -> bool:
             c = self.config
-            return (not (c.fp8 or getattr(c, "fp4", None)) and x.dtype == torch.bfloat16
+            return ((not c.fp8 or self._fp8_supported()) and not getattr(c, "fp4", None) and x.dtype == torch.bfloat16
                     and x.shape[0] > 0 and c.gated_linear_unit and c.activation_func is F.silu
                     and not self.linear_fc1.use_bias and not self.linear_fc2.use_bias
                     and not c.moe_apply_probs_on_input and c.moe_mlp_glu_interleave_size is None
@@ -184,6 +205,24 @@ def grouped_mm_experts_class() -> type:
                     # recompute of the expert activation (recompute.modules: moe_act) and delayed weight
                     # gradients are TEGroupedMLP's own machinery: leave those runs to it
                     and not getattr(self, "activation_recompute", False) and not getattr(c, "delay_wgrad_compute", False))
+
+        def _fp8_supported(self) -> bool:
+            """FP8 with bf16 weights under a per-tensor recipe (delayed or tensorwise) in widths the kernel takes;
+            the block-scaled recipes and FP8 weights stay with TE."""
+            c = self.config
+            return (c.fp8_recipe in FP8_RECIPES and not c.fp8_param
+                    and alignment_problem(c.hidden_size, c.moe_ffn_hidden_size) is None)
+
+        def _fp8_weights(self, fc1: list[torch.Tensor], fc2: list[torch.Tensor]) -> tuple[Fp8Weights, Fp8Weights]:
+            """The experts' weights in FP8, quantized on each step's first micro-batch and reused by the others, as
+            TE caches its layers' FP8 weights: Megatron's schedule sets `is_first_microbatch` on the bypassed
+            GroupedLinear modules at the start of each step (disable_parameter_transpose_cache: every time)."""
+            first = getattr(self.linear_fc1, "is_first_microbatch", True) or self.config.disable_parameter_transpose_cache
+            if first or getattr(self, "fp8_weights", None) is None:
+                self.fp8_weights = (quantize_weights(torch.stack(fc1).detach()),
+                                    quantize_weights(torch.stack(fc2).detach()))
+            self.linear_fc1.is_first_microbatch = self.linear_fc2.is_first_microbatch = False
+            return self.fp8_weights
 
         def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                     permuted_probs: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -201,8 +240,9 @@ def grouped_mm_experts_class() -> type:
             fused = self.config.bias_activation_fusion  # Megatron's fused weighted SwiGLU, as TEGroupedMLP uses
             act = (lambda h, p: weighted_bias_swiglu_impl(h, None, p, self.config.activation_func_fp8_input_store)) \
                 if fused else None
+            fp8 = self._fp8_weights(fc1, fc2) if self.config.fp8 else None
             out = grouped_swiglu_mlp(x, torch.as_tensor(tokens_per_expert), permuted_probs, fc1, fc2, act,
-                                     fuse_wgrad)
+                                     fuse_wgrad, fp8)
             return out, None
 
     return GroupedMMExperts

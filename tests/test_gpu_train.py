@@ -81,12 +81,16 @@ def test_moe_grouped_gemm_trains_and_logs_expert_load(tmp_path: Path) -> None:
     print("expert load, last step:", m[-1]["expert_imbalance"])
 
 
-@pytest.mark.parametrize("shape", ["dense", "moe"])
+@pytest.mark.parametrize("shape", ["dense", "moe", "dense-fp8-delayed", "moe-fp8-delayed", "moe-fp8-tensorwise"])
 def test_step_graph_gives_the_eager_losses(tmp_path: Path, shape: str) -> None:
     """schedule.cuda_graph=auto runs these one-GPU steps as one CUDA graph each (the start line says so) after two
-    eager steps; every step's loss and gradient norm equal the eager run's (cuda_graph=false) to 1e-5 relative."""
-    cfg = {**(BASE if shape == "dense" else MOE)}
+    eager steps; every step's loss and gradient norm equal the eager run's (cuda_graph=false) to 1e-5 relative.
+    FP8 too: TE's scaling state (delayed: amax history) is updated by captured kernels, and the MoE experts' FP8
+    grouped GEMMs (models/fp8_grouped_mm.py) read their groups from the GPU."""
+    cfg = {**(BASE if shape.startswith("dense") else MOE)}
     cfg["schedule"] = {**cfg["schedule"], "train_iters": 10}
+    if "fp8" in shape:
+        cfg["precision"] = {"dtype": "bf16", "fp8": shape.rsplit("-", 1)[1]}
     graph = run(tmp_path, "graph", cfg)
     eager = run(tmp_path, "eager", {**cfg, "schedule": {**cfg["schedule"], "cuda_graph": False}})
     assert "each step one CUDA graph" in (tmp_path / "graph" / "stdout.txt").read_text()
@@ -110,6 +114,72 @@ def test_moe_torch_expert_gemm_follows_te_grouped_gemm(tmp_path: Path) -> None:
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(te, torch_mm)]
     print("|loss te - loss torch| per step:", " ".join(f"{d:.1e}" for d in diffs))
     assert len(diffs) == 20 and diffs[0] < 5e-3 and max(diffs) < 0.05
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_moe_fp8_torch_experts_follow_te_fp8_experts(tmp_path: Path, recipe: str) -> None:
+    """Under precision.fp8 the experts run torch._scaled_grouped_mm with per-row scales (auto) or TE's FP8
+    GroupedLinear with its recipe's per-tensor scales (te): other roundings of the same model, so the losses agree
+    at step 1 to FP8's error and both learn."""
+    cfg = {**MOE, "schedule": {**MOE["schedule"], "train_iters": 20}, "precision": {"dtype": "bf16", "fp8": recipe}}
+    te = run(tmp_path, "te", {**cfg, "moe": {**MOE["moe"], "expert_gemm": "te"}})
+    ours = run(tmp_path, "torch", cfg)
+    assert "MoE experts: GroupedMMExperts" in (tmp_path / "torch" / "stdout.txt").read_text()
+    assert "each step one CUDA graph" in (tmp_path / "torch" / "stdout.txt").read_text()
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(te, ours)]
+    print(f"fp8 {recipe} |loss te - loss torch| per step:", " ".join(f"{d:.1e}" for d in diffs))
+    assert len(diffs) == 20 and diffs[0] < 0.02 and max(diffs) < 0.1
+    assert ours[-1]["loss"] < ours[0]["loss"] - 0.5
+
+
+def test_fp8_grouped_gemm_kernel_and_capture() -> None:
+    """torch._scaled_grouped_mm on the quantized operands equals their dequantized product in fp32 (to bf16
+    rounding), for groups of any size (none, odd), forward and input gradient; and a forward + backward of the FP8
+    grouped linear is captured in a CUDA graph (nothing reads the group sizes on the host) and replays the eager
+    results bit for bit."""
+    import torch
+
+    from mcorekit.models import fp8_grouped_mm as fp8
+    from mcorekit.models.grouped_mm_experts import grouped_linear
+
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 77, 30, 16], device="cuda")
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(5, 384, 256, device="cuda") / 16).bfloat16()
+    grad = torch.randn(x.shape[0], 384, device="cuda", dtype=torch.bfloat16)
+    q = fp8.quantize_weights(w)
+
+    def dequantized(a, b, a_scale, b_scale):
+        return torch._grouped_mm(a.float() * a_scale[:, None], b.float() * b_scale[:, None, :], offs=ends)
+
+    xq, xs = fp8.quantize_rows(x)
+    gq, gs = fp8.quantize_rows(grad)
+    for got, want in ((fp8.fp8_grouped_mm(x, ends, q), dequantized(xq, q.rows.transpose(1, 2), xs, q.row_scale)),
+                      (fp8.fp8_grouped_mm_dgrad(grad, ends, q), dequantized(gq, q.cols.transpose(1, 2), gs, q.col_scale))):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+    xs_ = x.clone().requires_grad_()
+    ws = [t.detach().clone().requires_grad_() for t in w]
+
+    def step():
+        for t in [xs_, *ws]:
+            t.grad = None
+        grouped_linear(xs_, ends, ws, fp8=fp8.quantize_weights(torch.stack(ws).detach())).backward(grad)
+        return [xs_.grad.clone(), *(t.grad.clone() for t in ws)]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(eager, captured))
 
 
 def test_moe_shared_expert_and_aux_loss_free_balancing(tmp_path: Path) -> None:

@@ -87,7 +87,7 @@ def test_forward_pre_hooks_of_the_bypassed_modules_run() -> None:
     assert seen == [("plain", linear, 1), ("kwargs", linear, {})]
 
 
-# --- gradient-accumulation fusion (GroupedLinearMainGrad) against today's path, with Megatron's DDP layout and
+# --- gradient-accumulation fusion (GroupedLinear with fuse_wgrad) against today's path, with Megatron's DDP layout and
 # hook. Megatron's _ParamAndGradBuffer allocates on CUDA, so its main_grads are rebuilt here from Megatron's own
 # layout functions the way _ParamAndGradBuffer._get slices them; the hook is DDP's own _make_backward_post_hook.
 

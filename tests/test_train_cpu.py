@@ -162,18 +162,33 @@ def test_moe_options() -> None:
 
 
 def test_expert_gemm_resolution() -> None:
-    """auto takes torch._grouped_mm where it applies (bf16, no FP8, TE grouped experts, no a2a overlap), else TE."""
+    """auto takes torch._grouped_mm where it applies (bf16, or FP8 delayed/tensorwise with bf16 weights, TE grouped
+    experts, no a2a overlap), else TE."""
+    from dataclasses import replace
+
     from mcorekit.config.rules import expert_gemm_problems, use_torch_expert_gemm
+    from mcorekit.models.spec import resolve
 
     assert use_torch_expert_gemm(exp(), uses_te=True)
     assert not use_torch_expert_gemm(exp(), uses_te=False)
-    for other in ("moe.expert_gemm=te", "precision.fp8=delayed", "precision.dtype=fp16", "moe.grouped_gemm=false",
+    for recipe in ("delayed", "tensorwise"):  # the FP8 grouped GEMM (models/fp8_grouped_mm.py)
+        assert use_torch_expert_gemm(exp(f"precision.fp8={recipe}"), uses_te=True)
+    for other in ("moe.expert_gemm=te", "precision.fp8=blockwise", "precision.fp8=delayed precision.fp8_params=true",
+                  "precision.dtype=fp16", "moe.grouped_gemm=false",
                   "parallel.ep=2 moe.a2a_overlap=true", "recompute.granularity=selective recompute.modules=[moe_act]"):
         assert not use_torch_expert_gemm(exp(*other.split()), uses_te=True), other
         assert expert_gemm_problems(exp(*other.split()), uses_te=True) == []  # auto or te: never an error
     assert expert_gemm_problems(exp("moe.expert_gemm=torch"), uses_te=True) == []
     assert "use moe.expert_gemm=te or auto" in expert_gemm_problems(exp("moe.expert_gemm=torch", "precision.dtype=fp16"),
                                                                     uses_te=True)[0]
+    # FP8 rows must be multiples of 16 bytes: an expert width of 200 keeps TE's experts, and torch is refused
+    moe = resolve("mixtral-tiny", None, {})
+    odd = replace(moe, moe_ffn_hidden_size=200)
+    assert expert_gemm_problems(exp("moe.expert_gemm=torch", "precision.fp8=tensorwise"), True, moe) == []
+    assert expert_gemm_problems(exp("moe.expert_gemm=torch", "precision.fp8=tensorwise"), True, odd) == [
+        "moe.expert_gemm=torch with precision.fp8: FP8 grouped GEMMs need multiples of 16, got expert FFN size 200; "
+        "use moe.expert_gemm=te"]
+    assert expert_gemm_problems(exp("moe.expert_gemm=torch"), True, odd) == []  # bf16 has no such need
 
 
 def test_start_line_names_the_experts_class() -> None:
@@ -236,8 +251,17 @@ def test_step_graph_where_it_applies() -> None:
     assert not use_full_graph(exp("schedule.cuda_graph=false"), dense, True, True, 1)
     assert full_graph_blockers(exp(), dense, True, True, 2) == ["one data-parallel rank"]
     assert full_graph_blockers(exp(), dense, False, True, 1) == ["GPUs with Transformer Engine"]
-    assert full_graph_blockers(exp("precision.fp8=delayed", "parallel.tp=2"), dense, True, True, 1) == [
-        "one model replica per GPU (tp, pp, cp, ep = 1)", "precision.dtype=bf16 without precision.fp8"]
+    fp8_blocker = ("precision.dtype=bf16, without precision.fp8 or with its delayed or tensorwise recipe and bf16 "
+                   "weights")
+    assert full_graph_blockers(exp("precision.fp8=blockwise", "parallel.tp=2"), dense, True, True, 1) == [
+        "one model replica per GPU (tp, pp, cp, ep = 1)", fp8_blocker]
+    assert full_graph_blockers(exp("precision.fp8=delayed", "precision.fp8_params=true"), dense, True, True, 1) == [
+        fp8_blocker]
+    for recipe in ("delayed", "tensorwise"):  # FP8 steps are captured too (tests/test_gpu_train.py compares them)
+        assert full_graph_blockers(exp(f"precision.fp8={recipe}"), dense, True, True, 1) == []
+        assert full_graph_blockers(exp(f"precision.fp8={recipe}"), moe, True, True, 1) == []
+    assert full_graph_blockers(exp("precision.fp8=delayed"), replace(moe, moe_ffn_hidden_size=200), True, True, 1) == [
+        "MoE: the torch._grouped_mm experts (moe.expert_gemm auto or torch)"]
     assert full_graph_blockers(exp("moe.expert_gemm=te", "moe.capacity_factor=1.5"), moe, True, True, 1) == [
         "MoE: the torch._grouped_mm experts (moe.expert_gemm auto or torch)",
         "MoE: no token dropping (moe.capacity_factor unset)"]

@@ -1,0 +1,79 @@
+"""FP8 grouped GEMMs for the MoE experts under precision.fp8 (models/grouped_mm_experts.py calls them).
+
+Transformer Engine's FP8 grouped experts need each expert's token count on the host: a device-to-host copy and a
+sync per MoE layer and micro-batch, which keeps the step out of a CUDA graph (train/step_graph.py). Eager FP8 MoE
+trained at 0.43x transformers bf16 on one H200 (docs/train.md, 2026-12-02). Here the forward and input-gradient
+GEMMs are `torch._scaled_grouped_mm`, Hopper's FP8 grouped GEMM, which reads the expert boundaries from a GPU
+tensor, so nothing waits on the host and the step can be captured.
+
+Scaling is per row and computed from the data each time (current scaling, no amax history): every token's row of
+the activations and gradients, and every weight row along the contracted dimension, gets its own fp32 scale so
+that its largest magnitude maps to e4m3's 448. Finer than TE's per-tensor scales, so gradients use e4m3 too.
+The weight gradient stays a bf16 grouped GEMM: in FP8 its contracted dimension is the tokens, whose per-expert
+groups vary in size each step and would need column scales per group.
+Importing this module does not import torch: config/rules.py reads FP8_RECIPES and alignment_problem on the login
+node, where the launcher stays quick without it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_RECIPES = ("delayed", "tensorwise")  # precision.fp8 recipes whose experts run here (per-tensor scaled elsewhere)
+TINY = 1e-12  # an all-zero row gets this amax: its quantized values are zeros, and no scale is 0 or inf
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [..., rows, cols] -> (e4m3 values of the same shape, contiguous; fp32 dequantization scale per row
+    [..., rows]), with values * scale ~= t. Any strides in; the amax is one reduction kernel over t's own dtype."""
+    import torch
+
+    amax = torch.linalg.vector_norm(t, float("inf"), dim=-1, keepdim=True).float()
+    scale = amax.clamp(min=TINY) / E4M3_MAX
+    values = (t * scale.reciprocal()).to(torch.float8_e4m3fn, memory_format=torch.contiguous_format)
+    return values, scale.squeeze(-1)
+
+
+class Fp8Weights(NamedTuple):
+    """One grouped linear's expert weights [experts, out, in] in e4m3, in the two layouts its GEMMs read."""
+    rows: torch.Tensor        # [experts, out, in]: scaled per output row, for the forward
+    row_scale: torch.Tensor   # [experts, out]
+    cols: torch.Tensor        # [experts, in, out]: scaled per input column, for the input gradient
+    col_scale: torch.Tensor   # [experts, in]
+
+
+def quantize_weights(w: torch.Tensor) -> Fp8Weights:
+    rows, row_scale = quantize_rows(w)
+    cols, col_scale = quantize_rows(w.transpose(1, 2))
+    return Fp8Weights(rows, row_scale, cols, col_scale)
+
+
+def fp8_grouped_mm(x: torch.Tensor, ends: torch.Tensor, w: Fp8Weights) -> torch.Tensor:
+    """Forward: rows of x [tokens, in] sorted by expert (`ends`: cumulative counts, int32) -> x @ W_e.T, bf16."""
+    xq, x_scale = quantize_rows(x)
+    # the kernel wants its second operand column-major: rows.transpose is [experts, in, out] over [out, in] storage
+    return scaled_grouped_mm(xq, w.rows.transpose(1, 2), x_scale, w.row_scale, ends)
+
+
+def fp8_grouped_mm_dgrad(grad: torch.Tensor, ends: torch.Tensor, w: Fp8Weights) -> torch.Tensor:
+    """Input gradient: grad [tokens, out] -> grad @ W_e, bf16."""
+    gq, g_scale = quantize_rows(grad)
+    return scaled_grouped_mm(gq, w.cols.transpose(1, 2), g_scale, w.col_scale, ends)
+
+
+def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                      ends: torch.Tensor) -> torch.Tensor:
+    """torch._scaled_grouped_mm (CUDA only; CPU tests put a dequantizing reference in its place)."""
+    import torch
+
+    return torch._scaled_grouped_mm(a, b, a_scale, b_scale, offs=ends, out_dtype=torch.bfloat16)
+
+
+def alignment_problem(hidden: int, ffn: int) -> str | None:
+    """The FP8 kernel reads rows of 16-byte multiples: both GEMM widths must be multiples of 16."""
+    bad = [f"{name} {n}" for name, n in (("hidden size", hidden), ("expert FFN size", ffn)) if n % 16]
+    return f"FP8 grouped GEMMs need multiples of 16, got {' and '.join(bad)}" if bad else None
