@@ -111,7 +111,6 @@ def shut_down() -> None:
         release()
         marks["host_cache_released"] = time.time()
     dist.barrier()
-    marks["barrier"] = time.time()
     rank = dist.get_rank()
     dist.destroy_process_group()
     marks["destroyed"] = time.time()
@@ -119,22 +118,5 @@ def shut_down() -> None:
         print("mcorekit.train: shutdown " + json.dumps({k: round(v, 3) for k, v in marks.items()}), flush=True)
 
 
-def exit_now(code: int) -> None:
-    """Leave without the interpreter's teardown once a run has finished: its checkpoint is complete, metrics and
-    TensorBoard/W&B closed, the process group destroyed (shut_down). What remained was 4.45 s of finalisation
-    (3B shape, one H200, `df9f463`: freeing modules and tensors, CUDA's context) that kept the job, and its afterok
-    children, waiting after the last save. Output is flushed first; failures take the ordinary exit."""
-    import logging
-    import os
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    code = main()
-    if code == 0:
-        exit_now(code)
-    sys.exit(code)
+    sys.exit(main())
