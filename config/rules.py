@@ -17,7 +17,7 @@ from mcorekit.config.experiment import Experiment, layout_of
 from mcorekit.config.model import model_problems, resolve_model
 from mcorekit.config.values import parse_time_minutes
 from mcorekit.errors import ModelError
-from mcorekit.models.fp8_grouped_mm import FP8_RECIPES, alignment_problem
+from mcorekit.models.fp8_grouped_mm import FP8_RECIPES, GPUS as FP8_GROUPED_GEMM_GPUS, alignment_problem
 from mcorekit.models.parallel import MEGATRON, Layout
 from mcorekit.models.parallel import layout_problems as weight_split_problems
 from mcorekit.models.spec import ModelSpec
@@ -99,7 +99,7 @@ def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None 
     out += dpo_problems(exp)
     out += grpo_problems(exp, lay, world)
     out += context_parallel_problems(exp, te)
-    out += moe_problems(exp, lay, te, model)
+    out += moe_problems(exp, lay, te, model, nodes.capability)
     out += memory_option_problems(exp, model, lay)
     out += fsdp_problems(exp, lay)
     out += time_limit_problems(exp, nodes)
@@ -360,29 +360,33 @@ def validation_problems(exp: Experiment) -> list[str]:
     return []
 
 
-def use_torch_expert_gemm(exp: Experiment, uses_te: bool) -> bool:
+def use_torch_expert_gemm(exp: Experiment, uses_te: bool, capability: tuple[int, int] | None = None) -> bool:
     """Whether the MoE experts run as torch._grouped_mm (models/grouped_mm_experts.py): asked for, or by default
     (auto), where it applies: bf16, or FP8 with bf16 weights under the delayed or tensorwise recipe (the experts'
     GEMMs then run torch._scaled_grouped_mm, models/fp8_grouped_mm.py), TE's grouped experts, and neither the
     a2a-overlap schedule (which splits the experts' backward into TE's own steps) nor recompute of the expert
-    activation (TEGroupedMLP's own)."""
+    activation (TEGroupedMLP's own). FP8 also needs a GPU the FP8 grouped GEMM runs on (`capability`, where known:
+    9.0 or 10.0; Ada and other Blackwells keep TE's experts)."""
     p = exp.precision
     moe_act_recompute = exp.recompute.granularity == "selective" and "moe_act" in exp.recompute.modules
-    fp8_ok = not p.fp8 or (p.fp8 in FP8_RECIPES and not p.fp8_params)
+    fp8_ok = not p.fp8 or (p.fp8 in FP8_RECIPES and not p.fp8_params
+                           and (capability is None or tuple(capability) in FP8_GROUPED_GEMM_GPUS))
     return (exp.moe.expert_gemm != "te" and uses_te and exp.moe.grouped_gemm and p.dtype == "bf16" and fp8_ok
             and not exp.moe.a2a_overlap and not moe_act_recompute)
 
 
-def expert_gemm_problems(exp: Experiment, uses_te: bool, model: ModelSpec | None = None) -> list[str]:
+def expert_gemm_problems(exp: Experiment, uses_te: bool, model: ModelSpec | None = None,
+                         capability: tuple[int, int] | None = None) -> list[str]:
     if exp.moe.expert_gemm != "torch":
         return []
-    if not use_torch_expert_gemm(exp, uses_te):
+    if not use_torch_expert_gemm(exp, uses_te, capability):
         return ["moe.expert_gemm=torch computes TE's grouped experts with torch._grouped_mm (bf16, or FP8 with the "
-                "delayed or tensorwise recipe and bf16 weights); with precision.fp8=blockwise/mxfp8, "
-                "precision.fp8_params, another dtype, moe.grouped_gemm=false, moe.a2a_overlap, recompute of moe_act "
-                "or without TE use moe.expert_gemm=te or auto"]
+                "delayed or tensorwise recipe and bf16 weights on a GPU of compute capability 9.0 or 10.0); with "
+                "precision.fp8=blockwise/mxfp8, precision.fp8_params, another dtype or GPU, moe.grouped_gemm=false, "
+                "moe.a2a_overlap, recompute of moe_act or without TE use moe.expert_gemm=te or auto"]
     misaligned = fp8_expert_alignment(exp, model)
-    return [f"moe.expert_gemm=torch with precision.fp8: {misaligned}; use moe.expert_gemm=te"] if misaligned else []
+    return [f"moe.expert_gemm=torch with precision.fp8: {misaligned}; use moe.expert_gemm=auto or te"] \
+        if misaligned else []
 
 
 def fp8_expert_alignment(exp: Experiment, model: ModelSpec | None) -> str | None:
@@ -392,7 +396,8 @@ def fp8_expert_alignment(exp: Experiment, model: ModelSpec | None) -> str | None
     return alignment_problem(model.hidden_size, model.moe_ffn_hidden_size or model.ffn_hidden_size)
 
 
-def moe_problems(exp: Experiment, lay: Layout, uses_te: bool, model: ModelSpec | None = None) -> list[str]:
+def moe_problems(exp: Experiment, lay: Layout, uses_te: bool, model: ModelSpec | None = None,
+                 capability: tuple[int, int] | None = None) -> list[str]:
     out = []
     own = model.moe_shared_expert_ffn_hidden_size if model is not None else None
     if own and exp.moe.shared_expert_ffn not in (None, own):  # the checkpoint must stay convertible to its HF family
@@ -406,13 +411,14 @@ def moe_problems(exp: Experiment, lay: Layout, uses_te: bool, model: ModelSpec |
                    f"DeepSeek-V3's n_shared_experts) or leave moe.shared_expert_ffn unset")
     if exp.moe.a2a_overlap and lay.ep == 1:
         out.append("moe.a2a_overlap overlaps the expert-parallel all-to-all, so it needs parallel.ep > 1")
-    out += expert_gemm_problems(exp, uses_te, model)
+    out += expert_gemm_problems(exp, uses_te, model, capability)
     if exp.moe.pad_to_capacity and exp.moe.capacity_factor is None:
         out.append("moe.pad_to_capacity pads each expert to its capacity, so it needs moe.capacity_factor (e.g. 1.0)")
     return out
 
 
-def full_graph_blockers(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: bool, dp: int | None) -> list[str]:
+def full_graph_blockers(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: bool, dp: int | None,
+                        capability: tuple[int, int] | None = None) -> list[str]:
     """What keeps a step from running as one CUDA graph (schedule.cuda_graph; empty: it applies). A captured step
     must have the same shapes every time and no host reads inside it; what is listed here either breaks that
     (packing, EP's token splits, TE's experts' host-side counts, token dropping) or has not been checked against
@@ -440,7 +446,7 @@ def full_graph_blockers(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: 
     if model.is_moe:
         checks += [
             ("MoE: the torch._grouped_mm experts (moe.expert_gemm auto or torch)",
-             use_torch_expert_gemm(exp, uses_te) and fp8_expert_alignment(exp, model) is None),
+             use_torch_expert_gemm(exp, uses_te, capability) and fp8_expert_alignment(exp, model) is None),
             ("MoE: the alltoall dispatcher with fused permutation", m.dispatcher == "alltoall" and m.permute_fusion),
             ("MoE: no token dropping (moe.capacity_factor unset)", m.capacity_factor is None),
             ("MoE: no expert bias or shared expert (moe.expert_bias, moe.shared_expert_ffn, or the model's own)",
@@ -452,14 +458,15 @@ def full_graph_blockers(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: 
     return [what for what, ok in checks if not ok]
 
 
-def use_full_graph(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: bool, dp: int | None) -> bool:
-    return exp.schedule.cuda_graph is not False and not full_graph_blockers(exp, model, uses_te, gpus, dp)
+def use_full_graph(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: bool, dp: int | None,
+                   capability: tuple[int, int] | None = None) -> bool:
+    return exp.schedule.cuda_graph is not False and not full_graph_blockers(exp, model, uses_te, gpus, dp, capability)
 
 
 def cuda_graph_problems(exp: Experiment, model: ModelSpec, uses_te: bool, nodes: Nodes, dp: int | None) -> list[str]:
     if exp.schedule.cuda_graph is not True:
         return []
-    missing = full_graph_blockers(exp, model, uses_te, nodes.gpus, dp)
+    missing = full_graph_blockers(exp, model, uses_te, nodes.gpus, dp, nodes.capability)
     if not missing:
         return []
     return [f"schedule.cuda_graph=true captures each step as one CUDA graph, which needs {'; '.join(missing)}: change "

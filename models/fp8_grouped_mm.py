@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 FP8_RECIPES = ("delayed", "tensorwise")  # precision.fp8 recipes whose experts run here (per-tensor scaled elsewhere)
+GPUS = ((9, 0), (10, 0))  # compute capabilities torch._scaled_grouped_mm runs on (Hopper, datacenter Blackwell)
 TINY = 1e-12  # an all-zero row gets this amax: its quantized values are zeros, and no scale is 0 or inf
 
 

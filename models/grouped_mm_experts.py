@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from mcorekit.models.fp8_grouped_mm import GPUS as FP8_GROUPED_GEMM_GPUS
 from mcorekit.models.fp8_grouped_mm import (FP8_RECIPES, Fp8Weights, alignment_problem, fp8_grouped_mm,
                                             fp8_grouped_mm_dgrad, quantize_weights)
 
@@ -98,6 +99,8 @@ class GroupedLinear(torch.autograd.Function):
             # autograd's formulas for _grouped_mm(x, w.transpose(1, 2)): the same calls, operands and layouts
             grad_x = fp8_grouped_mm_dgrad(grad, ends, ctx.fp8) if ctx.fp8 is not None \
                 else torch._grouped_mm(grad, w[0], offs=ends)
+        if not any(ctx.needs_input_grad[4:]):  # frozen experts (LoRA): no weight gradient to compute
+            return (grad_x, None, None, None, *([None] * len(ctx.weights)))
         grad_w = torch._grouped_mm(grad.transpose(-2, -1), x, offs=ends)  # [experts, out, in]
         if ctx.fuse_wgrad:
             accumulate_main_grads(ctx.weights, grad_w)
@@ -195,7 +198,7 @@ def grouped_mm_experts_class() -> type:
     class GroupedMMExperts(TEGroupedMLP):
         def _supported(self, x: torch.Tensor) -> bool:
             c = self.config
-            return ((not c.fp8 or self._fp8_supported()) and not getattr(c, "fp4", None) and x.dtype == torch.bfloat16
+            return ((not c.fp8 or self._fp8_supported(x)) and not getattr(c, "fp4", None) and x.dtype == torch.bfloat16
                     and x.shape[0] > 0 and c.gated_linear_unit and c.activation_func is F.silu
                     and not self.linear_fc1.use_bias and not self.linear_fc2.use_bias
                     and not c.moe_apply_probs_on_input and c.moe_mlp_glu_interleave_size is None
@@ -206,19 +209,24 @@ def grouped_mm_experts_class() -> type:
                     # gradients are TEGroupedMLP's own machinery: leave those runs to it
                     and not getattr(self, "activation_recompute", False) and not getattr(c, "delay_wgrad_compute", False))
 
-        def _fp8_supported(self) -> bool:
-            """FP8 with bf16 weights under a per-tensor recipe (delayed or tensorwise) in widths the kernel takes;
-            the block-scaled recipes and FP8 weights stay with TE."""
+        def _fp8_supported(self, x: torch.Tensor) -> bool:
+            """FP8 with bf16 weights under a per-tensor recipe (delayed or tensorwise), in widths the kernel takes
+            (this rank's: expert tensor parallelism splits the FFN), on a GPU it runs on; the block-scaled recipes,
+            FP8 weights and other GPUs stay with TE (config/rules.py sends those runs there)."""
             c = self.config
-            return (c.fp8_recipe in FP8_RECIPES and not c.fp8_param
-                    and alignment_problem(c.hidden_size, c.moe_ffn_hidden_size) is None)
+            hidden, ffn = self.linear_fc2.weight0.shape  # [hidden, local FFN]
+            return (c.fp8_recipe in FP8_RECIPES and not c.fp8_param and alignment_problem(hidden, ffn) is None
+                    and x.is_cuda and torch.cuda.get_device_capability(x.device) in FP8_GROUPED_GEMM_GPUS)
+
+        def _forget_fp8_weights_on_a_new_step(self) -> None:
+            if getattr(self.linear_fc1, "is_first_microbatch", True):  # the optimizer has changed the weights
+                self.fp8_weights = None
 
         def _fp8_weights(self, fc1: list[torch.Tensor], fc2: list[torch.Tensor]) -> tuple[Fp8Weights, Fp8Weights]:
             """The experts' weights in FP8, quantized on each step's first micro-batch and reused by the others, as
             TE caches its layers' FP8 weights: Megatron's schedule sets `is_first_microbatch` on the bypassed
             GroupedLinear modules at the start of each step (disable_parameter_transpose_cache: every time)."""
-            first = getattr(self.linear_fc1, "is_first_microbatch", True) or self.config.disable_parameter_transpose_cache
-            if first or getattr(self, "fp8_weights", None) is None:
+            if self.config.disable_parameter_transpose_cache or getattr(self, "fp8_weights", None) is None:
                 self.fp8_weights = (quantize_weights(torch.stack(fc1).detach()),
                                     quantize_weights(torch.stack(fc2).detach()))
             self.linear_fc1.is_first_microbatch = self.linear_fc2.is_first_microbatch = False
@@ -227,6 +235,7 @@ def grouped_mm_experts_class() -> type:
         def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                     permuted_probs: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             x = permuted_local_hidden_states
+            self._forget_fp8_weights_on_a_new_step()  # before the choice: TE's forward, below, clears the flag too
             if args or kwargs or not self._supported(x):
                 return super().forward(x, tokens_per_expert, permuted_probs, *args, **kwargs)
             for linear in (self.linear_fc1, self.linear_fc2):

@@ -141,3 +141,48 @@ def test_the_kernel_contract_is_checked() -> None:
 def test_alignment() -> None:
     assert fp8.alignment_problem(2048, 1408) is None
     assert fp8.alignment_problem(2050, 1408) == "FP8 grouped GEMMs need multiples of 16, got hidden size 2050"
+
+
+def test_weights_are_quantized_once_per_step_and_again_after_an_update() -> None:
+    """GroupedMMExperts' FP8 weight cache, with the flags Megatron's schedule sets: a step's first micro-batch
+    quantizes, the others reuse it; the next step (after the optimizer changed the weights) quantizes anew, also
+    when TE's own forward took its first micro-batch and cleared the flag; disable_parameter_transpose_cache
+    quantizes every time."""
+    from types import SimpleNamespace
+
+    from mcorekit.models.grouped_mm_experts import grouped_mm_experts_class
+
+    experts = grouped_mm_experts_class()
+    w1 = [torch.randn(48, 32, dtype=torch.bfloat16) for _ in range(2)]
+    w2 = [torch.randn(32, 24, dtype=torch.bfloat16) for _ in range(2)]
+    me = SimpleNamespace(linear_fc1=SimpleNamespace(is_first_microbatch=True),
+                         linear_fc2=SimpleNamespace(is_first_microbatch=True),
+                         config=SimpleNamespace(disable_parameter_transpose_cache=False), fp8_weights=None)
+
+    def micro_batch(te_took_it: bool = False):
+        experts._forget_fp8_weights_on_a_new_step(me)  # forward's first call, before it chooses a path
+        if te_took_it:  # TEGroupedMLP's forward ran instead: it clears the flags and leaves the cache alone
+            me.linear_fc1.is_first_microbatch = me.linear_fc2.is_first_microbatch = False
+            return None
+        return experts._fp8_weights(me, w1, w2)
+
+    def new_step():
+        me.linear_fc1.is_first_microbatch = me.linear_fc2.is_first_microbatch = True  # set_is_first_microbatch
+
+    first = micro_batch()
+    assert micro_batch() is first and not me.linear_fc1.is_first_microbatch
+    torch.testing.assert_close(first[0].rows.float() * first[0].row_scale[..., None], torch.stack(w1).float(),
+                               rtol=1 / 16, atol=1e-2)
+    for w in w1 + w2:
+        w.mul_(-2)  # the optimizer's update
+    new_step()
+    second = micro_batch()
+    assert second is not first and torch.equal(second[0].rows, fp8.quantize_weights(torch.stack(w1)).rows)
+    for w in w1 + w2:
+        w.mul_(3)
+    new_step()
+    assert micro_batch(te_took_it=True) is None
+    third = micro_batch()  # the step's first micro-batch went to TE: the cache was still dropped
+    assert torch.equal(third[1].rows, fp8.quantize_weights(torch.stack(w2)).rows)
+    me.config.disable_parameter_transpose_cache = True
+    assert micro_batch() is not micro_batch()

@@ -449,3 +449,27 @@ def test_one_grpo_step_builds_what_the_formulas_say(driver: dict, example: Path)
         mb = range(4 * k, 4 * k + 4)
         assert m["loss"] == pytest.approx(-sum(want[i] * lengths[i] for i in mb) / task["token_total"], abs=1e-5)
     assert any(x > 0 for x in task["grads"]) or all(a == 0 for a in want)
+
+
+def test_generation_recasts_fp8_weights_after_the_update() -> None:
+    """Generation calls the model outside Megatron's schedule, which is what tells FP8 layers (TE's, and the FP8
+    experts) that a new step began and their cached FP8 weights are stale: generation_mode tells them itself, through
+    every wrapper, and leaves the train/eval mode as it was."""
+    from mcorekit.train.generate import generation_mode
+
+    class Model(torch.nn.Module):
+        told = 0
+
+        def set_is_first_microbatch(self) -> None:
+            self.told += 1
+
+    class Wrapper(torch.nn.Module):  # DDP / Float16Module hold the model as .module
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    inner = Model()
+    chunk = Wrapper(Wrapper(inner))
+    with generation_mode([chunk], inference=False):
+        assert inner.told == 1 and not chunk.training
+    assert chunk.training and inner.told == 1

@@ -187,8 +187,14 @@ def test_expert_gemm_resolution() -> None:
     assert expert_gemm_problems(exp("moe.expert_gemm=torch", "precision.fp8=tensorwise"), True, moe) == []
     assert expert_gemm_problems(exp("moe.expert_gemm=torch", "precision.fp8=tensorwise"), True, odd) == [
         "moe.expert_gemm=torch with precision.fp8: FP8 grouped GEMMs need multiples of 16, got expert FFN size 200; "
-        "use moe.expert_gemm=te"]
+        "use moe.expert_gemm=auto or te"]
     assert expert_gemm_problems(exp("moe.expert_gemm=torch"), True, odd) == []  # bf16 has no such need
+    # torch._scaled_grouped_mm runs on compute capability 9.0 and 10.0: elsewhere FP8 MoE keeps TE's experts
+    for gpu, ok in (((9, 0), True), ((10, 0), True), ((8, 9), False), ((12, 0), False), (None, True)):
+        assert use_torch_expert_gemm(exp("precision.fp8=delayed"), True, gpu) is ok, gpu
+        assert use_torch_expert_gemm(exp(), True, gpu)  # bf16 anywhere
+    assert "compute capability 9.0 or 10.0" in expert_gemm_problems(
+        exp("moe.expert_gemm=torch", "precision.fp8=delayed"), True, moe, (8, 9))[0]
 
 
 def test_start_line_names_the_experts_class() -> None:
@@ -259,7 +265,11 @@ def test_step_graph_where_it_applies() -> None:
         fp8_blocker]
     for recipe in ("delayed", "tensorwise"):  # FP8 steps are captured too (tests/test_gpu_train.py compares them)
         assert full_graph_blockers(exp(f"precision.fp8={recipe}"), dense, True, True, 1) == []
-        assert full_graph_blockers(exp(f"precision.fp8={recipe}"), moe, True, True, 1) == []
+        assert full_graph_blockers(exp(f"precision.fp8={recipe}"), moe, True, True, 1, (9, 0)) == []
+    # on an Ada GPU FP8 MoE takes TE's experts, whose host-side counts keep the step eager
+    assert full_graph_blockers(exp("precision.fp8=delayed"), moe, True, True, 1, (8, 9)) == [
+        "MoE: the torch._grouped_mm experts (moe.expert_gemm auto or torch)"]
+    assert full_graph_blockers(exp("precision.fp8=delayed"), dense, True, True, 1, (8, 9)) == []
     assert full_graph_blockers(exp("precision.fp8=delayed"), replace(moe, moe_ffn_hidden_size=200), True, True, 1) == [
         "MoE: the torch._grouped_mm experts (moe.expert_gemm auto or torch)"]
     assert full_graph_blockers(exp("moe.expert_gemm=te", "moe.capacity_factor=1.5"), moe, True, True, 1) == [
@@ -348,9 +358,10 @@ def test_launcher_runs_megatron_core_checks() -> None:
         check(exp(gbs, "data.kind=sft", "data.paths=[x.jsonl]", "data.packing=true", "schedule.micro_batch_size=2"), h100)
     with pytest.raises(LayoutError, match="moe.a2a_overlap .* needs parallel.ep > 1"):
         check(exp(gbs, "moe.a2a_overlap=true"), h100)
-    with pytest.raises(LayoutError, match="moe.expert_gemm=torch computes TE's grouped experts in bf16"):
-        check(exp(gbs, "moe.expert_gemm=torch", "precision.fp8=delayed"), h100)
-    check(exp(gbs, "precision.fp8=delayed"), h100)  # auto: TE's experts under FP8, no complaint
+    with pytest.raises(LayoutError, match="moe.expert_gemm=torch computes TE's grouped experts with torch._grouped_mm"):
+        check(exp(gbs, "moe.expert_gemm=torch", "precision.fp8=blockwise"), h100)
+    check(exp(gbs, "precision.fp8=blockwise"), h100)  # auto: TE's experts under block-scaled FP8, no complaint
+    check(exp(gbs, "moe.expert_gemm=torch", "precision.fp8=delayed"), h100)  # the FP8 grouped GEMM
     with pytest.raises(LayoutError, match="moe.pad_to_capacity .* needs moe.capacity_factor"):
         check(exp(gbs, "moe.pad_to_capacity=true"), h100)
     with pytest.raises(LayoutError, match="schedule.eval_interval=100 needs held-out data: data.valid_paths"):

@@ -81,7 +81,7 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
     nodes = Nodes.here(ranks.local_rank)
     check(exp, spec, ranks.world_size, nodes)
     use_te = uses_te(exp, nodes)
-    full_graph = use_full_graph(exp, spec, use_te, nodes.gpus, layout_of(exp).dp(ranks.world_size))
+    full_graph = use_full_graph(exp, spec, use_te, nodes.gpus, layout_of(exp).dp(ranks.world_size), nodes.capability)
     startup.mark("checks")  # Megatron-Core's and TE's imports happen here: the rules build Megatron-Core's configs
     env = init_distributed(exp, graph_safe_rng=full_graph)
     if full_graph:
@@ -92,7 +92,7 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
         _init_tp_comm_overlap(exp, spec)
     padded_vocab = padded_vocab_size(spec.vocab_size, 128 * exp.parallel.tp)
     ddp_config = margs.ddp_config(exp, full_graph)
-    torch_expert_gemm = use_torch_expert_gemm(exp, use_te)
+    torch_expert_gemm = use_torch_expert_gemm(exp, use_te, nodes.capability)
     weights_from = _weights_before_wrap(exp, ddp_config, checkpoints)
     chunks = []
     for vp in range(exp.parallel.vpp or 1):

@@ -364,7 +364,8 @@ def frozen_copy(t: Trainer) -> list[Any]:
     config = copy.copy(checkpoint.unwrap(t.model[0]).config)
     for hook in ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func", "grad_scale_func"):
         setattr(config, hook, None)
-    use_te = uses_te(exp, Nodes.here(t.env.local_rank))
+    nodes = Nodes.here(t.env.local_rank)
+    use_te = uses_te(exp, nodes)
     seed = exp.data.seed + 100 * ps.get_pipeline_model_parallel_rank()  # as build.init_distributed seeds the policy
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -374,7 +375,7 @@ def frozen_copy(t: Trainer) -> list[Any]:
         chunk = build_gpt(t.spec, config, t.padded_vocab, use_te=use_te, grouped_gemm=config.moe_grouped_gemm,
                           pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                           post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                          vp_stage=vp_stage, torch_expert_gemm=use_torch_expert_gemm(exp, use_te)).cuda()
+                          vp_stage=vp_stage, torch_expert_gemm=use_torch_expert_gemm(exp, use_te, nodes.capability)).cuda()
         if config.params_dtype != torch.float32:
             chunk = Float16Module(config, chunk)
         chunk.requires_grad_(False)
