@@ -512,6 +512,31 @@ def save_levers_headline(m: Measurement) -> str:
     return "save GB/s (of dd write): " + ", ".join(parts)
 
 
+def fp8_quant_table(m: Measurement) -> str:
+    quant = [r for r in m.results if "eager_ms" in r]
+    gemms = [r for r in m.results if "tflops" in r]
+    totals = [r for r in m.results if "bf16_ms" in r]
+    out = table(["quantize", "eager ms", "torch.compile ms", "bf16 copy ms", "compiled bitwise equal", "per step"],
+                [[r["what"].removeprefix("quantize "), f"{r['eager_ms']:.3f}" if r.get("per_step") else f"**{r['eager_ms']:.1f}**",
+                  f"{r['compiled_ms']:.3f}" if r.get("per_step") else f"**{r['compiled_ms']:.1f}**",
+                  f"{r['bf16_copy_ms']:.3f}" if r.get("per_step") else f"**{r['bf16_copy_ms']:.1f}**",
+                  {True: "yes", False: "no"}.get(r.get("compiled_bitwise_equal"), ""), str(r.get("per_step", ""))]
+                 for r in quant])
+    out += "\n\n" + table(["GEMM", "ms", "TFLOP/s"], [[r["what"].removesuffix(" (GEMM only)"), f"{r['ms']:.3f}",
+                                                     f"{r['tflops']:.0f}"] for r in gemms])
+    for r in totals:
+        out += f"\n\n{r['what']}: bf16 {r['bf16_ms']:.1f} ms, FP8 {r['fp8_ms']:.1f} ms."
+    return out
+
+
+def fp8_quant_headline(m: Measurement) -> str:
+    step = next(r for r in m.results if "eager_ms" in r and not r.get("per_step"))
+    gemm = next((r for r in m.results if "bf16_ms" in r), None)
+    saved = f"; FP8 GEMMs save {gemm['bf16_ms'] - gemm['fp8_ms']:.1f} ms" if gemm else ""
+    return (f"quantization per step: eager {step['eager_ms']:.1f} ms, torch.compile {step['compiled_ms']:.1f} ms "
+            f"(bf16 copy {step['bf16_copy_ms']:.1f} ms){saved}")
+
+
 KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str]]] = {
     "train_bench": (train_bench_table, train_bench_headline),
     "overlap_bench": (overlap_table, overlap_headline),
@@ -524,6 +549,7 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "start_save": (start_save_table, start_save_headline),
     "grpo_example": (grpo_example_table, grpo_example_headline),
     "save_levers": (save_levers_table, save_levers_headline),
+    "fp8_quant": (fp8_quant_table, fp8_quant_headline),
 }
 
 
