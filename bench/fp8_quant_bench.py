@@ -64,17 +64,17 @@ def main() -> int:
         print(json.dumps(row), flush=True)
 
     dev, bf16 = "cuda", torch.bfloat16
-    w1 = torch.randn(EXPERTS, 2 * FFN, HIDDEN, device=dev, dtype=bf16) / 45
-    w2 = torch.randn(EXPERTS, HIDDEN, FFN, device=dev, dtype=bf16) / 38
+    fc1_w = torch.randn(EXPERTS, 2 * FFN, HIDDEN, device=dev, dtype=bf16) / 45
+    fc2_w = torch.randn(EXPERTS, HIDDEN, FFN, device=dev, dtype=bf16) / 38
     tensors = {  # name: (tensor, how often per step)
         "fc1 input [16384, 2048]": (torch.randn(ROWS, HIDDEN, device=dev, dtype=bf16), LAYERS * MICRO_BATCHES),
         "fc2 input [16384, 1408]": (torch.randn(ROWS, FFN, device=dev, dtype=bf16), LAYERS * MICRO_BATCHES),
         "fc2 output grad [16384, 2048]": (torch.randn(ROWS, HIDDEN, device=dev, dtype=bf16), LAYERS * MICRO_BATCHES),
         "fc1 output grad [16384, 2816]": (torch.randn(ROWS, 2 * FFN, device=dev, dtype=bf16), LAYERS * MICRO_BATCHES),
-        "fc1 weights [8, 2816, 2048]": (w1, LAYERS),
-        "fc1 weights transposed": (w1.transpose(1, 2), LAYERS),
-        "fc2 weights [8, 2048, 1408]": (w2, LAYERS),
-        "fc2 weights transposed": (w2.transpose(1, 2), LAYERS),
+        "fc1 weights [8, 2816, 2048]": (fc1_w, LAYERS),
+        "fc1 weights transposed": (fc1_w.transpose(1, 2), LAYERS),
+        "fc2 weights [8, 2048, 1408]": (fc2_w, LAYERS),
+        "fc2 weights transposed": (fc2_w.transpose(1, 2), LAYERS),
     }
     step = {"eager": 0.0, "compiled": 0.0, "copy": 0.0}
     for name, (t, per_step) in tensors.items():
@@ -97,8 +97,8 @@ def main() -> int:
     counts = torch.full((EXPERTS,), ROWS // EXPERTS, device=dev)
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
     gemm_step = {"bf16": 0.0, "fp8": 0.0}
-    for name, x, w in (("fc1", tensors["fc1 input [16384, 2048]"][0], w1),
-                       ("fc2", tensors["fc2 input [16384, 1408]"][0], w2)):
+    for name, x, w in (("fc1", tensors["fc1 input [16384, 2048]"][0], fc1_w),
+                       ("fc2", tensors["fc2 input [16384, 1408]"][0], fc2_w)):
         if time.monotonic() - started > a.budget:
             break
         q = fp8.quantize_weights(w)
