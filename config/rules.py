@@ -369,10 +369,15 @@ def use_torch_expert_gemm(exp: Experiment, uses_te: bool, capability: tuple[int,
     9.0 or 10.0; Ada and other Blackwells keep TE's experts)."""
     p = exp.precision
     moe_act_recompute = exp.recompute.granularity == "selective" and "moe_act" in exp.recompute.modules
-    fp8_ok = not p.fp8 or (p.fp8 in FP8_RECIPES and not p.fp8_params
-                           and (capability is None or tuple(capability) in FP8_GROUPED_GEMM_GPUS))
+    fp8_ok = not p.fp8 or (per_tensor_fp8(exp) and (capability is None or tuple(capability) in FP8_GROUPED_GEMM_GPUS))
     return (exp.moe.expert_gemm != "te" and uses_te and exp.moe.grouped_gemm and p.dtype == "bf16" and fp8_ok
             and not exp.moe.a2a_overlap and not moe_act_recompute)
+
+
+def per_tensor_fp8(exp: Experiment) -> bool:
+    """precision.fp8 with a per-tensor scaled recipe (delayed, tensorwise) and bf16 weights: what the FP8 grouped
+    experts and the step graph take."""
+    return exp.precision.fp8 in FP8_RECIPES and not exp.precision.fp8_params
 
 
 def expert_gemm_problems(exp: Experiment, uses_te: bool, model: ModelSpec | None = None,
@@ -429,7 +434,7 @@ def full_graph_blockers(exp: Experiment, model: ModelSpec, uses_te: bool, gpus: 
         ("one model replica per GPU (tp, pp, cp, ep = 1)", (lay.tp, lay.pp, lay.cp, lay.ep, lay.vpp) == (1, 1, 1, 1, None)),
         ("one data-parallel rank", dp == 1),
         ("precision.dtype=bf16, without precision.fp8 or with its delayed or tensorwise recipe and bf16 weights",
-         p.dtype == "bf16" and (not p.fp8 or (p.fp8 in FP8_RECIPES and not p.fp8_params))),
+         p.dtype == "bf16" and (not p.fp8 or per_tensor_fp8(exp))),
         ("pretraining data (data.kind mock or indexed)", exp.data.kind in ("mock", "indexed")),
         ("no data.dynamic_batching", not exp.data.dynamic_batching),
         ("no peft.lora", exp.peft.lora is None),

@@ -25,9 +25,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from mcorekit.models.fp8_grouped_mm import GPUS as FP8_GROUPED_GEMM_GPUS
-from mcorekit.models.fp8_grouped_mm import (FP8_RECIPES, Fp8Weights, alignment_problem, fp8_grouped_mm,
-                                            fp8_grouped_mm_dgrad, quantize_weights)
+from mcorekit.models.fp8_grouped_mm import FP8_RECIPES, GPUS as FP8_GROUPED_GEMM_GPUS
+from mcorekit.models.fp8_grouped_mm import Fp8Weights, alignment_problem, fp8_grouped_mm, fp8_grouped_mm_dgrad, quantize_weights
 
 def grouped_swiglu_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
                        fc1: torch.Tensor | Sequence[torch.Tensor], fc2: torch.Tensor | Sequence[torch.Tensor],

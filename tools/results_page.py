@@ -516,10 +516,12 @@ def fp8_quant_table(m: Measurement) -> str:
     quant = [r for r in m.results if "eager_ms" in r]
     gemms = [r for r in m.results if "tflops" in r]
     totals = [r for r in m.results if "bf16_ms" in r]
+
+    def ms(r: dict, key: str) -> str:  # one call's time; the per-step total (no per_step) in bold
+        return f"{r[key]:.3f}" if r.get("per_step") else f"**{r[key]:.1f}**"
+
     out = table(["quantize", "eager ms", "torch.compile ms", "bf16 copy ms", "compiled bitwise equal", "per step"],
-                [[r["what"].removeprefix("quantize "), f"{r['eager_ms']:.3f}" if r.get("per_step") else f"**{r['eager_ms']:.1f}**",
-                  f"{r['compiled_ms']:.3f}" if r.get("per_step") else f"**{r['compiled_ms']:.1f}**",
-                  f"{r['bf16_copy_ms']:.3f}" if r.get("per_step") else f"**{r['bf16_copy_ms']:.1f}**",
+                [[r["what"].removeprefix("quantize "), ms(r, "eager_ms"), ms(r, "compiled_ms"), ms(r, "bf16_copy_ms"),
                   {True: "yes", False: "no"}.get(r.get("compiled_bitwise_equal"), ""), str(r.get("per_step", ""))]
                  for r in quant])
     out += "\n\n" + table(["GEMM", "ms", "TFLOP/s"], [[r["what"].removesuffix(" (GEMM only)"), f"{r['ms']:.3f}",

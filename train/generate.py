@@ -162,8 +162,9 @@ def generation_mode(chunks: list[Any], inference: bool) -> Iterator[None]:
         c.eval()
         # FP8 layers (TE's, and the FP8 experts) cache their weights' FP8 copies until told a new step began; the
         # schedule tells them each training step, generation calls the model directly: recast after the update
-        if hasattr(unwrap(c), "set_is_first_microbatch"):
-            unwrap(c).set_is_first_microbatch()
+        model = unwrap(c)
+        if hasattr(model, "set_is_first_microbatch"):
+            model.set_is_first_microbatch()
     if inference:
         InferenceMode.set_active()
     try:
