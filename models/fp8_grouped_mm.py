@@ -17,7 +17,8 @@ node, where the launcher stays quick without it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+import functools
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -30,13 +31,39 @@ TINY = 1e-12  # an all-zero row gets this amax: its quantized values are zeros, 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t [..., rows, cols] -> (e4m3 values of the same shape, contiguous; fp32 dequantization scale per row
-    [..., rows]), with values * scale ~= t. Any strides in; the amax is one reduction kernel over t's own dtype."""
+    [..., rows]), with values * scale ~= t. Any strides in. On a GPU the ops below run as one kernel that
+    torch.compile generates: bench/fp8_quant_bench.py measured them at 139 ms per step of the MoE benchmark as
+    separate kernels and 43 ms fused (one H200; a bf16 copy of the same tensors takes 26)."""
+    if not t.is_cuda:
+        return quantize_rows_eager(t)
+    import torch
+
+    for dim in range(t.dim()):  # activations and gradients: any number of token rows, one kernel per width
+        if t.dim() == 2 and dim == 0:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        else:
+            torch._dynamo.mark_static(t, dim)  # weights: their own kernels, never a shape-generic one
+    with torch.no_grad():  # never differentiated; one grad mode, so calls from generation do not recompile
+        return _fused_quantize_rows()(t)
+
+
+def quantize_rows_eager(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows as torch ops: the amax is one reduction over t's own dtype, then a scale and a cast."""
     import torch
 
     amax = torch.linalg.vector_norm(t, float("inf"), dim=-1, keepdim=True).float()
     scale = amax.clamp(min=TINY) / E4M3_MAX
     values = (t * scale.reciprocal()).to(torch.float8_e4m3fn, memory_format=torch.contiguous_format)
     return values, scale.squeeze(-1)
+
+
+@functools.cache
+def _fused_quantize_rows() -> Callable:
+    """Compiled on first use. It recompiles per weight shape and per activation width: seven graphs for a model
+    whose MoE layers share one shape, within torch's limit of eight per function."""
+    import torch
+
+    return torch.compile(quantize_rows_eager, fullgraph=True)
 
 
 class Fp8Weights(NamedTuple):

@@ -184,6 +184,30 @@ def test_fp8_grouped_gemm_kernel_and_capture() -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager, captured))
 
 
+def test_fp8_quantization_compiles_one_kernel_per_width() -> None:
+    """quantize_rows on a GPU is torch.compile's kernel of the torch ops it replaces (quantize_rows_eager): the same
+    scales to float rounding and the same e4m3 values but for rare neighbours; one compiled graph per activation
+    width and per weight shape, none for another number of token rows (expert parallelism, packing)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from mcorekit.models import fp8_grouped_mm as fp8
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 96, 272, device="cuda", dtype=torch.bfloat16)
+    tensors = [torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) * 3
+               for rows, width in ((100, 272), (300, 272), (7, 336), (512, 336), (1, 272))]
+    tensors += [w, w.transpose(1, 2)]
+    before = counters["stats"]["unique_graphs"]
+    for t in tensors:
+        (q, scale), (q_ref, scale_ref) = fp8.quantize_rows(t), fp8.quantize_rows_eager(t)
+        assert q.dtype == torch.float8_e4m3fn and q.is_contiguous() and q.shape == t.shape
+        torch.testing.assert_close(scale, scale_ref, rtol=2e-7, atol=0)
+        differ = (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean().item()
+        assert differ < 1e-3, differ
+    assert counters["stats"]["unique_graphs"] - before == 4  # widths 272 and 336, the weights in two layouts
+
+
 def test_moe_shared_expert_and_aux_loss_free_balancing(tmp_path: Path) -> None:
     cfg = {**MOE, "moe": {**MOE["moe"], "shared_expert_ffn": 256, "expert_bias": True, "router_fusion": True}}
     m = run(tmp_path, "moe-shared", cfg)
