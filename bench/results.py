@@ -41,10 +41,15 @@ def single_gpu_env(port: int) -> dict[str, str]:
             "MASTER_PORT": str(port), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
-def run_training(cmd: list[str], env: dict[str, str], run_dir: Path) -> subprocess.CompletedProcess:
+def run_training(cmd: list[str], env: dict[str, str], run_dir: Path, timeout: float = 900.0) -> subprocess.CompletedProcess:
     """One training process of a benchmark: its output goes to run_dir/log.txt, and its final checkpoint is
-    deleted (not needed; ~20 GB for the MoE shape, which filled the GPU machine's 64 GB disk)."""
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    deleted (not needed; ~20 GB for the MoE shape, which filled the GPU machine's 64 GB disk). A process still
+    running (or whose output pipe is still open) after `timeout` seconds is killed and counts as failed (124)."""
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        proc = subprocess.CompletedProcess(cmd, 124, out + f"\nbench: killed after {timeout:.0f} s", "")
     shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
     (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     return proc

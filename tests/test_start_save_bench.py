@@ -61,7 +61,8 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
                   step(1, 7.0), step(2, 2.0), step(3, 2.0), saved(3, 20.0, False)]
         end = json.loads(lines[-1].split(" ", 2)[2])["end"]  # then the exit path's marks, as __main__.shut_down
         lines.append("mcorekit.train: shutdown " + json.dumps({"trained": end + 0.2, "host_cache_released": end + 0.7,
-                                                               "destroyed": end + 0.8}))
+                                                               "destroyed": end + 0.8,
+                                                               "exit_handlers": end + 0.85}))
     else:
         assert "-c" in cmd and "load_then_delete" in cmd[cmd.index("-c") + 1]  # the worker keeps one checkpoint
         import shutil
@@ -90,7 +91,8 @@ def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pyte
     assert (r["save"]["save_s"], r["save"]["ckpt_gb"], r["save"]["step_s"]) == (20.0, 35.0, 2.0)
     assert r["save"]["exit_after_save_s"] >= 1.0
     ex = r["save"]["exit_phases"]
-    assert (ex["close"], ex["host_cache"], ex["destroy"]) == (0.2, 0.5, 0.1) and ex["interpreter_exit"] >= 0.1
+    assert (ex["close"], ex["host_cache"], ex["destroy"], ex["exit_handlers"]) == (0.2, 0.5, 0.1, 0.05)
+    assert ex["exit"] >= 0.1
     assert r["async"]["exit_phases"] == {}  # that run's stand-in prints no shutdown line
     a = r["async"]
     assert a["load_s"] == 17.0 and r["load_gb_per_s"] == round(35.0 / 17.0, 3)  # resume minus the bench's delete

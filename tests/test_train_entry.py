@@ -3,6 +3,7 @@ root (a launched run's own folder), never next to the config file."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,3 +39,32 @@ def test_no_gpu_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
     assert [ln for ln in lines if "error" in ln] == lines and len(lines) == 1
     assert lines[0].startswith("mcorekit.train: error: no CUDA GPU on this machine")
     assert sorted(p.name for p in TINY.parent.iterdir()) == before and not (tmp_path / "root").exists()
+
+
+def test_a_finished_run_runs_the_exit_handlers_then_leaves_at_once(tmp_path: Path) -> None:
+    """shut_down then leave, as `python -m mcorekit.train` ends a run, on a one-rank gloo group (the GPU run's NCCL
+    group cannot start here). The child process stands in for torch's compile workers: it inherited our stdout and
+    lives until an exit handler stops it. A plain os._exit skipped that handler and left the reader of our output
+    waiting (a benchmark's pipe stayed open for 480 s on an H200); here the run ends at once, its exit handlers
+    ran, its unflushed output arrived and the shutdown line has its marks."""
+    script = tmp_path / "end.py"
+    script.write_text(
+        "import atexit, pathlib, subprocess, sys\n"
+        "import torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "atexit.register(child.kill)\n"
+        f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'handler')!r}).write_text('ran'))\n"
+        "sys.stdout = open(sys.stdout.fileno(), 'w', buffering=1 << 20, closefd=False)  # nothing flushes by itself\n"
+        "print('last metrics line')\n"
+        "from mcorekit.train.__main__ import leave, shut_down\n"
+        "shut_down()\n"
+        "print('after shutdown', end='')\n"
+        "leave(0)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    first, shutdown, last = proc.stdout.split("\n")
+    assert first == "last metrics line" and last == "after shutdown"
+    marks = json.loads(shutdown.removeprefix("mcorekit.train: shutdown "))
+    assert list(marks) == ["trained", "host_cache_released", "destroyed", "exit_handlers"]
+    assert (tmp_path / "handler").read_text() == "ran"
