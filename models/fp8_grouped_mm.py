@@ -31,20 +31,18 @@ TINY = 1e-12  # an all-zero row gets this amax: its quantized values are zeros, 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t [..., rows, cols] -> (e4m3 values of the same shape, contiguous; fp32 dequantization scale per row
-    [..., rows]), with values * scale ~= t. Any strides in. On a GPU the ops below run as one kernel that
-    torch.compile generates: bench/fp8_quant_bench.py measured them at 139 ms per step of the MoE benchmark as
-    separate kernels and 43 ms fused (one H200; a bf16 copy of the same tensors takes 26)."""
-    if not t.is_cuda:
+    [..., rows]), with values * scale ~= t. Any strides in. On a GPU a 2-D t (activations, gradients) goes through
+    one kernel that torch.compile makes of quantize_rows_eager, one per width for any number of rows:
+    bench/fp8_quant_bench.py measured 139 ms per step of the MoE benchmark as separate kernels, 41 ms fused (one
+    H200; a bf16 copy of the same tensors takes 26)."""
+    if not (t.is_cuda and t.dim() == 2):
         return quantize_rows_eager(t)
     import torch
 
-    for dim in range(t.dim()):  # activations and gradients: any number of token rows, one kernel per width
-        if t.dim() == 2 and dim == 0:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        else:
-            torch._dynamo.mark_static(t, dim)  # weights: their own kernels, never a shape-generic one
+    torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.mark_static(t, 1)
     with torch.no_grad():  # never differentiated; one grad mode, so calls from generation do not recompile
-        return _fused_quantize_rows()(t)
+        return _compiled(quantize_rows_eager)(t)
 
 
 def quantize_rows_eager(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,15 +55,6 @@ def quantize_rows_eager(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scale.squeeze(-1)
 
 
-@functools.cache
-def _fused_quantize_rows() -> Callable:
-    """Compiled on first use. It recompiles per weight shape and per activation width: seven graphs for a model
-    whose MoE layers share one shape, within torch's limit of eight per function."""
-    import torch
-
-    return torch.compile(quantize_rows_eager, fullgraph=True)
-
-
 class Fp8Weights(NamedTuple):
     """One grouped linear's expert weights [experts, out, in] in e4m3, in the two layouts its GEMMs read."""
     rows: torch.Tensor        # [experts, out, in]: scaled per output row, for the forward
@@ -75,9 +64,39 @@ class Fp8Weights(NamedTuple):
 
 
 def quantize_weights(w: torch.Tensor) -> Fp8Weights:
-    rows, row_scale = quantize_rows(w)
-    cols, col_scale = quantize_rows(w.transpose(1, 2))
-    return Fp8Weights(rows, row_scale, cols, col_scale)
+    """w [experts, out, in] -> both layouts. The rows go through quantize_rows as [experts * out, in] rows, so the
+    activations' kernels of that width serve them; the columns through one kernel per weight shape."""
+    experts, out, inp = w.shape
+    rows, row_scale = quantize_rows(w.reshape(experts * out, inp))
+    cols, col_scale = quantize_columns(w)
+    return Fp8Weights(rows.view(experts, out, inp), row_scale.view(experts, out), cols, col_scale)
+
+
+def quantize_columns(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [experts, out, in] -> quantize_rows of w.transpose(1, 2): [experts, in, out] values, contiguous, and a
+    scale per (expert, input column)."""
+    if not w.is_cuda:
+        return _transposed_rows(w)
+    import torch
+
+    for dim in range(w.dim()):
+        torch._dynamo.mark_static(w, dim)
+    with torch.no_grad():
+        return _compiled(_transposed_rows)(w)
+
+
+def _transposed_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_rows_eager(w.transpose(1, 2))
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """torch.compile(fn), made on first use. torch keeps at most eight compiled graphs per function and runs it
+    uncompiled beyond them (correct, slower): a model's experts need three widths of quantize_rows (hidden, FFN,
+    twice the FFN) and two weight shapes of _transposed_rows."""
+    import torch
+
+    return torch.compile(fn)
 
 
 def fp8_grouped_mm(x: torch.Tensor, ends: torch.Tensor, w: Fp8Weights) -> torch.Tensor:

@@ -185,27 +185,33 @@ def test_fp8_grouped_gemm_kernel_and_capture() -> None:
 
 
 def test_fp8_quantization_compiles_one_kernel_per_width() -> None:
-    """quantize_rows on a GPU is torch.compile's kernel of the torch ops it replaces (quantize_rows_eager): the same
-    scales to float rounding and the same e4m3 values but for rare neighbours; one compiled graph per activation
-    width and per weight shape, none for another number of token rows (expert parallelism, packing)."""
+    """quantize_rows and quantize_weights on a GPU are torch.compile's kernels of the torch ops they replace
+    (quantize_rows_eager): the same scales to float rounding and the same e4m3 values but for rare neighbours; one
+    compiled graph per activation width (weights' rows share it) and per weight shape (their columns), none for
+    another number of token rows (expert parallelism, packing)."""
     import torch
     from torch._dynamo.utils import counters
 
     from mcorekit.models import fp8_grouped_mm as fp8
 
+    torch._dynamo.reset()  # graphs other tests of this process compiled count towards torch's limit of eight
+    start = counters["stats"]["unique_graphs"]
     torch.manual_seed(0)
     w = torch.randn(3, 96, 272, device="cuda", dtype=torch.bfloat16)
-    tensors = [torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) * 3
-               for rows, width in ((100, 272), (300, 272), (7, 336), (512, 336), (3, 272))]
-    tensors += [w, w.transpose(1, 2)]
+    cases = [(fp8.quantize_rows(t), fp8.quantize_rows_eager(t)) for rows, width in
+             ((100, 272), (300, 272), (7, 336), (512, 336), (3, 272))
+             for t in [torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) * 3]]
     before = counters["stats"]["unique_graphs"]
-    for t in tensors:
-        (q, scale), (q_ref, scale_ref) = fp8.quantize_rows(t), fp8.quantize_rows_eager(t)
-        assert q.dtype == torch.float8_e4m3fn and q.is_contiguous() and q.shape == t.shape
+    q = fp8.quantize_weights(w)
+    assert counters["stats"]["unique_graphs"] - before == 1  # the columns; the rows (width 272) were compiled
+    cases += [((q.rows, q.row_scale), fp8.quantize_rows_eager(w)),
+              ((q.cols, q.col_scale), fp8.quantize_rows_eager(w.transpose(1, 2)))]
+    for (values, scale), (values_ref, scale_ref) in cases:
+        assert values.dtype == torch.float8_e4m3fn and values.is_contiguous() and values.shape == values_ref.shape
         torch.testing.assert_close(scale, scale_ref, rtol=2e-7, atol=0)
-        differ = (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean().item()
+        differ = (values.view(torch.uint8) != values_ref.view(torch.uint8)).float().mean().item()
         assert differ < 1e-3, differ
-    assert counters["stats"]["unique_graphs"] - before == 4  # widths 272 and 336, the weights in two layouts
+    assert counters["stats"]["unique_graphs"] - start == 3  # widths 272 and 336, the weight's columns
 
 
 def test_moe_shared_expert_and_aux_loss_free_balancing(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         lines += ["mcorekit.train: startup " + json.dumps({"imports": 5.0, "dist_init": 7.0, "model": 12.0,
                                                            "optimizer": 13.0, "resume": 13.1, "step1": 20.0}),
                   step(1, 7.0), step(2, 2.0), step(3, 2.0), saved(3, 20.0, False)]
-        end = json.loads(lines[-1].split(" ", 2)[2])["end"]  # then the exit path's marks, as __main__.shut_down
+        end = json.loads(lines[-1].split(" ", 2)[2])["end"]  # then the exit path's marks, as train/shutdown.shut_down
         lines.append("mcorekit.train: shutdown " + json.dumps({"trained": end + 0.2, "host_cache_released": end + 0.7,
                                                                "destroyed": end + 0.8,
                                                                "exit_handlers": end + 0.85}))

@@ -57,7 +57,8 @@ def test_a_finished_run_runs_the_exit_handlers_then_leaves_at_once(tmp_path: Pat
         f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'handler')!r}).write_text('ran'))\n"
         "sys.stdout = open(sys.stdout.fileno(), 'w', buffering=1 << 20, closefd=False)  # nothing flushes by itself\n"
         "print('last metrics line')\n"
-        "from mcorekit.train.__main__ import leave, shut_down\n"
+        "from mcorekit.train.shutdown import leave, shut_down, stop_compile_workers\n"
+        "stop_compile_workers()  # as the loop calls it before the final save: nothing compiled here, nothing to stop\n"
         "shut_down()\n"
         "print('after shutdown', end='')\n"
         "leave(0)\n")

@@ -15,6 +15,7 @@ from pathlib import Path
 from mcorekit import quiet
 from mcorekit.errors import MCoreKitError
 from mcorekit.config.experiment import Experiment, load_experiment
+from mcorekit.train.shutdown import leave, shut_down
 
 
 def default_run_dir(config: Path, name: str) -> Path:
@@ -91,49 +92,6 @@ def _init_cuda(local_rank: int) -> None:
         torch.cuda.set_device(local_rank)
     except Exception:  # noqa: BLE001 - see the docstring
         pass
-
-
-def shut_down() -> None:
-    """The end of a finished run, timed (epoch seconds, as the checkpoint lines' `end`). On an H200 (3B shape) the
-    process lived on 13.1 s after its final save at `12cf9e3`, mostly unpinning the host copy Megatron-Core's writer
-    had staged the checkpoint in; with a synchronous save staged per tensor (train/checkpoint.stage_per_tensor) 6.2 s
-    at `df9f463`: nothing to release, process-group teardown 1.7 s, interpreter exit 4.45 s. An async save still
-    stages in pinned memory, which is released here. Then the interpreter's exit handlers run (atexit): among them
-    torch's shutdown of its compile workers, subprocesses that Megatron-Core's torch.compile'd fusions started and
-    that hold this process's stdout and stderr; leave() skips only what comes after them."""
-    import atexit
-    import json
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    marks = {"trained": time.time()}
-    release = getattr(torch._C, "_host_emptyCache", None)  # torch's cache of pinned host memory
-    if release is not None:
-        release()
-        marks["host_cache_released"] = time.time()
-    dist.barrier()
-    rank = dist.get_rank()
-    dist.destroy_process_group()
-    marks["destroyed"] = time.time()
-    atexit._run_exitfuncs()
-    marks["exit_handlers"] = time.time()
-    if rank == 0:
-        print("mcorekit.train: shutdown " + json.dumps({k: round(v, 3) for k, v in marks.items()}), flush=True)
-
-
-def leave(code: int) -> None:
-    """Exit a finished run (after shut_down) without the interpreter's finalization: freeing every module and
-    tensor and CUDA's context took most of the 4.45 s the 3B run lived on after its last save, holding the job and
-    its afterok children. Nothing is lost by skipping it: the checkpoint is complete, metrics and loggers closed,
-    the exit handlers have run, and output is flushed here. An exit handler left out (a child process that keeps
-    our stdout open) kept a benchmark's pipe open after such an exit: shut_down runs them all first."""
-    import os
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from mcorekit.train import checkpoint
 from mcorekit.train.build import Trainer, build, mtp_weights_check
 from mcorekit.train.flops import train_flops_per_token
 from mcorekit.train.metrics import ExpertLoad, MetricsWriter, mtp_losses, startup
+from mcorekit.train.shutdown import stop_compile_workers
 from mcorekit.train.tasks import Task, task_for
 
 log = logging.getLogger("mcorekit.train")
@@ -65,6 +66,8 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
             startup.report(run_dir)
         if valid is not None and (step % s.eval_interval == 0 or step == s.train_iters):
             log.validation(step, lambda: evaluate(t, task, valid))
+        if step == s.train_iters:
+            stop_compile_workers()  # beside the final save, not after it
         if step % exp.checkpoint.save_interval == 0 or step == s.train_iters:
             saver.save(step, t.model, t.optimizer, t.scheduler, wait=step == s.train_iters)
     saver.close()
