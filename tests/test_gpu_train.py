@@ -208,7 +208,7 @@ def test_fp8_quantization_compiles_one_kernel_per_width() -> None:
               ((q.cols, q.col_scale), fp8.quantize_rows_eager(w.transpose(1, 2)))]
     for (values, scale), (values_ref, scale_ref) in cases:
         assert values.dtype == torch.float8_e4m3fn and values.is_contiguous() and values.shape == values_ref.shape
-        torch.testing.assert_close(scale, scale_ref, rtol=2e-7, atol=0)
+        torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)  # a few float ulps
         differ = (values.view(torch.uint8) != values_ref.view(torch.uint8)).float().mean().item()
         assert differ < 1e-3, differ
     assert counters["stats"]["unique_graphs"] - start == 3  # widths 272 and 336, the weight's columns

@@ -25,8 +25,8 @@ def test_dry_run_writes_valid_configs(tmp_path: Path, capsys: pytest.CaptureFixt
     assert start_save.main(["--dry", "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count(" ok (llama-3b") == 2
     save, run = (load_experiment(tmp_path / f"3b-{r}" / "config.yaml") for r in ("save", "async"))
-    assert (save.schedule.train_iters, save.checkpoint.async_save, save.logging.log_interval) == (3, False, 1)
-    assert (run.schedule.train_iters, run.checkpoint.async_save, run.checkpoint.save_interval) == (8, True, 4)
+    assert (save.schedule.train_iters, save.checkpoint.async_save, save.logging.log_interval) == (6, False, 1)
+    assert (run.schedule.train_iters, run.checkpoint.async_save, run.checkpoint.save_interval) == (24, True, 12)
     assert save.checkpoint.dir == run.checkpoint.dir == str(tmp_path / "3b-ckpt")  # the async run resumes from it
     assert save.checkpoint.keep_last == 1 and save.schedule.global_batch_size == 32
 
@@ -58,7 +58,8 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
     if not cfg["checkpoint"]["async_save"]:
         lines += ["mcorekit.train: startup " + json.dumps({"imports": 5.0, "dist_init": 7.0, "model": 12.0,
                                                            "optimizer": 13.0, "resume": 13.1, "step1": 20.0}),
-                  step(1, 7.0), step(2, 2.0), step(3, 2.0), saved(3, 20.0, False)]
+                  step(1, 7.0), step(2, 3.0), step(3, 4.0), step(4, 2.0), step(5, 2.0), step(6, 2.0),
+                  saved(6, 20.0, False)]  # steps 1-3: the step graph's warm-up and capture
         end = json.loads(lines[-1].split(" ", 2)[2])["end"]  # then the exit path's marks, as train/shutdown.shut_down
         lines.append("mcorekit.train: shutdown " + json.dumps({"trained": end + 0.2, "host_cache_released": end + 0.7,
                                                                "destroyed": end + 0.8,
@@ -71,11 +72,12 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         lines += ["bench: deleted the loaded checkpoint in 0.50 s",
                   "mcorekit.train: startup " + json.dumps({"imports": 5.0, "dist_init": 7.0, "model": 12.0,
                                                            "optimizer": 13.0, "resume": 30.5, "step1": 35.0}),
-                  step(4, 4.0), "mcorekit.train: checkpoint " + json.dumps({"event": "scheduled", "step": 4,
-                                                                            "blocking_s": 1.5}),
-                  step(5, 3.5), step(6, 2.1), saved(4, 9.0, True), step(7, 2.0), step(8, 2.0),
-                  "mcorekit.train: checkpoint " + json.dumps({"event": "scheduled", "step": 8, "blocking_s": 1.5}),
-                  saved(8, 18.0, True)]
+                  step(7, 6.0), step(8, 3.0), step(9, 4.0), step(10, 2.0), step(11, 2.0), step(12, 2.0),
+                  "mcorekit.train: checkpoint " + json.dumps({"event": "scheduled", "step": 12, "blocking_s": 1.5}),
+                  step(13, 3.5), step(14, 2.1), saved(12, 9.0, True),
+                  *(step(n, 2.0) for n in range(15, 25)),
+                  "mcorekit.train: checkpoint " + json.dumps({"event": "scheduled", "step": 24, "blocking_s": 1.5}),
+                  saved(24, 18.0, True)]
         shutil.rmtree(ckpt)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return subprocess.CompletedProcess(cmd, 0, "\n".join(lines) + "\n", "")
@@ -96,11 +98,12 @@ def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pyte
     assert r["async"]["exit_phases"] == {}  # that run's stand-in prints no shutdown line
     a = r["async"]
     assert a["load_s"] == 17.0 and r["load_gb_per_s"] == round(35.0 / 17.0, 3)  # resume minus the bench's delete
-    assert a["steps_in_flight"] == [5, 6] and a["step_s_in_flight"] == pytest.approx((3.5 - 1.5 + 2.1) / 2, abs=1e-3)  # step 5 less the blocking
+    assert a["steps_in_flight"] == [13, 14] and a["step_s_in_flight"] == pytest.approx((3.5 - 1.5 + 2.1) / 2, abs=1e-3)  # step 13 less the blocking
     assert a["step_s_free"] == pytest.approx(2.0) and a["async_blocking_s"] == 1.5 and a["final_save_s"] == 18.0
     assert not (tmp_path / "3b-ckpt").exists() and not (tmp_path / "dd.bin").exists()
     table = capsys.readouterr().out
-    assert "| save (sync, end of run), s | 20.0 |" in table and "(steps [5, 6])" in table
+    assert "| save (sync, end of run), s | 20.0 |" in table and "(steps [13, 14])" in table
+    assert "| step s without a save (save run, steps 4-6) | 2.00 |" in table
 
 
 def test_a_failed_save_run_stops_before_the_async_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

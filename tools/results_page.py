@@ -10,7 +10,8 @@ Each measurement is one folder docs/results/NAME/ holding
                 software, command (a list of command lines), source (where the numbers come from), notes;
                 superseded_by: NAME of a newer measurement of the same thing (then the page gives one line);
                 start_save only: in_flight_counts_blocking, true for data of bench/start_save.py before `ff2d94f`
-                (its step_s_in_flight counted the async save's blocking part; from `ff2d94f` on it leaves it out)
+                (its step_s_in_flight counted the async save's blocking part; from `ff2d94f` on it leaves it out);
+                unusable: {"async_step_cost": why}, for a run whose step times cannot be compared
   results.json  the numbers: what the benchmark script wrote, or a transcription in the same shape
   */metrics.jsonl, *.log, config.yaml: the runs' own files, where they came back (loss curves are drawn from
                 metrics.jsonl)
@@ -352,7 +353,9 @@ def start_save_shares(m: Measurement) -> dict[str, float]:
     out = {"start_s": save["startup"]["step1"], "save_of_dd_write": save["save_gb_per_s"] / dd["dd_write_gb_per_s"]}
     if "load_gb_per_s" in r:
         out["load_of_dd_read"] = r["load_gb_per_s"] / dd["dd_read_gb_per_s"]
-    if "step_s_overlapped_after_blocking" in asy:
+    if "async_step_cost" in m.meta.get("unusable", {}):
+        pass  # meta.json says why this run's step times cannot be compared
+    elif "step_s_overlapped_after_blocking" in asy:
         out["async_step_cost"] = asy["step_s_overlapped_after_blocking"] / save["step_s"] - 1
     elif asy.get("step_s_in_flight") and asy.get("steps_in_flight"):
         # the first step in flight carries the save's blocking part: the steps' own time leaves it out. The bench
@@ -419,6 +422,8 @@ def start_save_figures(m: Measurement) -> list[Figure]:
              f"(steps {steps}, less the blocking part: {in_flight}): {sh['async_step_cost'] * 100:+.1f}%",
              *start_save_met(m, "async_step_cost")),
         ]
+    if reason := m.meta.get("unusable", {}).get("async_step_cost"):
+        rows.append(("step time with the async save writing", f"not usable: {reason}", "", None))
     if asy.get("final_save_s") is None:
         rows.append(("end-of-run save after an async one", "not measured", "", None))
     else:
