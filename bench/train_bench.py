@@ -5,7 +5,8 @@ in one run (same GPU, same sequence length, micro-batch and global batch).
                                 [--gpus 1,2] [--multi parallel.ep=2 ...]
 
 Shapes: `dense` is the 0.89B Llama shape (16 x 2048, GQA 16/8, SwiGLU 5632, vocab 32768) at seq 2048, micro-batch
-8; `moe` the 8-expert top-2 shape (16 x 2048, expert FFN 1408) at seq 2048, micro-batch 4. Global batch: 8
+8; `moe` the 8-expert top-2 shape (16 x 2048, expert FFN 1408) at seq 2048, micro-batch 4; `dense-3b` the speed
+issue's dense shape (`llama-3b`: 24 x 3072, GQA 24/8, SwiGLU 8192) at seq 4096, micro-batch 2 (not in `all`). Global batch: 8
 micro-batches (gradient accumulation in both). Each run is its own process:
   hf-bf16            transformers (SDPA attention, bf16 weights, fused torch AdamW), a plain loop
   bf16, fp8-*        `python -m mcorekit.train` (the real entry) on mock data; fp8-* names the TE recipe
@@ -33,8 +34,9 @@ from results import finish, run_training, run_worker, single_gpu_env, timed
 SHAPES = {
     "dense": {"preset": "llama-0.9b", "mbs": 8},
     "moe": {"preset": "moe-8x-1.4b", "mbs": 4},
+    "dense-3b": {"preset": "llama-3b", "mbs": 2, "seq": 4096},
 }
-SEQ = 2048
+SEQ = 2048  # unless the shape names its own
 MICRO_BATCHES = 8
 PEAK = 989.0
 DEFAULT_RUNS = ["hf-bf16", "bf16", "fp8-tensorwise", "fp8-delayed"]
@@ -47,7 +49,7 @@ def write_config(shape: str, run: str, steps: int, run_dir: Path, gpus: int = 1,
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     cfg = {"name": f"bench-{shape}-{run}", "model": {"preset": s["preset"]},
            "precision": {"dtype": "bf16", "fp8": run.removeprefix("fp8-") if run.startswith("fp8-") else None},
-           "data": {"kind": "mock", "seq_length": SEQ},
+           "data": {"kind": "mock", "seq_length": s.get("seq", SEQ)},
            "schedule": {"train_iters": steps, "warmup_iters": 1, "micro_batch_size": s["mbs"],
                         "global_batch_size": s["mbs"] * MICRO_BATCHES * gpus},
            "checkpoint": {"save_interval": 10**6, "dir": str(run_dir / "ckpt")},
@@ -117,7 +119,8 @@ print("RESULT " + json.dumps({"tokens_per_s": tps, "mfu": flops / statistics.med
 
 def hf_run(shape: str, steps: int) -> dict:
     s = SHAPES[shape]
-    payload, output = run_worker(HF_WORKER, s["preset"], str(s["mbs"]), str(MICRO_BATCHES), str(steps), str(SEQ), str(PEAK))
+    payload, output = run_worker(HF_WORKER, s["preset"], str(s["mbs"]), str(MICRO_BATCHES), str(steps),
+                                 str(s.get("seq", SEQ)), str(PEAK))
     if payload is None:
         return {"shape": shape, "run": "hf-bf16", "error": output[-1500:]}
     return {"shape": shape, "run": "hf-bf16", **json.loads(payload)}
@@ -143,7 +146,7 @@ def table(results: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=["dense", "moe", "all"], default="all")
+    p.add_argument("--shape", choices=[*SHAPES, "all"], default="all", help="all: dense and moe")
     p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma-separated: hf-bf16, bf16, fp8-<recipe>")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--gpus", default="1", help="comma-separated GPU counts for the mcorekit runs, e.g. 1,2")

@@ -40,7 +40,7 @@ SECTIONS = [
     ("convert", "Checkpoint conversion"),
     ("data", "Data preprocessing"),
 ]
-SHAPE_LABELS = {"dense": "dense 0.89B", "moe": "MoE 8x top-2"}
+SHAPE_LABELS = {"dense": "dense 0.89B", "moe": "MoE 8x top-2", "dense-3b": "dense 3B, seq 4096"}
 RUN_LABELS = {"hf-bf16": "HF transformers bf16", "bf16": "mcorekit bf16", "bf16-te-experts": "mcorekit bf16, TE experts"}
 
 
