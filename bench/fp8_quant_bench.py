@@ -1,6 +1,8 @@
 """Where FP8 MoE experts spend their time on one GPU: the per-row quantization (models/fp8_grouped_mm.py) as torch
 ops (quantize_rows_eager) next to the one kernel torch.compile makes of them (quantize_rows on a GPU, what training
-runs) and next to a plain copy of the tensor (the memory-bound floor), and the FP8 grouped GEMMs next to the bf16 ones they replace, at the MoE benchmark's shapes.
+runs: the weights' rows through the 2-D kernels, their columns through quantize_columns) and next to a plain copy
+of the tensor (the memory-bound floor), and the FP8 grouped GEMMs next to the bf16 ones they replace, at the MoE
+benchmark's shapes.
 
     python bench/fp8_quant_bench.py [--out DIR] [--budget 150]
 
@@ -65,25 +67,36 @@ def main() -> int:
     dev, bf16 = "cuda", torch.bfloat16
     fc1_w = torch.randn(EXPERTS, 2 * FFN, HIDDEN, device=dev, dtype=bf16) / 45
     fc2_w = torch.randn(EXPERTS, HIDDEN, FFN, device=dev, dtype=bf16) / 38
-    tensors = {  # name: (tensor, how often per step)
-        "fc1 input [16384, 2048]": (torch.randn(ROWS, HIDDEN, device=dev, dtype=bf16), LAYERS * MICRO_BATCHES),
-        "fc2 input [16384, 1408]": (torch.randn(ROWS, FFN, device=dev, dtype=bf16), LAYERS * MICRO_BATCHES),
-        "fc2 output grad [16384, 2048]": (torch.randn(ROWS, HIDDEN, device=dev, dtype=bf16), LAYERS * MICRO_BATCHES),
-        "fc1 output grad [16384, 2816]": (torch.randn(ROWS, 2 * FFN, device=dev, dtype=bf16), LAYERS * MICRO_BATCHES),
-        "fc1 weights [8, 2816, 2048]": (fc1_w, LAYERS),
-        "fc1 weights transposed": (fc1_w.transpose(1, 2), LAYERS),
-        "fc2 weights [8, 2048, 1408]": (fc2_w, LAYERS),
-        "fc2 weights transposed": (fc2_w.transpose(1, 2), LAYERS),
+    def rows_of(t: torch.Tensor) -> tuple:  # [rows, cols] as the experts quantize activations and gradients
+        return t, (lambda: fp8.quantize_rows_eager(t)), (lambda: fp8.quantize_rows(t))
+
+    def weight_rows(w: torch.Tensor) -> tuple:  # what quantize_weights does for the forward's layout
+        return w, (lambda: fp8.quantize_rows_eager(w)), (lambda: fp8.quantize_rows(w.reshape(-1, w.shape[-1])))
+
+    def weight_columns(w: torch.Tensor) -> tuple:  # ... and for the input gradient's
+        return w.transpose(1, 2), (lambda: fp8.quantize_rows_eager(w.transpose(1, 2))), (lambda: fp8.quantize_columns(w))
+
+    per_micro_batch, once_per_step = LAYERS * MICRO_BATCHES, LAYERS
+    tensors = {  # name: ((tensor, as torch ops, as training runs it), how often per step)
+        "fc1 input [16384, 2048]": (rows_of(torch.randn(ROWS, HIDDEN, device=dev, dtype=bf16)), per_micro_batch),
+        "fc2 input [16384, 1408]": (rows_of(torch.randn(ROWS, FFN, device=dev, dtype=bf16)), per_micro_batch),
+        "fc2 output grad [16384, 2048]": (rows_of(torch.randn(ROWS, HIDDEN, device=dev, dtype=bf16)), per_micro_batch),
+        "fc1 output grad [16384, 2816]": (rows_of(torch.randn(ROWS, 2 * FFN, device=dev, dtype=bf16)), per_micro_batch),
+        "fc1 weights [8, 2816, 2048]": (weight_rows(fc1_w), once_per_step),
+        "fc1 weights transposed": (weight_columns(fc1_w), once_per_step),
+        "fc2 weights [8, 2048, 1408]": (weight_rows(fc2_w), once_per_step),
+        "fc2 weights transposed": (weight_columns(fc2_w), once_per_step),
     }
     step = {"eager": 0.0, "compiled": 0.0, "copy": 0.0}
-    for name, (t, per_step) in tensors.items():
+    for name, ((t, eager, compiled), per_step) in tensors.items():
         if time.monotonic() - started > a.budget:
             break
-        eager_ms = timed_ms(lambda: fp8.quantize_rows_eager(t))
-        compiled_ms = timed_ms(lambda: fp8.quantize_rows(t))
+        eager_ms = timed_ms(eager)
+        compiled_ms = timed_ms(compiled)
         copy_ms = timed_ms(lambda: t.clone(memory_format=torch.contiguous_format))
-        (q, scale), (q_compiled, scale_compiled) = fp8.quantize_rows_eager(t), fp8.quantize_rows(t)
-        same = torch.equal(q.view(torch.uint8), q_compiled.view(torch.uint8)) and torch.equal(scale, scale_compiled)
+        (q, scale), (q_compiled, scale_compiled) = eager(), compiled()
+        same = torch.equal(q.view(torch.uint8), q_compiled.view(torch.uint8).view(q.shape)) and \
+            torch.equal(scale, scale_compiled.view(scale.shape))
         for key, ms in (("eager", eager_ms), ("compiled", compiled_ms), ("copy", copy_ms)):
             step[key] += ms * per_step
         record({"what": f"quantize {name}", "eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -45,11 +46,15 @@ def run_training(cmd: list[str], env: dict[str, str], run_dir: Path, timeout: fl
     """One training process of a benchmark: its output goes to run_dir/log.txt, and its final checkpoint is
     deleted (not needed; ~20 GB for the MoE shape, which filled the GPU machine's 64 GB disk). A process still
     running (or whose output pipe is still open) after `timeout` seconds is killed and counts as failed (124)."""
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        out = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-        proc = subprocess.CompletedProcess(cmd, 124, out + f"\nbench: killed after {timeout:.0f} s", "")
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                          start_new_session=True) as p:  # its own process group: torchrun's ranks go with it
+        try:
+            out, err = p.communicate(timeout=timeout)
+            proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            proc = subprocess.CompletedProcess(cmd, 124, out + err + f"\nbench: killed after {timeout:.0f} s", "")
     shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
     (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     return proc

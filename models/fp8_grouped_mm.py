@@ -39,6 +39,7 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_rows_eager(t)
     import torch
 
+    t = t.detach()  # the marks stay off the caller's tensor, and requires_grad (a guard) is always False
     torch._dynamo.maybe_mark_dynamic(t, 0)
     torch._dynamo.mark_static(t, 1)
     with torch.no_grad():  # never differentiated; one grad mode, so calls from generation do not recompile
@@ -79,6 +80,7 @@ def quantize_columns(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _transposed_rows(w)
     import torch
 
+    w = w.detach()
     for dim in range(w.dim()):
         torch._dynamo.mark_static(w, dim)
     with torch.no_grad():
@@ -93,7 +95,8 @@ def _transposed_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _compiled(fn: Callable) -> Callable:
     """torch.compile(fn), made on first use. torch keeps at most eight compiled graphs per function and runs it
     uncompiled beyond them (correct, slower): a model's experts need three widths of quantize_rows (hidden, FFN,
-    twice the FFN) and two weight shapes of _transposed_rows."""
+    twice the FFN) and two weight shapes of _transposed_rows, and generation (inference tensors, another guard)
+    two widths and two shapes more."""
     import torch
 
     return torch.compile(fn)

@@ -188,7 +188,7 @@ def test_fp8_quantization_compiles_one_kernel_per_width() -> None:
     """quantize_rows and quantize_weights on a GPU are torch.compile's kernels of the torch ops they replace
     (quantize_rows_eager): the same scales to float rounding and the same e4m3 values but for rare neighbours; one
     compiled graph per activation width (weights' rows share it) and per weight shape (their columns), none for
-    another number of token rows (expert parallelism, packing)."""
+    another number of token rows (expert parallelism, packing) or for a tensor that requires grad (activations)."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -198,9 +198,9 @@ def test_fp8_quantization_compiles_one_kernel_per_width() -> None:
     start = counters["stats"]["unique_graphs"]
     torch.manual_seed(0)
     w = torch.randn(3, 96, 272, device="cuda", dtype=torch.bfloat16)
-    cases = [(fp8.quantize_rows(t), fp8.quantize_rows_eager(t)) for rows, width in
-             ((100, 272), (300, 272), (7, 336), (512, 336), (3, 272))
-             for t in [torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) * 3]]
+    cases = [(fp8.quantize_rows(t), fp8.quantize_rows_eager(t)) for rows, width, grad in
+             ((100, 272, False), (300, 272, True), (7, 336, False), (512, 336, False), (3, 272, False), (9, 400, True))
+             for t in [(torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) * 3).requires_grad_(grad)]]
     before = counters["stats"]["unique_graphs"]
     q = fp8.quantize_weights(w)
     assert counters["stats"]["unique_graphs"] - before == 1  # the columns; the rows (width 272) were compiled
@@ -211,7 +211,7 @@ def test_fp8_quantization_compiles_one_kernel_per_width() -> None:
         torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)  # a few float ulps
         differ = (values.view(torch.uint8) != values_ref.view(torch.uint8)).float().mean().item()
         assert differ < 1e-3, differ
-    assert counters["stats"]["unique_graphs"] - start == 3  # widths 272 and 336, the weight's columns
+    assert counters["stats"]["unique_graphs"] - start == 4  # widths 272, 336 and 400, the weight's columns
 
 
 def test_moe_shared_expert_and_aux_loss_free_balancing(tmp_path: Path) -> None:

@@ -23,3 +23,21 @@ def test_each_shape_writes_a_valid_experiment(tmp_path: Path, shape: str, preset
     assert problems(exp, 1, Nodes(transformer_engine=True, gpus=True, capability=(9, 0))) == []  # an H200
     assert (exp.model.preset, exp.data.seq_length, exp.schedule.micro_batch_size) == (preset, seq, mbs)
     assert exp.schedule.global_batch_size == mbs * train_bench.MICRO_BATCHES and exp.precision.fp8 is None
+
+
+def test_a_run_past_its_time_is_killed_with_its_children(tmp_path: Path) -> None:
+    """bench/results.run_training: a training process still running after its time limit (torchrun and its ranks,
+    here a shell and its child) is killed as a group and counts as failed, with its output kept."""
+    import os
+    import time
+
+    from results import run_training
+
+    start = time.monotonic()
+    proc = run_training(["bash", "-c", "sleep 60 & echo child $!; wait"], dict(os.environ), tmp_path, timeout=3)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 124 and "bench: killed after 3 s" in proc.stdout
+    child = int(proc.stdout.split("child ")[1].split()[0])
+    status = Path(f"/proc/{child}/status")
+    assert not status.exists() or "\nState:\tZ" in status.read_text()  # gone (or a zombie awaiting its reaper)
+    assert (tmp_path / "log.txt").read_text().startswith("child ")

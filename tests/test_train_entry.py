@@ -52,7 +52,7 @@ def test_a_finished_run_runs_the_exit_handlers_then_leaves_at_once(tmp_path: Pat
         "import atexit, pathlib, subprocess, sys\n"
         "import torch.distributed as dist\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(90)'])\n"
         "atexit.register(child.kill)\n"
         f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'handler')!r}).write_text('ran'))\n"
         "sys.stdout = open(sys.stdout.fileno(), 'w', buffering=1 << 20, closefd=False)  # nothing flushes by itself\n"

@@ -397,7 +397,7 @@ def start_save_figures(m: Measurement) -> list[Figure]:
     if "load_of_dd_read" in sh:
         rows.append(("load on resume, page cache dropped", f"{asy['load_s']:.1f} s = {r['load_gb_per_s']:.2f} GB/s "
                      f"({pct(sh['load_of_dd_read'], 0)} of dd read)", *start_save_met(m, "load_of_dd_read")))
-    if "step_s_overlapped_after_blocking" in asy:
+    if "step_s_overlapped_after_blocking" in asy and "async_step_cost" in sh:
         steps = ", ".join(map(str, asy["steps_overlapped_after_blocking"]))
         rows += [
             ("first async save: blocking, then in the background", f"{asy['async_blocking_s']:.2f} s, done after "

@@ -18,10 +18,15 @@ def stop_compile_workers() -> None:
     fusions and the FP8 experts' quantization start them) on a thread while the final checkpoint is written. Stopped
     at exit instead, they held finished runs 1.2-2.3 s after their final save on one H200 (2026-12-02)."""
     global _stopping_compile_workers
+    if "torch._inductor.async_compile" not in sys.modules:
+        return  # nothing was compiled: no workers (and no 0.5 s import to stop none)
     from torch._inductor.async_compile import shutdown_compile_workers
 
     _stopping_compile_workers = threading.Thread(target=shutdown_compile_workers, daemon=True)
     _stopping_compile_workers.start()
+    # whoever ends this process (shut_down, a job payload calling train(), an exception): torch's own exit handler
+    # must not shut the pool down while the thread does. Exit handlers run last registered first: this joins first.
+    atexit.register(_stopping_compile_workers.join)
 
 
 def shut_down() -> None:
@@ -29,9 +34,9 @@ def shut_down() -> None:
     process lived on 13.1 s after its final save at `12cf9e3`, mostly unpinning the host copy Megatron-Core's writer
     had staged the checkpoint in; with a synchronous save staged per tensor (train/checkpoint.stage_per_tensor) 6.2 s
     at `df9f463`: nothing to release, process-group teardown 1.7 s, interpreter exit 4.45 s. An async save still
-    stages in pinned memory, which is released here. Then the exit handlers run (atexit), as the interpreter's exit
-    would run them; leave() skips only what comes after them. One of them stops torch's compile workers, which hold
-    this process's stdout and stderr, if stop_compile_workers has not."""
+    stages in pinned memory, which is released here. Then what the interpreter's exit would do first: join the
+    non-daemon threads, run the exit handlers (atexit); leave() skips only what comes after them. One handler stops
+    torch's compile workers, which hold this process's stdout and stderr, if stop_compile_workers has not."""
     import torch
     import torch.distributed as dist
 
@@ -46,6 +51,7 @@ def shut_down() -> None:
     rank = dist.get_rank()
     dist.destroy_process_group()
     marks["destroyed"] = time.time()
+    threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter's exit: non-daemon threads end first
     atexit._run_exitfuncs()
     marks["exit_handlers"] = time.time()
     if rank == 0:
@@ -56,10 +62,14 @@ def leave(code: int) -> None:
     """Exit a finished run (after shut_down) without the interpreter's finalization: freeing every module and
     tensor and CUDA's context took most of the 4.45 s the 3B run lived on after its last save, holding the job and
     its afterok children. Nothing is lost by skipping it: the checkpoint is complete, metrics and loggers closed,
-    the exit handlers have run, and output is flushed here. An exit handler left out (a child process that keeps
-    our stdout open) kept a benchmark's pipe open after such an exit: shut_down runs them all first."""
+    non-daemon threads joined and the exit handlers run (shut_down, in the interpreter's order); output, Python's and
+    the C library's, is flushed here. An exit handler left out (torch's compile workers, which keep our stdout open)
+    kept a benchmark's pipe open after such an exit: shut_down runs them all first."""
+    import ctypes
+
     sys.stdout.flush()
     sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)  # what C and C++ code wrote through stdio, which os._exit does not flush
     os._exit(code)
 
 
