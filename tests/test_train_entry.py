@@ -69,3 +69,48 @@ def test_a_finished_run_runs_the_exit_handlers_then_leaves_at_once(tmp_path: Pat
     marks = json.loads(shutdown.removeprefix("mcorekit.train: shutdown "))
     assert list(marks) == ["trained", "host_cache_released", "destroyed", "exit_handlers"]
     assert (tmp_path / "handler").read_text() == "ran"
+
+
+@pytest.mark.parametrize("runner_fails", [False, True])
+def test_a_launched_run_leaves_once_the_runner_is_done(tmp_path: Path, runner_fails: bool) -> None:
+    """train/job.py's ending inside submitit's runner, with the runner stood in for by the script's last lines (it
+    saves the job's result after the payload returns): the result is written, then the process leaves without the
+    interpreter's finalization (the witness's __del__, which that finalization would run, never runs). A runner
+    that fails afterwards keeps the ordinary exit and its exit code 1."""
+    script = tmp_path / "runner.py"
+    script.write_text(
+        "import pathlib, sys\n"
+        "import torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+        "class Witness:\n"
+        f"    def __del__(self): pathlib.Path({str(tmp_path / 'finalized')!r}).write_text('yes')\n"
+        "witness = Witness()\n"
+        "from mcorekit.train.shutdown import leave_after_runner, shut_down\n"
+        "shut_down()\n"
+        "leave_after_runner()\n"
+        f"pathlib.Path({str(tmp_path / 'result')!r}).write_text('success')  # the runner saves the result\n"
+        "print('runner done', end='')\n"
+        f"if {runner_fails}:\n"
+        "    raise RuntimeError('the runner failed after the payload')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (tmp_path / "result").read_text() == "success" and proc.stdout.endswith("runner done")
+    if runner_fails:
+        assert proc.returncode == 1 and "RuntimeError: the runner failed" in proc.stderr
+        assert (tmp_path / "finalized").exists()
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert not (tmp_path / "finalized").exists()
+
+
+def test_the_launcher_payload_shuts_down_after_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TrainJob (what each srun task runs) trains, then shut_down, then leave_after_runner, in that order (training
+    itself needs a GPU: stood in for here)."""
+    from mcorekit.train import loop, shutdown
+    from mcorekit.train.job import TrainJob
+
+    calls: list[str] = []
+    monkeypatch.setattr(loop, "train", lambda exp, run_dir, peak: calls.append(f"train {exp.name}") or [2.5, 2.0])
+    monkeypatch.setattr(shutdown, "shut_down", lambda: calls.append("shut_down"))
+    monkeypatch.setattr(shutdown, "leave_after_runner", lambda: calls.append("leave_after_runner"))
+    assert TrainJob(str(TINY), str(tmp_path))() == {"steps": 2, "final_loss": 2.0}
+    assert calls == ["train llama-tiny", "shut_down", "leave_after_runner"]

@@ -16,11 +16,14 @@ class TrainJob:
         from mcorekit import quiet
         from mcorekit.config.experiment import load_experiment
         from mcorekit.train.loop import train
+        from mcorekit.train.shutdown import leave_after_runner, shut_down
 
         quiet.install()
 
         exp = load_experiment(self.config_path)
         losses = train(exp, Path(self.run_dir), self.peak_tflops)
+        shut_down()
+        leave_after_runner()  # the job ends once submitit has saved this, not after the interpreter's finalization
         return {"steps": len(losses), "final_loss": losses[-1] if losses else None}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:

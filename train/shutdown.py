@@ -1,5 +1,6 @@
 """How a finished training process ends: torch's compile workers stopped while the final checkpoint is written,
-then the run's teardown (shut_down), then an exit without the interpreter's finalization (leave)."""
+then the run's teardown (shut_down), then an exit without the interpreter's finalization: at once (leave, for
+`python -m mcorekit.train`) or once submitit's runner has saved the job's result (leave_after_runner)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,16 @@ def leave(code: int) -> None:
     os._exit(code)
 
 
+
+
+def leave_after_runner() -> None:
+    """Inside submitit's runner (`mcorekit launch`'s payload, train/job.py), after shut_down: the runner still saves
+    the job's result when the payload returns, so leave() runs as an exit handler, when the runner is done; shut_down
+    has run the others, so it is the first to run. A runner ending on an exception keeps the interpreter's own exit,
+    and its exit code."""
+
+    def leave_unless_failed() -> None:
+        if getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
+            leave(0)
+
+    atexit.register(leave_unless_failed)
