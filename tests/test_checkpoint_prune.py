@@ -1,0 +1,56 @@
+"""train/checkpoint.prune, as a save's finalization calls it on rank 0: the superseded checkpoints stop being
+checkpoints before it returns, and are deleted on a thread the process waits for, with what an earlier process
+left half-deleted."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from mcorekit.train import checkpoint
+
+
+def _checkpoints(root: Path, *steps: int) -> None:
+    for step in steps:
+        d = checkpoint.iter_dir(root, step)
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(bytes(4096))
+
+
+def test_superseded_checkpoints_leave_at_once_and_are_deleted_behind(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _checkpoints(tmp_path, 10, 20, 30, 40)
+    left = tmp_path / ".deleting-iter_0000005.123.456"  # a process stopped while deleting it
+    left.mkdir()
+    (left / "__0_0.distcp").write_bytes(bytes(10))
+    release, deleting = threading.Event(), []
+    rmtree = shutil.rmtree
+
+    def slow_rmtree(path, ignore_errors=False):  # a slow disk: deletion waits until the test lets it go
+        deleting.append(Path(path).name)
+        release.wait(30)
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", slow_rmtree)
+    thread = checkpoint.prune(tmp_path, checkpoint.iter_dir(tmp_path, 40), keep_last=2)
+    assert thread is not None and not thread.daemon
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000030", "iter_0000040"]  # before any delete
+    release.set()
+    thread.join(30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000030", "iter_0000040"]
+    assert sorted(name.split(".")[1] for name in deleting) == ["deleting-iter_0000005", "deleting-iter_0000010",
+                                                               "deleting-iter_0000020"]
+    assert (checkpoint.iter_dir(tmp_path, 30) / "__0_0.distcp").read_bytes() == bytes(4096)
+
+
+@pytest.mark.parametrize("keep_last, kept", [(1, [40]), (3, [20, 30, 40]), (9, [10, 20, 30, 40])])
+def test_keep_last(tmp_path: Path, keep_last: int, kept: list[int]) -> None:
+    _checkpoints(tmp_path, 10, 20, 30, 40)
+    thread = checkpoint.prune(tmp_path, checkpoint.iter_dir(tmp_path, 40), keep_last)
+    if thread is not None:
+        thread.join(30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.iter_dir(tmp_path, s).name for s in kept]
+    assert (thread is None) == (keep_last >= 4)
