@@ -54,3 +54,32 @@ def test_keep_last(tmp_path: Path, keep_last: int, kept: list[int]) -> None:
         thread.join(30)
     assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.iter_dir(tmp_path, s).name for s in kept]
     assert (thread is None) == (keep_last >= 4)
+
+
+def test_a_checkpoint_that_cannot_be_renamed_is_kept_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A rename refused (permissions, a folder removed by hand, NFS) must not fail the save: on rank 0 an exception
+    there would leave the other ranks waiting at the save's barrier."""
+    _checkpoints(tmp_path, 10, 20, 30)
+    rename = Path.rename
+
+    def refuse_20(self: Path, target: Path) -> Path:
+        if self.name == "iter_0000020":
+            raise PermissionError(13, "Permission denied", str(self))
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", refuse_20)
+    thread = checkpoint.prune(tmp_path, checkpoint.iter_dir(tmp_path, 30), keep_last=1)
+    thread.join(30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000020", "iter_0000030"]
+    assert "could not remove the superseded checkpoint" in caplog.text and "iter_0000020" in caplog.text
+
+
+def test_this_process_does_not_delete_twice_what_it_is_deleting(tmp_path: Path) -> None:
+    import os
+
+    _checkpoints(tmp_path, 40)
+    mine = tmp_path / f".deleting-iter_0000030.{os.getpid()}.1"  # an earlier prune's thread of this process has it
+    mine.mkdir()
+    assert checkpoint.prune(tmp_path, checkpoint.iter_dir(tmp_path, 40), keep_last=2) is None
+    assert mine.exists()

@@ -71,12 +71,13 @@ def test_a_finished_run_runs_the_exit_handlers_then_leaves_at_once(tmp_path: Pat
     assert (tmp_path / "handler").read_text() == "ran"
 
 
-@pytest.mark.parametrize("runner_fails", [False, True])
-def test_a_launched_run_leaves_once_the_runner_is_done(tmp_path: Path, runner_fails: bool) -> None:
+@pytest.mark.parametrize("ending", ["saved", "fails after saving", "exits 3 before saving"])
+def test_a_launched_run_leaves_once_the_runner_is_done(tmp_path: Path, ending: str) -> None:
     """train/job.py's ending inside submitit's runner, with the runner stood in for by the script's last lines (it
-    saves the job's result after the payload returns): the result is written, then the process leaves without the
+    saves the job's result after the payload returns): once the result is saved the process leaves without the
     interpreter's finalization (the witness's __del__, which that finalization would run, never runs). A runner
-    that fails afterwards keeps the ordinary exit and its exit code 1."""
+    that fails after saving, or exits before, keeps the ordinary exit and its exit code."""
+    result = tmp_path / "result.pkl"
     script = tmp_path / "runner.py"
     script.write_text(
         "import pathlib, sys\n"
@@ -87,19 +88,23 @@ def test_a_launched_run_leaves_once_the_runner_is_done(tmp_path: Path, runner_fa
         "witness = Witness()\n"
         "from mcorekit.train.shutdown import leave_after_runner, shut_down\n"
         "shut_down()\n"
-        "leave_after_runner()\n"
-        f"pathlib.Path({str(tmp_path / 'result')!r}).write_text('success')  # the runner saves the result\n"
+        f"leave_after_runner(pathlib.Path({str(result)!r}))\n"
+        f"if {ending == 'exits 3 before saving'}:\n"
+        "    sys.exit(3)\n"
+        f"pathlib.Path({str(result)!r}).write_text('success')  # the runner saves the result\n"
         "print('runner done', end='')\n"
-        f"if {runner_fails}:\n"
+        f"if {ending == 'fails after saving'}:\n"
         "    raise RuntimeError('the runner failed after the payload')\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert (tmp_path / "result").read_text() == "success" and proc.stdout.endswith("runner done")
-    if runner_fails:
-        assert proc.returncode == 1 and "RuntimeError: the runner failed" in proc.stderr
-        assert (tmp_path / "finalized").exists()
-    else:
+    if ending == "saved":
         assert proc.returncode == 0, proc.stderr
-        assert not (tmp_path / "finalized").exists()
+        assert result.exists() and proc.stdout.endswith("runner done") and not (tmp_path / "finalized").exists()
+        return
+    assert (tmp_path / "finalized").exists()  # the ordinary exit
+    if ending == "fails after saving":
+        assert proc.returncode == 1 and "RuntimeError: the runner failed" in proc.stderr
+    else:
+        assert proc.returncode == 3 and not result.exists()
 
 
 def test_the_launcher_payload_shuts_down_after_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,6 +116,7 @@ def test_the_launcher_payload_shuts_down_after_training(tmp_path: Path, monkeypa
     calls: list[str] = []
     monkeypatch.setattr(loop, "train", lambda exp, run_dir, peak: calls.append(f"train {exp.name}") or [2.5, 2.0])
     monkeypatch.setattr(shutdown, "shut_down", lambda: calls.append("shut_down"))
-    monkeypatch.setattr(shutdown, "leave_after_runner", lambda: calls.append("leave_after_runner"))
+    monkeypatch.setattr(shutdown, "leave_after_runner", lambda result: calls.append(f"leave_after_runner {result}"))
+    monkeypatch.delenv("SUBMITIT_FOLDER", raising=False)  # not under submitit's runner: no result file to wait for
     assert TrainJob(str(TINY), str(tmp_path))() == {"steps": 2, "final_loss": 2.0}
-    assert calls == ["train llama-tiny", "shut_down", "leave_after_runner"]
+    assert calls == ["train llama-tiny", "shut_down", "leave_after_runner None"]

@@ -189,9 +189,14 @@ def prune(root: Path, latest: Path, keep_last: int) -> threading.Thread | None:
     checkpoint took 10.2 s on an H200 machine's disk (bench/start_save.py, 2026-12-02). Not a daemon thread: the
     process ends only when it is done (a normal exit and train/shutdown.shut_down join it). Returns the thread."""
     done = sorted(p for p in root.glob("iter_*") if p != latest)
-    doomed = [p.rename(p.with_name(f"{DELETING}{p.name}.{os.getpid()}.{time.time_ns()}"))
-              for p in done[: max(0, len(done) - (keep_last - 1))]]
-    doomed += [p for p in root.glob(f"{DELETING}*") if p not in doomed]
+    doomed, mine = [], f".{os.getpid()}."
+    for p in done[: max(0, len(done) - (keep_last - 1))]:
+        try:
+            doomed.append(p.rename(p.with_name(f"{DELETING}{p.name}{mine}{time.time_ns()}")))
+        except OSError as e:  # keeping too many checkpoints must not fail a save (nor hang the other ranks' barrier)
+            log.warning("could not remove the superseded checkpoint %s: %s", p, e)
+    # left by a process that stopped while deleting; this process's own are being deleted by its earlier threads
+    doomed += [p for p in root.glob(f"{DELETING}*") if mine not in p.name]
     if not doomed:
         return None
     thread = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in doomed],

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
+
+
+def submitit_result() -> Path | None:
+    """Where submitit's runner saves this task's result; None outside the runner."""
+    if "SUBMITIT_FOLDER" not in os.environ:
+        return None
+    import submitit
+
+    return Path(submitit.JobEnvironment().paths.result_pickle)
 
 
 class TrainJob:
@@ -23,7 +33,7 @@ class TrainJob:
         exp = load_experiment(self.config_path)
         losses = train(exp, Path(self.run_dir), self.peak_tflops)
         shut_down()
-        leave_after_runner()  # the job ends once submitit has saved this, not after the interpreter's finalization
+        leave_after_runner(submitit_result())  # the job ends once submitit has saved this, without the finalization
         return {"steps": len(losses), "final_loss": losses[-1] if losses else None}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:

@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 _stopping_compile_workers: threading.Thread | None = None
 
@@ -37,7 +38,9 @@ def shut_down() -> None:
     at `df9f463`: nothing to release, process-group teardown 1.7 s, interpreter exit 4.45 s. An async save still
     stages in pinned memory, which is released here. Then what the interpreter's exit would do first: join the
     non-daemon threads, run the exit handlers (atexit); leave() skips only what comes after them. One handler stops
-    torch's compile workers, which hold this process's stdout and stderr, if stop_compile_workers has not."""
+    torch's compile workers, which hold this process's stdout and stderr, if stop_compile_workers has not. After it
+    the process is shutting down as far as Python's threading is concerned: code that still runs (submitit's runner
+    saving the result) may not start thread pools."""
     import torch
     import torch.distributed as dist
 
@@ -76,14 +79,18 @@ def leave(code: int) -> None:
 
 
 
-def leave_after_runner() -> None:
-    """Inside submitit's runner (`mcorekit launch`'s payload, train/job.py), after shut_down: the runner still saves
-    the job's result when the payload returns, so leave() runs as an exit handler, when the runner is done; shut_down
-    has run the others, so it is the first to run. A runner ending on an exception keeps the interpreter's own exit,
-    and its exit code."""
+def leave_after_runner(result: Path | None) -> None:
+    """Inside submitit's runner (`mcorekit launch`'s payload, train/job.py), after shut_down: the runner saves the
+    job's result (`result`, its pickle) once the payload returns, so leave() runs as an exit handler, when the runner
+    is done; shut_down ran the others, so only handlers registered later run before it. It leaves only if the result
+    was saved and no exception is on its way out: a failing runner keeps the interpreter's exit and its code (a
+    SystemExit leaves no trace for an exit handler: before the result is saved, its code is kept too).
+    None (not under submitit): the ordinary exit."""
+    if result is None:
+        return
 
-    def leave_unless_failed() -> None:
-        if getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
+    def leave_once_saved() -> None:
+        if result.exists() and getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
             leave(0)
 
-    atexit.register(leave_unless_failed)
+    atexit.register(leave_once_saved)
