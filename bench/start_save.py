@@ -64,11 +64,8 @@ def finalize_then_delete(self, path, *args, **kwargs):
     shutil.rmtree(path, ignore_errors=True)
 checkpoint.load, checkpoint.Saver._finalize = load_then_delete, finalize_then_delete
 from mcorekit.train.__main__ import main
-from mcorekit.train.shutdown import leave
-code = main(sys.argv[1:])
-if code == 0:
-    leave(code)  # as `python -m mcorekit.train` ends a finished run
-sys.exit(code)
+from mcorekit.train.shutdown import exit_with
+exit_with(main(sys.argv[1:]))  # as `python -m mcorekit.train` ends
 """
 
 

@@ -37,13 +37,7 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     H200; a bf16 copy of the same tensors takes 26)."""
     if not (t.is_cuda and t.dim() == 2):
         return quantize_rows_eager(t)
-    import torch
-
-    t = t.detach()  # the marks stay off the caller's tensor, and requires_grad (a guard) is always False
-    torch._dynamo.maybe_mark_dynamic(t, 0)
-    torch._dynamo.mark_static(t, 1)
-    with torch.no_grad():  # never differentiated; one grad mode, so calls from generation do not recompile
-        return _compiled(quantize_rows_eager)(t)
+    return _run_compiled(quantize_rows_eager, t, dynamic_dim=0)
 
 
 def quantize_rows_eager(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,19 +70,25 @@ def quantize_weights(w: torch.Tensor) -> Fp8Weights:
 def quantize_columns(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [experts, out, in] -> quantize_rows of w.transpose(1, 2): [experts, in, out] values, contiguous, and a
     scale per (expert, input column)."""
-    if not w.is_cuda:
-        return _transposed_rows(w)
-    import torch
-
-    w = w.detach()
-    for dim in range(w.dim()):
-        torch._dynamo.mark_static(w, dim)
-    with torch.no_grad():
-        return _compiled(_transposed_rows)(w)
+    return _run_compiled(_transposed_rows, w, dynamic_dim=None) if w.is_cuda else _transposed_rows(w)
 
 
 def _transposed_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_eager(w.transpose(1, 2))
+
+
+def _run_compiled(fn: Callable, t: torch.Tensor, dynamic_dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fn(t) through its torch.compile'd kernel: every size of t fixed in the graph but `dynamic_dim` (token rows)."""
+    import torch
+
+    t = t.detach()  # the marks stay off the caller's tensor, and requires_grad (a guard) is always False
+    for dim in range(t.dim()):
+        if dim == dynamic_dim:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+        else:
+            torch._dynamo.mark_static(t, dim)
+    with torch.no_grad():  # never differentiated; one grad mode, so calls from generation do not recompile
+        return _compiled(fn)(t)
 
 
 @functools.cache

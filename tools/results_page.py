@@ -353,9 +353,7 @@ def start_save_shares(m: Measurement) -> dict[str, float]:
     out = {"start_s": save["startup"]["step1"], "save_of_dd_write": save["save_gb_per_s"] / dd["dd_write_gb_per_s"]}
     if "load_gb_per_s" in r:
         out["load_of_dd_read"] = r["load_gb_per_s"] / dd["dd_read_gb_per_s"]
-    if "async_step_cost" in m.meta.get("unusable", {}):
-        pass  # meta.json says why this run's step times cannot be compared
-    elif "step_s_overlapped_after_blocking" in asy:
+    if "step_s_overlapped_after_blocking" in asy:
         out["async_step_cost"] = asy["step_s_overlapped_after_blocking"] / save["step_s"] - 1
     elif asy.get("step_s_in_flight") and asy.get("steps_in_flight"):
         # the first step in flight carries the save's blocking part: the steps' own time leaves it out. The bench
@@ -366,6 +364,8 @@ def start_save_shares(m: Measurement) -> dict[str, float]:
         else:
             out["async_step_s"] = asy["step_s_in_flight"]
         out["async_step_cost"] = out["async_step_s"] / save["step_s"] - 1
+    for key in m.meta.get("unusable", {}):  # meta.json says why this run's figure cannot be compared
+        out.pop(key, None)
     return out
 
 

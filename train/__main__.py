@@ -15,7 +15,7 @@ from pathlib import Path
 from mcorekit import quiet
 from mcorekit.errors import MCoreKitError
 from mcorekit.config.experiment import Experiment, load_experiment
-from mcorekit.train.shutdown import leave, shut_down
+from mcorekit.train.shutdown import exit_with, shut_down
 
 
 def default_run_dir(config: Path, name: str) -> Path:
@@ -95,7 +95,4 @@ def _init_cuda(local_rank: int) -> None:
 
 
 if __name__ == "__main__":
-    code = main()
-    if code == 0:
-        leave(code)
-    sys.exit(code)
+    exit_with(main())

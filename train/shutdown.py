@@ -79,6 +79,13 @@ def leave(code: int) -> None:
 
 
 
+def exit_with(code: int) -> None:
+    """`python -m mcorekit.train`'s last line: a finished run (0, after shut_down) leaves; a failure exits as usual."""
+    if code == 0:
+        leave(code)
+    sys.exit(code)
+
+
 def leave_after_runner(result: Path | None) -> None:
     """Inside submitit's runner (`mcorekit launch`'s payload, train/job.py), after shut_down: the runner saves the
     job's result (`result`, its pickle) once the payload returns, so leave() runs as an exit handler, when the runner
