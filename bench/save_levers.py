@@ -11,8 +11,10 @@ The state: bf16 weights and their fp32 main copies and two Adam moments, shaped 
   nocrc        the same without CRC-32s (mcorekit.outputs.without_crc32)
   per-tensor   each tensor copied to host memory by the writer just before it is written (stage_per_tensor)
   no-writeback both, the disk left to write at the kernel's pace and at the closing fsync
-  defaults     both, and what is written handed to the kernel's writeback every 32 MiB (what a synchronous save of
-               mcorekit does)
+  no-ahead     both, what is written handed to the kernel's writeback every 32 MiB, each tensor copied to pageable
+               host memory when the writer asks for it (the defaults from 83cb09a until copies ran ahead)
+  defaults     the same with each tensor's copy into pinned memory started while the writer writes the tensor
+               before it (train/checkpoint.copied_ahead; what a synchronous save of mcorekit does)
   defaults-2t  the defaults with two writer threads and two files (Megatron-Core 0.19.2 writes its last bucket on
                the calling thread before it starts the others, so this measures two files more than two writers)
 With --device cpu the state lies in host memory and one gloo rank writes it: the staging is then no copy, and
@@ -25,24 +27,33 @@ Prints a Markdown table and writes results.json (after every lever).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+from unittest import mock
 
 from results import fresh_dir
 from start_save import dd_speed
 
-LEVERS = {  # name: (CRC-32s, staged per tensor, writer threads, writeback every 32 MiB)
-    "megatron": (True, False, 1, False),
-    "nocrc": (False, False, 1, False),
-    "per-tensor": (True, True, 1, False),
-    "no-writeback": (False, True, 1, False),
-    "defaults": (False, True, 1, True),
-    "defaults-2t": (False, True, 2, True),
+LEVERS = {  # name: (CRC-32s, staged per tensor, writer threads, writeback every 32 MiB, copies ahead)
+    "megatron": (True, False, 1, False, False),
+    "nocrc": (False, False, 1, False, False),
+    "per-tensor": (True, True, 1, False, True),
+    "no-writeback": (False, True, 1, False, True),
+    "no-ahead": (False, True, 1, True, False),
+    "defaults": (False, True, 1, True, True),
+    "defaults-2t": (False, True, 2, True, True),
 }
+
+
+def copied_when_asked(tensors: list[Any], stream: Any) -> Iterator[Any]:
+    """The no-ahead lever's stand-in for checkpoint.copied_ahead: each tensor copied when the writer asks for it."""
+    for item, tensor in tensors:
+        yield item, tensor.to("cpu")
 
 
 def layer_shapes(hidden: int = 3072, ffn: int = 8192, heads: int = 24, groups: int = 8, head_dim: int = 128,
@@ -85,9 +96,9 @@ def save_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from mcorekit.outputs import without_crc32
-    from mcorekit.train.checkpoint import stage_per_tensor
+    from mcorekit.train import checkpoint
 
-    crc, per_tensor, threads, writeback = LEVERS[lever]
+    crc, per_tensor, threads, writeback, ahead = LEVERS[lever]
     path.mkdir(parents=True)
     strategy = TorchDistSaveShardedStrategy(thread_count=threads)
     if torch.cuda.is_available():
@@ -99,7 +110,9 @@ def save_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
         request = dist_checkpointing.save(state, str(path), sharded_strategy=strategy, async_sharded_save=True,
                                           async_strategy="mcore")
         if per_tensor:
-            with stage_per_tensor(request, writeback) as staged:
+            inline = contextlib.nullcontext() if ahead else mock.patch.object(checkpoint, "copied_ahead",
+                                                                              copied_when_asked)
+            with inline, checkpoint.stage_per_tensor(request, writeback) as staged:
                 staged.execute_sync()
         else:
             request.execute_sync()
@@ -114,7 +127,7 @@ def save_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
     shutil.rmtree(path)
     os.sync()
     return {"lever": lever, "crc32": crc, "per_tensor": per_tensor, "threads": threads, "writeback": writeback,
-            "seconds": round(seconds, 2),
+            "ahead": ahead, "seconds": round(seconds, 2),
             "gb": round(size / 1e9, 3), "gb_per_s": round(size / 1e9 / seconds, 3), "release_s": round(release, 2),
             "read_back": check}
 
@@ -135,6 +148,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [f"disk (dd O_DIRECT): write {disk.get('dd_write_gb_per_s')} GB/s, read {disk.get('dd_read_gb_per_s')} GB/s",
              "", "| lever | CRC-32 | staged | threads | writeback | GB | save s | GB/s | of dd write | pinned release s | "
              "read back |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    staged = {(False, None): "all, pinned", (False, False): "all, pinned", (True, False): "per tensor, when asked",
+              (True, True): "per tensor, one ahead", (True, None): "per tensor"}
     for r in rows:
         if "lever" not in r:
             continue
@@ -143,7 +158,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         share = f"{100 * r['gb_per_s'] / disk['dd_write_gb_per_s']:.0f}%" if disk else "-"
         lines.append(f"| {r['lever']} | {'on' if r['crc32'] else 'off'} | "
-                     f"{'per tensor' if r['per_tensor'] else 'all, pinned'} | {r['threads']} | "
+                     f"{staged[r['per_tensor'], r.get('ahead')]} | {r['threads']} | "
                      f"{'32 MiB' if r.get('writeback') else 'off'} | {r['gb']} | "
                      f"{r['seconds']} | {r['gb_per_s']} | {share} | {r['release_s']} | {r['read_back']} |")
     return "\n".join(lines)

@@ -25,13 +25,14 @@ def _finalize_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
 
 
-def _state() -> dict:
+def _state(device: str = "cpu") -> dict:
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
     g = torch.Generator().manual_seed(0)
     tensors = {"w.bf16": torch.randn(64, 48, generator=g).bfloat16(), "m.fp32": torch.randn(3000, generator=g),
-               "e.int": torch.arange(17, dtype=torch.int64), "view.fp32": torch.randn(8, 10, generator=g)[:, 2:7]}
-    state = {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in tensors.items()}
+               "e.int": torch.arange(17, dtype=torch.int64), "view.fp32": torch.randn(8, 10, generator=g)[:, 2:7],
+               "t.fp32": torch.randn(6, 9, generator=g).t()}
+    state = {k: ShardedTensor.from_rank_offsets(k, t.to(device), replica_id=0) for k, t in tensors.items()}
     state["rng"] = ShardedObject("rng", {"seed": 1234, "state": torch.arange(4)}, (1,), (0,), replica_id=0)
     state["iteration"] = 7
     return state
@@ -126,13 +127,13 @@ def test_without_crc32_restores_the_setting(crc: bool) -> None:
         torch.serialization.set_crc32_options(before)
 
 
-def _save_with(path: Path, threads: int, writeback: bool) -> None:
+def _save_with(path: Path, threads: int, writeback: bool, device: str = "cpu") -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     path.mkdir()
     with without_crc32():
-        request = dist_checkpointing.save(_state(), str(path), async_sharded_save=True, async_strategy="mcore",
+        request = dist_checkpointing.save(_state(device), str(path), async_sharded_save=True, async_strategy="mcore",
                                           sharded_strategy=TorchDistSaveShardedStrategy(thread_count=threads))
         with stage_per_tensor(request, writeback) as staged:
             staged.execute_sync()
@@ -200,3 +201,45 @@ def test_overlapping_without_crc32_blocks_restore_once_both_end() -> None:
     assert torch.serialization.get_crc32_options() is False
     b.__exit__(None, None, None)
     assert torch.serialization.get_crc32_options() is before
+
+
+def test_copies_run_one_tensor_ahead_of_the_writer() -> None:
+    """copied_ahead hands the tensors out in order and takes tensor i+1 (starting its copy on a GPU) before it hands
+    out tensor i: the copy of the next runs while the writer writes this one. On CPU the tensors pass through."""
+    from mcorekit.train.checkpoint import copied_ahead
+
+    taken: list[int] = []
+    tensors = [torch.full((3,), float(i)) for i in range(4)]
+
+    def bucket():
+        for i, t in enumerate(tensors):
+            taken.append(i)
+            yield f"item{i}", t
+
+    handed = []
+    for item, tensor in copied_ahead(bucket(), None):
+        handed.append((item, len(taken)))
+        assert tensor is tensors[int(item[-1])]
+    assert handed == [("item0", 2), ("item1", 3), ("item2", 4), ("item3", 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gpu_staging_writes_what_host_tensors_write(model_parallel: None, tmp_path: Path, threads: int) -> None:
+    """GPU tensors, copied ahead of the writer into pinned memory on a side stream (stage_per_tensor), give the files
+    the same tensors written from host memory give (save ids apart): the copy is complete before each is written,
+    and each keeps its layout (a transposed one included)."""
+    from mcorekit.train.checkpoint import copied_ahead
+
+    _save_with(tmp_path / "host", threads, writeback=True, device="cpu")
+    _save_with(tmp_path / "gpu", threads, writeback=True, device="cuda")
+    names = sorted(p.name for p in (tmp_path / "host").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "gpu").iterdir())
+    for name in names:
+        if name.endswith(".distcp"):
+            a, b = ((tmp_path / d / name).read_bytes() for d in ("host", "gpu"))
+            assert _without_save_ids(a) == _without_save_ids(b), name
+    big = [("a", torch.randn(4096, 4096, device="cuda")), ("b", torch.randn(4096, 4096, device="cuda").t())]
+    stream = torch.cuda.Stream()
+    for (_, want), (_, got) in zip(big, copied_ahead(big, stream)):
+        assert got.is_pinned() and got.stride() == want.stride() and torch.equal(got, want.cpu())

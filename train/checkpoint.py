@@ -207,10 +207,11 @@ def prune(root: Path, latest: Path, keep_last: int) -> threading.Thread | None:
 
 @contextmanager
 def stage_per_tensor(request: Any, writeback: bool = True) -> Iterator[Any]:
-    """A synchronous save's request with each tensor copied to host memory by the writer just before it writes it,
-    instead of Megatron-Core's staging of the whole checkpoint in pinned host memory first (which on one H200 took
-    longer than writing: pinning 37 GB of pages, then unpinning them at exit, 13 s after the save had ended). Host
-    memory holds a tensor or two per writer thread, not the checkpoint. Same files, same bytes.
+    """A synchronous save's request with each tensor copied to host memory as the writer reaches it, instead of
+    Megatron-Core's staging of the whole checkpoint in pinned host memory first (which on one H200 took longer than
+    writing: pinning 37 GB of pages, then unpinning them at exit, 13 s after the save had ended). The copy of the next
+    tensor runs on a side stream while the writer writes this one (copied_ahead), so the disk is not left idle during
+    the copies. Host memory holds a few tensors per writer thread, not the checkpoint. Same files, same bytes.
 
     With `writeback`, what the writer has written so far is handed to the kernel's writeback every WRITEBACK_BYTES
     (between two tensors), so the disk writes while the next tensors are copied and serialized rather than at the
@@ -222,11 +223,13 @@ def stage_per_tensor(request: Any, writeback: bool = True) -> Iterator[Any]:
         yield request
         return
     buckets, stagers = stage.args[0], []
+    stream = _copy_stream()
 
     def one_at_a_time(file_name: str, tensors: list[Any]) -> Iterator[Any]:
         fd, handed = -1, 0
+        copies = copied_ahead(tensors, stream)
         try:
-            for item, tensor in tensors:
+            for item, tensor in copies:
                 if writeback and fd < 0:
                     try:  # the writer has opened (created) it before it asks for its first tensor
                         fd = os.open(file_name, os.O_RDONLY)
@@ -235,8 +238,9 @@ def stage_per_tensor(request: Any, writeback: bool = True) -> Iterator[Any]:
                 elif fd >= 0 and (size := os.fstat(fd).st_size) - handed >= WRITEBACK_BYTES:
                     start_writeback(fd, handed, size - handed)
                     handed = size
-                yield item, tensor.to("cpu")
+                yield item, tensor
         finally:
+            copies.close()
             if fd >= 0:
                 os.close(fd)
 
@@ -250,6 +254,50 @@ def stage_per_tensor(request: Any, writeback: bool = True) -> Iterator[Any]:
     finally:
         for stager in stagers:
             stager.close()
+
+
+def _copy_stream() -> Any:
+    """The stream the staging copies run on, after everything already queued on the GPU (the tensors' last
+    writes); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.Stream()
+
+
+def copied_ahead(tensors: list[Any], stream: Any) -> Iterator[Any]:
+    """(item, tensor in host memory) for each (item, tensor), in order. A GPU tensor's copy is started on `stream`
+    when the tensor before it is handed out, into pinned memory from torch's caching host allocator: the copy engine
+    copies tensor i+1 while the writer writes tensor i, and the blocks are reused by later tensors and later saves
+    (pinned once per size, not per save). Its layout is the GPU tensor's (empty_like), as `tensor.to("cpu")` gives.
+    Host tensors are handed out as they are."""
+    import torch
+
+    def start(item: Any, tensor: Any) -> tuple[Any, Any, Any]:
+        if not tensor.is_cuda:
+            return item, tensor, None
+        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return item, host, done
+
+    def finish(item: Any, host: Any, done: Any) -> tuple[Any, Any]:
+        if done is not None:
+            done.synchronize()
+        return item, host
+
+    ahead = None
+    for item, tensor in tensors:
+        started = start(item, tensor)
+        if ahead is not None:
+            yield finish(*ahead)
+        ahead = started
+    if ahead is not None:
+        yield finish(*ahead)
 
 
 def _bytes_on_disk(path: Path) -> int:
