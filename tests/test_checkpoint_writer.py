@@ -20,9 +20,11 @@ from mcorekit.train.checkpoint import save_strategy, stage_per_tensor
 
 @pytest.fixture(autouse=True)
 def _finalize_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Megatron-Core's finalize broadcasts its failure flag from a tensor on torch.cuda.current_device(): no GPU
-    here, so that one call is pointed at the CPU (the gloo rank broadcasts it from there)."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    """Megatron-Core's finalize broadcasts its failure flag from a tensor on torch.cuda.current_device(): without a
+    GPU that one call is pointed at the CPU (the gloo rank broadcasts it from there; gloo broadcasts CUDA tensors
+    too, so the GPU machine keeps the real device, which the staging's stream needs)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
 
 
 def _state(device: str = "cpu") -> dict:
@@ -217,7 +219,7 @@ def test_copies_run_one_tensor_ahead_of_the_writer() -> None:
             yield f"item{i}", t
 
     handed = []
-    for item, tensor in copied_ahead(bucket(), None):
+    for item, tensor in copied_ahead(bucket()):
         handed.append((item, len(taken)))
         assert tensor is tensors[int(item[-1])]
     assert handed == [("item0", 2), ("item1", 3), ("item2", 4), ("item3", 4)]
@@ -240,6 +242,5 @@ def test_gpu_staging_writes_what_host_tensors_write(model_parallel: None, tmp_pa
             a, b = ((tmp_path / d / name).read_bytes() for d in ("host", "gpu"))
             assert _without_save_ids(a) == _without_save_ids(b), name
     big = [("a", torch.randn(4096, 4096, device="cuda")), ("b", torch.randn(4096, 4096, device="cuda").t())]
-    stream = torch.cuda.Stream()
-    for (_, want), (_, got) in zip(big, copied_ahead(big, stream)):
+    for (_, want), (_, got) in zip(big, copied_ahead(big)):
         assert got.is_pinned() and got.stride() == want.stride() and torch.equal(got, want.cpu())

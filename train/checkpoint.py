@@ -223,11 +223,10 @@ def stage_per_tensor(request: Any, writeback: bool = True) -> Iterator[Any]:
         yield request
         return
     buckets, stagers = stage.args[0], []
-    stream = _copy_stream()
 
     def one_at_a_time(file_name: str, tensors: list[Any]) -> Iterator[Any]:
         fd, handed = -1, 0
-        copies = copied_ahead(tensors, stream)
+        copies = copied_ahead(tensors)
         try:
             for item, tensor in copies:
                 if writeback and fd < 0:
@@ -256,28 +255,23 @@ def stage_per_tensor(request: Any, writeback: bool = True) -> Iterator[Any]:
             stager.close()
 
 
-def _copy_stream() -> Any:
-    """The stream the staging copies run on, after everything already queued on the GPU (the tensors' last
-    writes); None without CUDA."""
+def copied_ahead(tensors: list[Any]) -> Iterator[Any]:
+    """(item, tensor in host memory) for each (item, tensor), in order. A GPU tensor's copy is started on a side
+    stream when the tensor before it is handed out, into pinned memory from torch's caching host allocator: the copy
+    engine copies tensor i+1 while the writer writes tensor i, and the blocks are reused by later tensors and later
+    saves (pinned once per size, not per save). Its layout is the GPU tensor's (empty_like), as `tensor.to("cpu")`
+    gives. Host tensors are handed out as they are."""
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.synchronize()
-    return torch.cuda.Stream()
-
-
-def copied_ahead(tensors: list[Any], stream: Any) -> Iterator[Any]:
-    """(item, tensor in host memory) for each (item, tensor), in order. A GPU tensor's copy is started on `stream`
-    when the tensor before it is handed out, into pinned memory from torch's caching host allocator: the copy engine
-    copies tensor i+1 while the writer writes tensor i, and the blocks are reused by later tensors and later saves
-    (pinned once per size, not per save). Its layout is the GPU tensor's (empty_like), as `tensor.to("cpu")` gives.
-    Host tensors are handed out as they are."""
-    import torch
+    stream = None
 
     def start(item: Any, tensor: Any) -> tuple[Any, Any, Any]:
+        nonlocal stream
         if not tensor.is_cuda:
             return item, tensor, None
+        if stream is None:  # after everything queued on the GPU so far (the tensors' last writes, on any stream)
+            torch.cuda.synchronize(tensor.device)
+            stream = torch.cuda.Stream(tensor.device)
         host = torch.empty_like(tensor, device="cpu", pin_memory=True)
         with torch.cuda.stream(stream):
             host.copy_(tensor, non_blocking=True)
