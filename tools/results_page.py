@@ -369,6 +369,15 @@ def start_save_shares(m: Measurement) -> dict[str, float]:
     return out
 
 
+def start_save_warm_s(r: dict) -> float | None:
+    """The async run's start to the end of step 1 less its resume (the load): it starts after the save run on the same
+    machine, so with the compile caches the first process left (from `cf0533b` on the bench gives both one fresh cache)."""
+    asy = r.get("async", {})
+    if "step1" not in asy.get("startup", {}) or "resume" not in asy.get("phases", {}):
+        return None
+    return asy["startup"]["step1"] - asy["phases"]["resume"]
+
+
 def start_save_met(m: Measurement, key: str) -> tuple[str, bool]:
     """(the target in words, whether it is met)."""
     target, got = m.meta["targets"][key], start_save_shares(m)[key]
@@ -394,6 +403,9 @@ def start_save_figures(m: Measurement) -> list[Figure]:
          *start_save_met(m, "save_of_dd_write")),
         ("process lived on after the save", f"{save['exit_after_save_s']:.1f} s", "", None),
     ]
+    if (warm := start_save_warm_s(r)) is not None:
+        rows.insert(2, ("start -> end of step 1, second process (torch's compile cache warm), less its load",
+                        f"{warm:.1f} s (step 1 {asy['phases']['step1']:.1f})", "", None))
     if "load_of_dd_read" in sh:
         rows.append(("load on resume, page cache dropped", f"{asy['load_s']:.1f} s = {r['load_gb_per_s']:.2f} GB/s "
                      f"({pct(sh['load_of_dd_read'], 0)} of dd read)", *start_save_met(m, "load_of_dd_read")))
@@ -495,12 +507,19 @@ def save_levers_rows(m: Measurement) -> tuple[dict, list[dict]]:
     return disk, [r for r in m.results if "lever" in r and "error" not in r]
 
 
+def staged_label(r: dict) -> str:
+    """How a lever staged the tensors in host memory (`ahead` from `916c1d7` on: copied one tensor ahead or when asked)."""
+    if not r["per_tensor"]:
+        return "all, pinned"
+    return {True: "per tensor, one ahead, pinned", False: "per tensor, when asked"}.get(r.get("ahead"), "per tensor")
+
+
 def save_levers_table(m: Measurement) -> str:
     disk, rows = save_levers_rows(m)
     on = {True: "on", False: "off"}
     return table(["lever", "CRC-32s", "staged", "writeback", "GB", "save s", "GB/s", "of dd write", "pinned release s",
                   "read back"],
-                 [[r["lever"], on[r["crc32"]], "per tensor" if r["per_tensor"] else "all, pinned",
+                 [[r["lever"], on[r["crc32"]], staged_label(r),
                    "32 MiB" if r.get("writeback") else "off", f"{r['gb']:.1f}", f"{r['seconds']:.1f}", f"{r['gb_per_s']:.2f}",
                    pct(r["gb_per_s"] / disk["dd_write_gb_per_s"], 0), f"{r['release_s']:.1f}", r["read_back"]]
                   for r in rows]) + (f"\n\ndd O_DIRECT: write {disk['dd_write_gb_per_s']:.2f} GB/s, "
