@@ -244,3 +244,27 @@ def test_gpu_staging_writes_what_host_tensors_write(model_parallel: None, tmp_pa
     big = [("a", torch.randn(4096, 4096, device="cuda")), ("b", torch.randn(4096, 4096, device="cuda").t())]
     for (_, want), (_, got) in zip(big, copied_ahead(big)):
         assert got.is_pinned() and got.stride() == want.stride() and torch.equal(got, want.cpu())
+
+
+def test_a_save_the_loop_waits_for_is_written_at_once_with_async_save(model_parallel: None, tmp_path: Path) -> None:
+    """Saver.write with background=False (what save() passes for the end-of-run save and the save before a requeue)
+    writes the checkpoint before it returns, through the per-tensor staging, even on a Saver with async_save: the
+    background writer's queue stays empty. On CPU: the background writer itself needs CUDA."""
+    from megatron.core import dist_checkpointing
+
+    from mcorekit.train.checkpoint import Saver
+
+    saver = Saver(tmp_path / "ckpts", keep_last=1, async_save=True)
+    _save(tmp_path / "reference", ours=True)
+    (tmp_path / "now").mkdir()
+    with without_crc32():
+        request = dist_checkpointing.save(_state(), str(tmp_path / "now"), sharded_strategy=save_strategy(),
+                                          async_sharded_save=True, async_strategy="mcore")
+        saver.write(request, background=False)
+    assert not saver.queue.async_calls
+    names = sorted(p.name for p in (tmp_path / "reference").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "now").iterdir())
+    for name in names:
+        if name.endswith(".distcp"):
+            a, b = ((tmp_path / d / name).read_bytes() for d in ("reference", "now"))
+            assert _without_save_ids(a) == _without_save_ids(b), name

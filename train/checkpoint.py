@@ -93,7 +93,8 @@ def unwrap(model: Any) -> Any:
 
 class Saver:
     """Saves iter_N/ checkpoints; with async_save the write happens in a background process while training
-    continues, and the tracker is updated only once every rank's part is on disk (one save in flight)."""
+    continues, and the tracker is updated only once every rank's part is on disk (one save in flight). Saves the
+    loop waits for (the end-of-run save, the save before a requeue) are written at once (see write)."""
 
     def __init__(self, root: Path, keep_last: int, async_save: bool) -> None:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -125,7 +126,7 @@ class Saver:
         if is_fsdp(chunks):  # Megatron-FSDP: fsdp_dtensor through torch.distributed.checkpoint, synchronous
             _save_fsdp(path, step, chunks, optimizer, scheduler)
             dist.barrier()
-            self._finalize(path, step, started)
+            self._finalize(path, step, started, background=False)
             return path
         self._queue_ready.join()
         if self.strategy is None:
@@ -134,24 +135,29 @@ class Saver:
         with optimizer_state_in_place(optimizer):
             optimizer_sd = optimizer.sharded_state_dict(model_sd, metadata=SHARDING)
         state = {**model_sd, "optimizer": optimizer_sd, "scheduler": scheduler.state_dict(), "iteration": step}
-        # Megatron-Core's writer as an AsyncRequest in both cases: a synchronous save runs it here, staged one
-        # tensor at a time (stage_per_tensor); "mcore" is Megatron-Core's own background writer (the default "nvrx"
-        # needs nvidia-resiliency-ext), which stages the whole checkpoint in pinned memory before it forks.
+        # Megatron-Core's writer as an AsyncRequest in both cases: written here (write) or by Megatron-Core's own
+        # background writer ("mcore"; the default "nvrx" needs nvidia-resiliency-ext)
+        background = self.queue is not None and not wait
         with without_crc32():
             request = dist_checkpointing.save(state, str(path), sharded_strategy=self.strategy,
                                               async_sharded_save=True, async_strategy="mcore")
-            request.add_finalize_fn(lambda: self._finalize(path, step, started))
-            if self.queue is None:
-                with stage_per_tensor(request) as staged:
-                    staged.execute_sync()
-            else:
-                self.queue.schedule_async_request(request)
-        if self.queue is not None:
+            request.add_finalize_fn(lambda: self._finalize(path, step, started, background))
+            self.write(request, background)
+        if background:
             _report({"event": "scheduled", "step": step, "blocking_s": round(time.perf_counter() - started, 2),
                      "waited_for_previous_s": round(waited, 2)})
-            if wait:
-                self.wait()
         return path
+
+    def write(self, request: Any, background: bool) -> None:
+        """A save request written now, each tensor copied to host memory one ahead of the writer (stage_per_tensor),
+        or scheduled on the background writer, which stages the whole checkpoint in pinned memory and forks. A save
+        the loop waits for is written now even with async_save: nothing overlaps it, and on one H200 (3B shape,
+        2026-12-02, `916c1d7`) the end-of-run save took 22.3 s written now and 29.7 s in the background."""
+        if background:
+            self.queue.schedule_async_request(request)
+            return
+        with stage_per_tensor(request) as staged:
+            staged.execute_sync()
 
     def poll(self) -> None:
         """Between steps: finish a background save that is complete everywhere (never blocks)."""
@@ -167,10 +173,10 @@ class Saver:
             self.wait()
             self.queue.close()
 
-    def _finalize(self, path: Path, step: int, started: float) -> None:
+    def _finalize(self, path: Path, step: int, started: float, background: bool) -> None:
         if dist.get_rank() == 0:
             seconds, size = time.perf_counter() - started, _bytes_on_disk(path)
-            _report({"event": "saved", "step": step, "async": self.queue is not None, "seconds": round(seconds, 2),
+            _report({"event": "saved", "step": step, "async": background, "seconds": round(seconds, 2),
                      "gb": round(size / 1e9, 3), "gb_per_s": round(size / 1e9 / seconds, 3), "end": time.time()})
             tmp = self.root / (TRACKER + ".tmp")
             tmp.write_text(str(step))
