@@ -110,9 +110,9 @@ def save_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
         request = dist_checkpointing.save(state, str(path), sharded_strategy=strategy, async_sharded_save=True,
                                           async_strategy="mcore")
         if per_tensor:
-            inline = contextlib.nullcontext() if ahead else mock.patch.object(checkpoint, "copied_ahead",
+            copies = contextlib.nullcontext() if ahead else mock.patch.object(checkpoint, "copied_ahead",
                                                                               copied_when_asked)
-            with inline, checkpoint.stage_per_tensor(request, writeback) as staged:
+            with copies, checkpoint.stage_per_tensor(request, writeback) as staged:
                 staged.execute_sync()
         else:
             request.execute_sync()
@@ -149,7 +149,7 @@ def table(rows: list[dict[str, Any]]) -> str:
              "", "| lever | CRC-32 | staged | threads | writeback | GB | save s | GB/s | of dd write | pinned release s | "
              "read back |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     staged = {(False, None): "all, pinned", (False, False): "all, pinned", (True, False): "per tensor, when asked",
-              (True, True): "per tensor, one ahead", (True, None): "per tensor"}
+              (True, True): "per tensor, one ahead, pinned", (True, None): "per tensor"}
     for r in rows:
         if "lever" not in r:
             continue

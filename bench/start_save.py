@@ -113,8 +113,8 @@ def drop_page_cache(folder: Path) -> None:
 
 def train(cmd: list[str], run_dir: Path) -> tuple[int, str, float]:
     """(exit code, stdout then stderr, time.time() when the process had exited); output also in run_dir/log.txt.
-    Every process of one bench shares one torch.compile cache, new at the bench's start (compile_cache): the save run
-    starts cold, the async run after it warm, as a user's first run and their later or requeued runs."""
+    A shape's two processes share one torch.compile cache, new for the shape (compile_cache): the save run starts
+    cold, the async run after it warm, as a user's first run and their later or requeued runs."""
     timeout = max(30.0, DEADLINE[0] - time.time())
     env = {**single_gpu_env(29593), COMPILE_CACHE: str(compile_cache(run_dir.parent))}
     try:
@@ -246,6 +246,7 @@ def measure(shape: str, out: Path, dd_gb: int, results: list[dict[str, Any]]) ->
     results.append(r)
     ckpt = out / f"{shape}-ckpt"  # outside the run folders: the async run loads it
     shutil.rmtree(ckpt, ignore_errors=True)
+    shutil.rmtree(compile_cache(out), ignore_errors=True)  # each shape's first process starts cold
     for part, run in (("dd", lambda: dd_speed(out, dd_gb)), ("save", lambda: save_run(shape, out, ckpt)),
                       ("async", lambda: async_run(shape, out, ckpt))):
         start = time.perf_counter()
@@ -341,7 +342,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"async_save={exp.checkpoint.async_save}, save_interval={exp.checkpoint.save_interval})")
         return 0
     DEADLINE[0] = time.time() + a.budget
-    shutil.rmtree(compile_cache(out), ignore_errors=True)  # the first process starts cold
     results: list[dict[str, Any]] = []
     for shape in shapes:
         measure(shape, out, a.dd_gb, results)

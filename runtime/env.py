@@ -85,15 +85,27 @@ def init_process_group(backend: str, timeout_s: int = 300) -> DistEnv:
     return d
 
 
-def use_compile_cache(env: dict[str, str] | None = None) -> Path:
+def use_compile_cache(env: dict[str, str] | None = None) -> Path | None:
     """Where torch.compile keeps what it compiled (Megatron-Core's fused kernels, the FP8 experts' quantization), so a
     later process loads it instead of compiling: $TORCHINDUCTOR_CACHE_DIR if set (a cluster profile's `env` can put
     it on shared storage), else $XDG_CACHE_HOME/mcorekit/torchinductor (~/.cache/...). Torch's own default,
     /tmp/torchinductor_$USER, is per node and on many clusters per job, so requeued and later jobs compiled from
     scratch: step 1 of the 3B shape took 15.0 s cold and 3.8 s with the cache warm (one H200, 2026-12-02).
-    Sets the variable in `env` (os.environ) before anything compiles; returns the folder."""
+    Sets the variable in `env` (os.environ) and returns the folder; None (torch's default stays) where no home
+    folder is known or the folder cannot be created and written. Call it before Megatron-Core is imported: importing
+    it has torch write its own default into the environment (torch._dynamo.package reads the cache folder)."""
     env = os.environ if env is None else env
-    if not env.get(COMPILE_CACHE):
-        base = Path(env.get("XDG_CACHE_HOME") or Path(env.get("HOME") or Path.home()) / ".cache")
-        env[COMPILE_CACHE] = str(base / "mcorekit" / "torchinductor")
-    return Path(env[COMPILE_CACHE])
+    if env.get(COMPILE_CACHE):
+        return Path(env[COMPILE_CACHE])
+    base = env.get("XDG_CACHE_HOME") or (env.get("HOME") and str(Path(env["HOME"]) / ".cache"))
+    if not base:
+        return None
+    folder = Path(base) / "mcorekit" / "torchinductor"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return None
+    env[COMPILE_CACHE] = str(folder)
+    return folder

@@ -247,21 +247,23 @@ def test_gpu_staging_writes_what_host_tensors_write(model_parallel: None, tmp_pa
 
 
 def test_a_save_the_loop_waits_for_is_written_at_once_with_async_save(model_parallel: None, tmp_path: Path) -> None:
-    """Saver.write with background=False (what save() passes for the end-of-run save and the save before a requeue)
-    writes the checkpoint before it returns, through the per-tensor staging, even on a Saver with async_save: the
-    background writer's queue stays empty. On CPU: the background writer itself needs CUDA."""
+    """A save the loop waits for (the end-of-run save, the save before a requeue: wait=True) is not handed to the
+    background writer of a Saver with async_save; Saver.write then writes it before it returns, through the
+    per-tensor staging. On CPU: the background writer itself needs CUDA."""
     from megatron.core import dist_checkpointing
 
     from mcorekit.train.checkpoint import Saver
 
     saver = Saver(tmp_path / "ckpts", keep_last=1, async_save=True)
+    assert saver.in_background(wait=False) and not saver.in_background(wait=True)
+    assert not Saver(tmp_path / "sync", keep_last=1, async_save=False).in_background(wait=False)
     _save(tmp_path / "reference", ours=True)
     (tmp_path / "now").mkdir()
     with without_crc32():
         request = dist_checkpointing.save(_state(), str(tmp_path / "now"), sharded_strategy=save_strategy(),
                                           async_sharded_save=True, async_strategy="mcore")
-        saver.write(request, background=False)
-    assert not saver.queue.async_calls
+        saver.write(request, background=saver.in_background(wait=True))
+    saver.close()
     names = sorted(p.name for p in (tmp_path / "reference").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "now").iterdir())
     for name in names:

@@ -14,7 +14,7 @@ from mcorekit.config.rules import Nodes, listed, model_of, problems, use_full_gr
 from mcorekit.errors import LayoutError
 from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size
 from mcorekit.models.spec import ModelSpec
-from mcorekit.runtime.env import DistEnv, from_environ, init_process_group, use_compile_cache
+from mcorekit.runtime.env import DistEnv, from_environ, init_process_group
 from mcorekit.train.fsdp import wrap_chunk
 from mcorekit.train.lora import apply_lora, is_lora
 from mcorekit.train.metrics import startup
@@ -78,7 +78,6 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
 
     spec = model_of(exp)
     ranks = from_environ()
-    use_compile_cache()
     nodes = Nodes.here(ranks.local_rank)
     check(exp, spec, ranks.world_size, nodes)
     use_te = uses_te(exp, nodes)

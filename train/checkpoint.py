@@ -137,7 +137,7 @@ class Saver:
         state = {**model_sd, "optimizer": optimizer_sd, "scheduler": scheduler.state_dict(), "iteration": step}
         # Megatron-Core's writer as an AsyncRequest in both cases: written here (write) or by Megatron-Core's own
         # background writer ("mcore"; the default "nvrx" needs nvidia-resiliency-ext)
-        background = self.queue is not None and not wait
+        background = self.in_background(wait)
         with without_crc32():
             request = dist_checkpointing.save(state, str(path), sharded_strategy=self.strategy,
                                               async_sharded_save=True, async_strategy="mcore")
@@ -147,6 +147,10 @@ class Saver:
             _report({"event": "scheduled", "step": step, "blocking_s": round(time.perf_counter() - started, 2),
                      "waited_for_previous_s": round(waited, 2)})
         return path
+
+    def in_background(self, wait: bool) -> bool:
+        """Whether a save is handed to the background writer: with async_save, unless the loop waits for it."""
+        return self.queue is not None and not wait
 
     def write(self, request: Any, background: bool) -> None:
         """A save request written now, each tensor copied to host memory one ahead of the writer (stage_per_tensor),
@@ -264,9 +268,11 @@ def stage_per_tensor(request: Any, writeback: bool = True) -> Iterator[Any]:
 def copied_ahead(tensors: list[Any]) -> Iterator[Any]:
     """(item, tensor in host memory) for each (item, tensor), in order. A GPU tensor's copy is started on a side
     stream when the tensor before it is handed out, into pinned memory from torch's caching host allocator: the copy
-    engine copies tensor i+1 while the writer writes tensor i, and the blocks are reused by later tensors and later
-    saves (pinned once per size, not per save). Its layout is the GPU tensor's (empty_like), as `tensor.to("cpu")`
-    gives. Host tensors are handed out as they are."""
+    engine copies tensor i+1 while the writer writes tensor i. Three blocks are alive at a time (the one being
+    written, the one being copied, the next one's), each rounded up to a power of two by the allocator, which keeps
+    them for later tensors and later saves (pinned once per size, not per save; handed back at exit, shutdown.py).
+    A tensor's layout is the GPU tensor's (empty_like), as `tensor.to("cpu")` gives. Host tensors are handed out as
+    they are."""
     import torch
 
     stream = None
@@ -276,8 +282,9 @@ def copied_ahead(tensors: list[Any]) -> Iterator[Any]:
         if not tensor.is_cuda:
             return item, tensor, None
         if stream is None:  # after everything queued on the GPU so far (the tensors' last writes, on any stream)
-            torch.cuda.synchronize(tensor.device)
-            stream = torch.cuda.Stream(tensor.device)
+            torch.cuda.set_device(tensor.device)  # a writer thread of its own starts on GPU 0 (a context there)
+            torch.cuda.synchronize()
+            stream = torch.cuda.Stream()
         host = torch.empty_like(tensor, device="cpu", pin_memory=True)
         with torch.cuda.stream(stream):
             host.copy_(tensor, non_blocking=True)

@@ -23,6 +23,9 @@ class TrainJob:
         self.peak_tflops = peak_tflops
 
     def __call__(self) -> dict[str, Any]:
+        from mcorekit.runtime.env import use_compile_cache
+
+        use_compile_cache()  # before torch and Megatron-Core are imported (see there)
         from mcorekit import quiet
         from mcorekit.config.experiment import load_experiment
         from mcorekit.train.loop import train
