@@ -141,6 +141,17 @@ def _save_with(path: Path, threads: int, writeback: bool, device: str = "cpu") -
             staged.execute_sync()
 
 
+def _same_data_files(a: Path, b: Path) -> int:
+    """Asserts two checkpoint folders hold the same files and the same .distcp bytes (save ids apart); returns how
+    many .distcp files each holds."""
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    data = [n for n in names if n.endswith(".distcp")]
+    for name in data:
+        assert _without_save_ids((a / name).read_bytes()) == _without_save_ids((b / name).read_bytes()), name
+    return len(data)
+
+
 def _open_files() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
@@ -159,13 +170,7 @@ def test_writeback_hint_changes_no_byte_and_closes_its_files(model_parallel: Non
     _save_with(tmp_path / "hinted", threads, writeback=True)
     assert _open_files() == before
     assert len(hints) >= 2 and all(n > 0 for _, n in hints)
-    names = sorted(p.name for p in (tmp_path / "plain").iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "hinted").iterdir())
-    assert sum(n.endswith(".distcp") for n in names) == threads
-    for name in names:
-        if name.endswith(".distcp"):
-            a, b = ((tmp_path / d / name).read_bytes() for d in ("plain", "hinted"))
-            assert _without_save_ids(a) == _without_save_ids(b), name
+    assert _same_data_files(tmp_path / "plain", tmp_path / "hinted") == threads
 
 
 def test_failed_write_leaves_no_file_open(model_parallel: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,12 +240,7 @@ def test_gpu_staging_writes_what_host_tensors_write(model_parallel: None, tmp_pa
 
     _save_with(tmp_path / "host", threads, writeback=True, device="cpu")
     _save_with(tmp_path / "gpu", threads, writeback=True, device="cuda")
-    names = sorted(p.name for p in (tmp_path / "host").iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "gpu").iterdir())
-    for name in names:
-        if name.endswith(".distcp"):
-            a, b = ((tmp_path / d / name).read_bytes() for d in ("host", "gpu"))
-            assert _without_save_ids(a) == _without_save_ids(b), name
+    assert _same_data_files(tmp_path / "host", tmp_path / "gpu") == threads
     big = [("a", torch.randn(4096, 4096, device="cuda")), ("b", torch.randn(4096, 4096, device="cuda").t())]
     for (_, want), (_, got) in zip(big, copied_ahead(big)):
         assert got.is_pinned() and got.stride() == want.stride() and torch.equal(got, want.cpu())
@@ -264,9 +264,4 @@ def test_a_save_the_loop_waits_for_is_written_at_once_with_async_save(model_para
                                           async_sharded_save=True, async_strategy="mcore")
         saver.write(request, background=saver.in_background(wait=True))
     saver.close()
-    names = sorted(p.name for p in (tmp_path / "reference").iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "now").iterdir())
-    for name in names:
-        if name.endswith(".distcp"):
-            a, b = ((tmp_path / d / name).read_bytes() for d in ("reference", "now"))
-            assert _without_save_ids(a) == _without_save_ids(b), name
+    assert _same_data_files(tmp_path / "reference", tmp_path / "now") == 1
