@@ -114,9 +114,10 @@ def drop_page_cache(folder: Path) -> None:
 def train(cmd: list[str], run_dir: Path) -> tuple[int, str, float]:
     """(exit code, stdout then stderr, time.time() when the process had exited); output also in run_dir/log.txt.
     A shape's two processes share one torch.compile cache, new for the shape (compile_cache): the save run starts
-    cold, the async run after it warm, as a user's first run and their later or requeued runs."""
+    cold, the async run after it warm, as a user's first run and their later or requeued runs. Torch's dynamo log
+    lines (TORCH_LOGS=dynamo) time what each compiled (compile_seconds)."""
     timeout = max(30.0, DEADLINE[0] - time.time())
-    env = {**single_gpu_env(29593), COMPILE_CACHE: str(compile_cache(run_dir.parent))}
+    env = {**single_gpu_env(29593), COMPILE_CACHE: str(compile_cache(run_dir.parent)), "TORCH_LOGS": "dynamo"}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         code, out = proc.returncode, proc.stdout + proc.stderr
@@ -131,6 +132,26 @@ def train(cmd: list[str], run_dir: Path) -> tuple[int, str, float]:
 
 def compile_cache(out: Path) -> Path:
     return out / "compile-cache"
+
+
+DYNAMO_LINE = re.compile(r"I\d{4} (\d\d):(\d\d):(\d\d\.\d+) \d+ \S+\] \[(\d+/\d+)\] Step (?:1: torchdynamo start "
+                         r"tracing (\S+)|2: done compiler function)")
+
+
+def compile_seconds(out: str) -> dict[str, float]:
+    """Seconds torch.compile spent on each function, from torch's dynamo log lines (TORCH_LOGS=dynamo: one line when
+    it starts tracing a frame, one when inductor has compiled it; each with the time of day). A frame compiled again
+    (a recompile, after midnight never) counts its last compile."""
+    started: dict[str, tuple[str, float]] = {}
+    seconds: dict[str, float] = {}
+    for m in DYNAMO_LINE.finditer(out):
+        at = int(m[1]) * 3600 + int(m[2]) * 60 + float(m[3])
+        if m[5]:
+            started[m[4]] = (m[5], at)
+        elif m[4] in started:
+            name, began = started.pop(m[4])
+            seconds[name] = round(at - began, 2)
+    return seconds
 
 
 def parse(out: str) -> dict[str, Any]:
@@ -202,7 +223,9 @@ def save_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
     saved = [e for kind, e in got["events"] if kind == "checkpoint" and e["event"] == "saved"]
     s = SHAPES[shape]
     steps = step_seconds(run_dir, s["mbs"] * 8 * 2048)
+    compiled = compile_seconds(log)
     return {"startup": got["startup"], "phases": phases(got["startup"]),
+            "compile_s": compiled, "compile_total_s": round(sum(compiled.values()), 2),
             "step_s": round(statistics.mean(v for k, v in steps.items() if k > WARM_STEPS), 3),
             "save_s": saved[-1]["seconds"], "ckpt_gb": saved[-1]["gb"], "save_gb_per_s": saved[-1]["gb_per_s"],
             "exit_after_save_s": round(ended - saved[-1]["end"], 2),
@@ -231,7 +254,9 @@ def async_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
     free = [v for k, v in steps.items() if k not in overlapped and k > SAVE_STEPS + WARM_STEPS]
     ph = phases(got["startup"])
     load_s = round(ph["resume"] - got["delete_s"], 2)  # the bench's deletion of the loaded checkpoint is not loading
+    compiled = compile_seconds(log)
     return {"startup": got["startup"], "phases": ph, "load_s": load_s,
+            "compile_s": compiled, "compile_total_s": round(sum(compiled.values()), 2),
             "start_warm_s": round(got["startup"]["step1"] - ph["resume"], 2),  # its compile cache warm, less the load
             "async_blocking_s": scheduled["blocking_s"], "async_save_s": saved[ASYNC_AT]["seconds"],
             "async_save_gb_per_s": saved[ASYNC_AT]["gb_per_s"], "steps_in_flight": sorted(overlapped),
@@ -278,9 +303,11 @@ def table(results: list[dict[str, Any]]) -> str:
              lambda r: cell({"x": r.get("save", {}).get("startup", {})}, "x", "step1"))]
     for ph in ("imports", "checks", "dist_init", "model", "optimizer", "step1"):
         rows.append((f"  {ph}, s", lambda r, ph=ph: cell({"x": r.get("save", {}).get("phases", {})}, "x", ph)))
-    rows += [("start -> end of step 1, compile cache warm (async run, less its load), s",
+    rows += [("  of which torch.compile (cold), s", lambda r: cell(r, "save", "compile_total_s")),
+             ("start -> end of step 1, compile cache warm (async run, less its load), s",
               lambda r: cell(r, "async", "start_warm_s")),
-             ("  step1 (warm), s", lambda r: cell({"x": r.get("async", {}).get("phases", {})}, "x", "step1"))]
+             ("  step1 (warm), s", lambda r: cell({"x": r.get("async", {}).get("phases", {})}, "x", "step1")),
+             ("  of which torch.compile (warm), s", lambda r: cell(r, "async", "compile_total_s"))]
     rows += [
         ("checkpoint, GB", lambda r: cell(r, "save", "ckpt_gb")),
         ("save (sync, end of run), s", lambda r: cell(r, "save", "save_s")),

@@ -145,3 +145,20 @@ def test_links_between_the_docs_reach_their_headings() -> None:
             assert anchor in anchors[dest], f"{f.name}: no heading #{anchor} in {dest.name}"
         for target in re.findall(r"\]\(((?:results|docs)/[^)#\s]+)\)", f.read_text()):
             assert (f.parent / target).exists(), f"{f.name}: {target} does not exist"
+
+
+def test_start_save_figures_give_the_compile_seconds_and_the_warm_start(tmp_path: Path) -> None:
+    """A start/save measurement with the bench's compile_s (torch.compile's seconds by function) shows them under
+    step 1, with the second process's start-up less its load."""
+    page = generator()
+    folder = tmp_path / "start-save"
+    folder.mkdir()
+    meta = json.loads((DATA / "start-save-1gpu-2026-12-02-ahead" / "meta.json").read_text())
+    results = json.loads((DATA / "start-save-1gpu-2026-12-02-ahead" / "results.json").read_text())
+    results[0]["save"].update(compile_s={"swiglu": 2.84, "swiglu_back": 0.49}, compile_total_s=3.33)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    (folder / "results.json").write_text(json.dumps(results))
+    rows = {name: value for name, value, _, _ in page.start_save_figures(page.Measurement(folder))}
+    assert rows["of step 1: torch.compile, by function"] == "swiglu 2.84, swiglu_back 0.49 = 3.3 s"
+    assert rows["start -> end of step 1, second process (torch's compile cache warm), less its load"] == \
+        "16.1 s (step 1 3.8)"

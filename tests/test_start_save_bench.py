@@ -58,6 +58,10 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
     if not cfg["checkpoint"]["async_save"]:
         lines += ["mcorekit.train: startup " + json.dumps({"imports": 5.0, "dist_init": 7.0, "model": 12.0,
                                                            "optimizer": 13.0, "resume": 13.1, "step1": 20.0}),
+                  "[rank0]:I1202 10:00:01.250000 7 torch/_dynamo/symbolic_convert.py:5320] [0/0] Step 1: "
+                  "torchdynamo start tracing swiglu /site/megatron/core/fusions/fused_bias_swiglu.py:15",
+                  "[rank0]:I1202 10:00:03.000000 7 torch/_dynamo/output_graph.py:2665] [0/0] Step 2: "
+                  "done compiler function inductor",
                   step(1, 7.0), step(2, 3.0), step(3, 4.0), step(4, 2.0), step(5, 2.0), step(6, 2.0),
                   saved(6, 20.0, False)]  # steps 1-3: the step graph's warm-up and capture
         end = json.loads(lines[-1].split(" ", 2)[2])["end"]  # then the exit path's marks, as train/shutdown.shut_down
@@ -91,6 +95,7 @@ def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pyte
     assert r["save"]["phases"] == {"imports": 5.0, "dist_init": 2.0, "model": 5.0, "optimizer": 1.0, "resume": 0.1,
                                    "step1": 6.9}
     assert (r["save"]["save_s"], r["save"]["ckpt_gb"], r["save"]["step_s"]) == (20.0, 35.0, 2.0)
+    assert r["save"]["compile_s"] == {"swiglu": 1.75} and r["async"]["compile_total_s"] == 0.0
     assert r["save"]["exit_after_save_s"] >= 1.0
     ex = r["save"]["exit_phases"]
     assert (ex["close"], ex["host_cache"], ex["destroy"], ex["exit_handlers"]) == (0.2, 0.5, 0.1, 0.05)
@@ -134,3 +139,18 @@ def test_startup_phases_are_seconds_since_the_process_started(tmp_path: Path, mo
     assert list(written) == ["imports", "dist_init", "model", "optimizer", "resume", "step1"]
     assert written["step1"] >= written["imports"] > 0
     assert capsys.readouterr().out.startswith("mcorekit.train: startup {")
+
+
+def test_compile_seconds_from_torchs_dynamo_lines() -> None:
+    """The dynamo lines of a real run (the dense 3B bf16 process of 2026-12-02, TORCH_LOGS=dynamo, its compile cache
+    cold; docs/results/dense-3b-1gpu-2026-12-02): each function's start-tracing to done-compiling seconds."""
+    log = (Path(__file__).parent.parent / "docs" / "results" / "dense-3b-1gpu-2026-12-02" / "dense-3b-bf16-1gpu.log")
+    got = start_save.compile_seconds(log.read_text())
+    assert got == {"swiglu": 2.84, "calculate_logits_max": 0.45, "calculate_predicted_logits": 1.77,
+                   "calculate_cross_entropy_loss": 0.57, "calculate_gradients": 0.88, "swiglu_back": 0.49}
+    assert start_save.compile_seconds("step 1/10 loss 11.0\n") == {}
+    recompiled = ("I1202 23:59:00.000000 1 a.py:1] [0/0] Step 1: torchdynamo start tracing f x.py:1\n"
+                  "I1202 23:59:01.500000 1 b.py:2] [0/0] Step 2: done compiler function inductor\n"
+                  "I1202 23:59:02.000000 1 a.py:1] [0/1] Step 1: torchdynamo start tracing f x.py:1\n"
+                  "I1202 23:59:02.250000 1 b.py:2] [0/1] Step 2: done compiler function inductor\n")
+    assert start_save.compile_seconds(recompiled) == {"f": 0.25}

@@ -403,6 +403,9 @@ def start_save_figures(m: Measurement) -> list[Figure]:
          *start_save_met(m, "save_of_dd_write")),
         ("process lived on after the save", f"{save['exit_after_save_s']:.1f} s", "", None),
     ]
+    if compiled := save.get("compile_s"):  # the bench's compile_s: torch's dynamo lines, by function
+        rows.insert(2, ("of step 1: torch.compile, by function", ", ".join(f"{k} {v:.2f}" for k, v in compiled.items())
+                        + f" = {save['compile_total_s']:.1f} s", "", None))
     if (warm := start_save_warm_s(r)) is not None:
         rows.insert(2, ("start -> end of step 1, second process (torch's compile cache warm), less its load",
                         f"{warm:.1f} s (step 1 {asy['phases']['step1']:.1f})", "", None))
