@@ -168,7 +168,9 @@ def parse(out: str) -> dict[str, Any]:
             events.append(("step", int(m.group(1))))
     startup = next((e for kind, e in events if kind == "startup"), {})
     deleted = re.search(r"bench: deleted the loaded checkpoint in ([\d.]+) s", out)
-    return {"startup": startup, "events": events, "delete_s": float(deleted.group(1)) if deleted else 0.0}
+    compiled = compile_seconds(out)
+    return {"startup": startup, "events": events, "delete_s": float(deleted.group(1)) if deleted else 0.0,
+            "compile": {"compile_s": compiled, "compile_total_s": round(sum(compiled.values()), 2)}}
 
 
 def step_seconds(run_dir: Path, tokens_per_step: int) -> dict[int, float]:
@@ -223,9 +225,7 @@ def save_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
     saved = [e for kind, e in got["events"] if kind == "checkpoint" and e["event"] == "saved"]
     s = SHAPES[shape]
     steps = step_seconds(run_dir, s["mbs"] * 8 * 2048)
-    compiled = compile_seconds(log)
-    return {"startup": got["startup"], "phases": phases(got["startup"]),
-            "compile_s": compiled, "compile_total_s": round(sum(compiled.values()), 2),
+    return {"startup": got["startup"], "phases": phases(got["startup"]), **got["compile"],
             "step_s": round(statistics.mean(v for k, v in steps.items() if k > WARM_STEPS), 3),
             "save_s": saved[-1]["seconds"], "ckpt_gb": saved[-1]["gb"], "save_gb_per_s": saved[-1]["gb_per_s"],
             "exit_after_save_s": round(ended - saved[-1]["end"], 2),
@@ -254,9 +254,7 @@ def async_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
     free = [v for k, v in steps.items() if k not in overlapped and k > SAVE_STEPS + WARM_STEPS]
     ph = phases(got["startup"])
     load_s = round(ph["resume"] - got["delete_s"], 2)  # the bench's deletion of the loaded checkpoint is not loading
-    compiled = compile_seconds(log)
-    return {"startup": got["startup"], "phases": ph, "load_s": load_s,
-            "compile_s": compiled, "compile_total_s": round(sum(compiled.values()), 2),
+    return {"startup": got["startup"], "phases": ph, "load_s": load_s, **got["compile"],
             "start_warm_s": round(got["startup"]["step1"] - ph["resume"], 2),  # its compile cache warm, less the load
             "async_blocking_s": scheduled["blocking_s"], "async_save_s": saved[ASYNC_AT]["seconds"],
             "async_save_gb_per_s": saved[ASYNC_AT]["gb_per_s"], "steps_in_flight": sorted(overlapped),

@@ -77,8 +77,6 @@ def leave(code: int) -> None:
     os._exit(code)
 
 
-
-
 def exit_with(code: int) -> None:
     """`python -m mcorekit.train`'s last line: a finished run (0, after shut_down) leaves; a failure exits as usual."""
     if code == 0:
