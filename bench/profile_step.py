@@ -1,6 +1,6 @@
 """Where one training step's time goes, on one GPU: a torch.profiler trace of `train/loop.py` (CPU and CUDA).
 
-    python bench/profile_step.py [--shape dense|moe] [--run bf16|fp8-<recipe>] [--steps 6] [--at 3] [--out DIR]
+    python bench/profile_step.py [--shape dense|moe|dense-3b] [--run bf16|fp8-<recipe>] [--steps 6] [--at 3] [--out DIR]
                                  [key=value ...]
 
 Runs the benchmark shape of train_bench.py (same experiment file, mock data) with log_interval 1 and profiles
@@ -25,11 +25,20 @@ from pathlib import Path
 
 from overlap_bench import union
 from results import run_training, single_gpu_env
-from train_bench import write_config
+from train_bench import SHAPES, write_config
 
 PROFILED = 2
 SYNC = re.compile(r"cudaStreamSynchronize|cudaEventSynchronize|cudaDeviceSynchronize|cudaMemcpy(?!.*Async)|"
                   r"aten::item|aten::_local_scalar_dense")
+# Kernel families by name (first match wins): what a step's GPU time is made of.
+KINDS = [("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)),
+         ("attention", re.compile(r"fmha|flash|attn|attention|cudnn", re.I)),
+         ("communication", re.compile(r"nccl", re.I)),
+         ("memory copy/set", re.compile(r"^Memcpy|^Memset|copy", re.I))]
+
+
+def kind_of(kernel: str) -> str:
+    return next((kind for kind, pattern in KINDS if pattern.search(kernel)), "other (elementwise, norms, optimizer)")
 
 
 def summarize(trace: dict, wall_s: float, steps: int) -> dict:
@@ -52,10 +61,14 @@ def summarize(trace: dict, wall_s: float, steps: int) -> dict:
     busy_ms = sum(b - a for a, b in union(spans)) / 1e3 / steps
     wall_ms = wall_s * 1e3 / steps
     top_kernels = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:15]
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, durations in kernels.items():
+        by_kind[kind_of(name)] += sum(durations) / 1e3 / steps
     return {
         "wall_ms": wall_ms, "gpu_busy_ms": busy_ms, "gpu_idle_frac": 1 - busy_ms / wall_ms,
         "kernels_per_step": sum(len(v) for v in kernels.values()) / steps,
         "host_waits": {k: {"calls": c // steps, "ms": t / 1e3 / steps} for k, (c, t) in sorted(syncs.items())},
+        "kernel_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "top_kernels": [{"name": k[:110], "calls": len(v) // steps, "ms": sum(v) / 1e3 / steps} for k, v in top_kernels],
         # cpu_op durations nest (an op includes the ops it calls), so these overlap; read them as "time inside"
         "top_host_ops": [{"name": k[:110], "ms": t / 1e3 / steps}
@@ -98,7 +111,9 @@ def report(name: str, s: dict) -> str:
              f"({(1 - s['gpu_idle_frac']) * 100:.0f}%), {s['kernels_per_step']:.0f} kernels per step", "",
              "host waits on the GPU per step: " + (", ".join(f"{k} x{v['calls']} {v['ms']:.1f} ms"
                                                              for k, v in s["host_waits"].items()) or "none"), "",
-             "| kernel | calls/step | ms/step |", "|---|---|---|"]
+             "| kernel family | ms/step |", "|---|---|"]
+    lines += [f"| {k} | {ms:.1f} |" for k, ms in s.get("kernel_ms_by_kind", {}).items()]
+    lines += ["", "| kernel | calls/step | ms/step |", "|---|---|---|"]
     lines += [f"| `{k['name']}` | {k['calls']} | {k['ms']:.1f} |" for k in s["top_kernels"]]
     lines += ["", "| host operator (nested) | ms/step |", "|---|---|"]
     lines += [f"| `{k['name']}` | {k['ms']:.1f} |" for k in s["top_host_ops"]]
@@ -109,7 +124,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         return worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=["dense", "moe"], default="moe")
+    p.add_argument("--shape", choices=list(SHAPES), default="moe")
     p.add_argument("--run", default="bf16", help="bf16 or fp8-<recipe>")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--at", type=int, default=3, help="profile the two steps after this one")

@@ -25,7 +25,7 @@ def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: 
         cross_entropy_loss_fusion=fuse, cross_entropy_fusion_impl="native",
         # Weight gradients written straight into DDP's fp32 main_grad (TE's layers, the torch._grouped_mm experts,
         # and with APEX's kernel Megatron's own output layer), as Megatron-LM does where APEX is installed. Without
-        # APEX it stays off: bench/moe_levers.py's `gaf` measured +13% on the 8-expert shape (2026-12-01), but the
+        # APEX it stays off: bench/levers.py's `gaf` measured +13% on the 8-expert shape (2026-12-01), but the
         # one-GPU test suite has not yet passed with it on (models/megatron.build_gpt builds that case).
         gradient_accumulation_fusion=fuse and apex_wgrad_available(),
         tp_comm_overlap=exp.optimizer.tp_comm_overlap,

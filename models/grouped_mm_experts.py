@@ -260,7 +260,7 @@ def keep_expert_counts_on_gpu(model: torch.nn.Module) -> int:
     """Stop the alltoall dispatcher copying each MoE layer's tokens-per-expert to the host when nothing there needs
     them. Its only host sync with one expert- and one tensor-parallel rank, dropless and fused permutation is
     "before_finish": copying the counts GroupedMMExperts then reads on the GPU anyway. That sync, once per layer
-    and micro-batch, stopped the host from running ahead of the GPU (bench/moe_levers.py `nosync`: +26% on the
+    and micro-batch, stopped the host from running ahead of the GPU (bench/levers.py `nosync`: +26% on the
     8-expert shape, 2026-12-01). Where the dispatcher needs host values earlier (splits for expert parallelism,
     dropping, unfused permutation) it keeps its own behaviour; TEGroupedMLP's fallback calls .tolist() itself.
     Returns the number of MoE layers changed."""

@@ -1,4 +1,4 @@
-"""gradient_accumulation_fusion follows APEX (as in Megatron-LM); where it is on without APEX (bench/moe_levers.py's
+"""gradient_accumulation_fusion follows APEX (as in Megatron-LM); where it is on without APEX (bench/levers.py's
 `gaf` lever) TE's layers and the torch._grouped_mm experts write weight gradients into DDP's main_grad themselves,
 while Megatron's own linear layers (the output layer, and every layer of the local spec), which refuse the flag
 without APEX's kernel, are built anyway and set to the plain weight gradient. On CPU, with Megatron-Core's real

@@ -55,3 +55,17 @@ def test_profile_summary_per_step() -> None:
     assert s["host_waits"]["aten::item"]["ms"] == 0.025 and "cudaLaunchKernel" not in s["host_waits"]
     assert s["top_kernels"][0] == {"name": "gemm", "calls": 1, "ms": 1.0} and s["kernels_per_step"] == 1.5
     assert [o["name"] for o in s["top_host_ops"]] == ["aten::mm", "aten::item"]
+    assert s["kernel_ms_by_kind"] == {"GEMM": 1.0, "other (elementwise, norms, optimizer)": 0.25}
+
+
+def test_kernel_families() -> None:
+    """Kernel names as the H200 traces print them (cuBLAS's nvjet, cuDNN's fused attention, flash attention, NCCL)."""
+    from profile_step import kind_of
+
+    assert kind_of("nvjet_tst_192x192_64x3_2x1_v_bz_coopB_TNT") == "GEMM"
+    assert kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "GEMM"
+    assert kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert kind_of("flash_fwd_kernel") == "attention"
+    assert kind_of("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "communication"
+    assert kind_of("Memcpy DtoD (Device -> Device)") == "memory copy/set"
+    assert kind_of("triton_poi_fused_mul_silu_0") == "other (elementwise, norms, optimizer)"

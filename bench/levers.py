@@ -1,0 +1,142 @@
+"""Which speed levers help a benchmark shape on one GPU: each lever on its own and combined, next to HF
+transformers, in one run on the same GPU (issue: speed). A lever is measured before it becomes an option.
+
+    python bench/levers.py [--shape moe|dense|dense-3b] [--run bf16|fp8-<recipe>] [--steps 16]
+                           [--levers base,eager,gaf] [--no-hf] [--out DIR]
+
+The shapes are train_bench.py's. Levers (applied inside the training process, on top of `python -m mcorekit.train`'s
+defaults for the shape and --run):
+  base     the defaults. MoE: torch._grouped_mm experts, permute fusion, alltoall dispatcher; at one expert- and
+           tensor-parallel rank the tokens per expert stay on the GPU (models/grouped_mm_experts.
+           keep_expert_counts_on_gpu; the `nosync` lever of 2026-12-01, default since) and the identity sort by
+           local expert is skipped (skip_identity_sort); each step runs as one CUDA graph (schedule.cuda_graph=auto,
+           train/step_graph.py)
+  eager    no CUDA graph: the step's kernels launched one by one from the host (schedule.cuda_graph=false)
+  gaf      gradient_accumulation_fusion: weight gradients written straight into DDP's fp32 main_grad by TE's layers
+           and the torch._grouped_mm experts (one grouped weight gradient added at once) instead of a .grad per
+           parameter that DDP's hooks add; Megatron's own output layer keeps the plain path without APEX
+           (models/megatron.build_gpt). On by default only where APEX is installed.
+  te-act   TE's SwiGLU kernel (Megatron-Core's use_te_activation_func; bias_activation_fusion off) instead of
+           Megatron-Core's bias-SwiGLU, which torch.compile compiles at step 1
+  ce-plain Megatron-Core's unfused cross entropy (PyTorch ops) instead of its native fused one, which
+           torch.compile compiles at step 1
+  sync     (MoE) the dispatcher copies the tokens per expert to the host and waits for them in each MoE layer and
+           micro-batch (Megatron-Core's own behaviour, which stops the host running ahead): the default before
+           2026-12-01. It cannot be captured: use it with `eager`
+  sort     (MoE) Megatron-Core's sort of the tokens by local expert, which is the identity with one EP and TP rank
+  router   (MoE) TE's fused router (top-k + softmax + aux loss in one kernel): moe.router_fusion=true.
+Levers combine with '+'. Tokens/s is the median over logged intervals after the first; one process per lever. Each
+process starts with an empty torch.compile cache and torch's dynamo log on (TORCH_LOGS=dynamo), so the table also
+gives its cold start (process start to the end of step 1) and the seconds torch.compile spent in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+from results import finish, run_training, single_gpu_env, timed
+from start_save import parse
+from train_bench import SHAPES, hf_run, write_config
+
+from mcorekit.runtime.env import COMPILE_CACHE
+
+# Runs in the training process before mcorekit.train's main: patches that switch a lever on (no config key yet).
+WORKER = r"""
+import sys
+levers = set(sys.argv[1].split("+"))
+import mcorekit.config.megatron as margs
+import mcorekit.models.grouped_mm_experts as gmm
+import mcorekit.models.megatron as mm
+base_kwargs, base_layer_spec = margs.transformer_kwargs, mm.layer_spec
+def kwargs(*args, **kw):
+    out = base_kwargs(*args, **kw)
+    if "gaf" in levers:
+        out["gradient_accumulation_fusion"] = True
+    if "te-act" in levers:
+        out.update(use_te_activation_func=True, bias_activation_fusion=False)
+    if "ce-plain" in levers:
+        out["cross_entropy_loss_fusion"] = False
+    return out
+def layer_spec(*args, **kw):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    te_spec = specs.get_gpt_layer_with_transformer_engine_spec
+    if "te-act" in levers:
+        specs.get_gpt_layer_with_transformer_engine_spec = lambda *a, **k: te_spec(*a, **k, use_te_activation_func=True)
+    try:
+        return base_layer_spec(*args, **kw)
+    finally:
+        specs.get_gpt_layer_with_transformer_engine_spec = te_spec
+margs.transformer_kwargs, mm.layer_spec = kwargs, layer_spec
+if "sync" in levers:
+    gmm.keep_expert_counts_on_gpu = lambda model: 0
+if "sort" in levers:
+    gmm.skip_identity_sort = lambda model: 0
+from mcorekit.train.__main__ import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def lever_run(shape: str, run: str, lever: str, steps: int, out: Path) -> dict:
+    run_dir = out / f"{shape}-{run}-{lever}"
+    write_config(shape, run, steps, run_dir)
+    cache = run_dir / "compile-cache"  # empty: the start is cold
+    shutil.rmtree(cache, ignore_errors=True)
+    parts = lever.split("+")
+    extra = (["moe.router_fusion=true"] if "router" in parts else []) + \
+        (["schedule.cuda_graph=false"] if "eager" in parts or "sync" in parts else [])
+    cmd = [sys.executable, "-c", WORKER, lever, "--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), *extra]
+    env = {**single_gpu_env(29581), COMPILE_CACHE: str(cache), "TORCH_LOGS": "dynamo"}
+    proc = run_training(cmd, env, run_dir)
+    shutil.rmtree(cache, ignore_errors=True)
+    row = {"shape": shape, "precision": run, "run": lever}
+    if proc.returncode:
+        return {**row, "error": (proc.stdout + proc.stderr)[-1500:]}
+    m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"tokens_per_s"' in x]
+    steady = m[1:] or m
+    got = parse(proc.stdout + proc.stderr)
+    return {**row, "tokens_per_s": statistics.median(x["tokens_per_s"] for x in steady),
+            "mfu": statistics.median(x["mfu"] for x in steady), "mem_gb": max(x["mem_gb"] for x in m),
+            "loss_first": m[0]["loss"], "loss_last": m[-1]["loss"], "losses": [x["loss"] for x in m],
+            "cold_step1_s": got["startup"].get("step1"), **got["compile"]}
+
+
+def table(results: list[dict]) -> str:
+    hf = next((r.get("tokens_per_s") for r in results if r["run"] == "hf-bf16"), None)
+    base = next((r.get("tokens_per_s") for r in results if r["run"] == "base"), None)
+    rows = ["| run | tokens/s | MFU | peak mem GB | vs HF bf16 | vs base | loss first -> last | cold start to step 1, s "
+            "| torch.compile, s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['run']} | failed: {r['error'].strip().splitlines()[-1][:100]} | | | | | | | |")
+            continue
+        tps, cold = r["tokens_per_s"], r.get("cold_step1_s")
+        rows.append(f"| {r['run']} | {tps / 1e3:.1f}k | {r['mfu'] * 100:.1f}% | {r['mem_gb']:.1f} | "
+                    f"{f'{tps / hf:.2f}x' if hf else ''} | {f'{tps / base:.2f}x' if base else ''} | "
+                    f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} | {'' if cold is None else f'{cold:.1f}'} | "
+                    f"{r['compile_total_s'] if 'compile_total_s' in r else ''} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=list(SHAPES), default="moe")
+    p.add_argument("--run", default="bf16", help="the precision of every lever's run: bf16 or fp8-<recipe>")
+    p.add_argument("--levers", default="base,eager,gaf")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--no-hf", action="store_true", help="leave out the transformers baseline")
+    p.add_argument("--out", default="/tmp/mcorekit-levers")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = [] if a.no_hf else [timed(lambda: hf_run(a.shape, a.steps))]
+    results += [timed(lambda: lever_run(a.shape, a.run, lever, a.steps, out)) for lever in a.levers.split(",")]
+    return finish(results, out, table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
