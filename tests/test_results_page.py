@@ -162,3 +162,19 @@ def test_start_save_figures_give_the_compile_seconds_and_the_warm_start(tmp_path
     assert rows["of step 1: torch.compile, by function"] == "swiglu 2.84, swiglu_back 0.49 = 3.3 s"
     assert rows["start -> end of step 1, second process (torch's compile cache warm), less its load"] == \
         "16.1 s (step 1 3.8)"
+
+
+def test_levers_and_step_profile_read_the_committed_dense_3b_runs() -> None:
+    """bench/levers.py's rows (vs transformers and vs the defaults, cold start, compile seconds) and profile_step's
+    kernel families, from the dense 3B measurements of 2026-12-02."""
+    page = generator()
+    levers = page.Measurement(DATA / "levers-dense-3b-1gpu-2026-12-02")
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in page.levers_table(levers).splitlines()[2:]}
+    assert rows["bf16, defaults"][1:6] == ["31.1k", "53.1%", "67.7", "1.21x", "1.00x"]
+    assert rows["bf16, gaf + te-act"][5] == "1.03x" and rows["bf16, ce-plain (unfused cross entropy)"][-2:] == ["19.4", "2.1 |"]
+    assert page.levers_headline(levers) == ("defaults 31.1k tokens/s (MFU 53.1%); best `gaf+te-act` 31.8k (+2.6%, "
+                                            "1.24x transformers)")
+    profile = page.Measurement(DATA / "profile-dense-3b-1gpu-2026-12-02")
+    assert page.step_profile_headline(profile) == ("GPU busy 99% of a 2113 ms step: GEMM 65%, attention 16%, "
+                                                   "other 15%, memory copy/set 3%")
+    assert "| GPU idle (waiting for the host) | 18.3 | 0.9% |" in page.step_profile_table(profile)

@@ -224,6 +224,48 @@ def moe_profile_headline(m: Measurement) -> str:
             f"{pct(last['gpu_busy_frac'], 0)} with torch._grouped_mm: the host sets the pace")
 
 
+def levers_table(m: Measurement) -> str:
+    """bench/levers.py: one row per lever, each process with an empty compile cache (its start is cold)."""
+    rows = train_bench_rows(m)
+    hf = next((r["tokens_per_s"] for r in rows if r["run"] == "hf-bf16"), None)
+    base = next((r["tokens_per_s"] for r in rows if r["run"] == "base"), None)
+    out = []
+    for r in rows:
+        cold = r.get("cold_step1_s")
+        out.append([run_label(r), k(r["tokens_per_s"]), pct(r["mfu"]), f"{r['mem_gb']:.1f}",
+                    f"{r['tokens_per_s'] / hf:.2f}x" if hf else "", f"{r['tokens_per_s'] / base:.2f}x" if base else "",
+                    f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}", "" if cold is None else f"{cold:.1f}",
+                    f"{r['compile_total_s']:.1f}" if "compile_total_s" in r else ""])
+    return table(["lever", "tokens/s", "MFU", "peak mem GB", "vs HF bf16", "vs base", "loss first -> last",
+                  "cold start to step 1, s", "torch.compile, s"], out)
+
+
+def levers_headline(m: Measurement) -> str:
+    rows = [r for r in train_bench_rows(m) if r["run"] != "hf-bf16"]
+    base = next(r for r in rows if r["run"] == "base")
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    hf = next((r["tokens_per_s"] for r in train_bench_rows(m) if r["run"] == "hf-bf16"), None)
+    vs_hf = f", {best['tokens_per_s'] / hf:.2f}x transformers" if hf else ""
+    return (f"defaults {k(base['tokens_per_s'])} tokens/s (MFU {pct(base['mfu'])}); best `{best['run']}` "
+            f"{k(best['tokens_per_s'])} ({best['tokens_per_s'] / base['tokens_per_s'] - 1:+.1%}{vs_hf})")
+
+
+def step_profile_table(m: Measurement) -> str:
+    """bench/profile_step.py's summary.json: each kernel family's GPU time per step, then the longest kernels."""
+    s = m.results
+    families = [[kind, f"{ms:.1f}", pct(ms / s["wall_ms"])] for kind, ms in s["kernel_ms_by_kind"].items()]
+    families.append(["GPU idle (waiting for the host)", f"{s['wall_ms'] - s['gpu_busy_ms']:.1f}", pct(s["gpu_idle_frac"])])
+    kernels = [[f"`{x['name']}`", str(x["calls"]), f"{x['ms']:.1f}"] for x in s["top_kernels"][:10]]
+    return (table(["kernel family", "ms per step", "share of the step"], families) + "\n\n"
+            + table(["kernel (ten longest)", "calls per step", "ms per step"], kernels))
+
+
+def step_profile_headline(m: Measurement) -> str:
+    s = m.results
+    parts = ", ".join(f"{kind.split(' (')[0]} {pct(ms / s['wall_ms'], 0)}" for kind, ms in s["kernel_ms_by_kind"].items())
+    return f"GPU busy {pct(1 - s['gpu_idle_frac'], 0)} of a {s['wall_ms']:.0f} ms step: {parts}"
+
+
 def logits_1gpu_table(m: Measurement) -> str:
     rows = [[r["model"], "yes" if r["tied"] else "no", f"{r['max_abs_diff']:.3e}", f"{r['mean_abs_diff']:.3e}",
              f"{r['cosine']:.6f}", pct(r["top1"]), str(r["near_ties_left_out"])] for r in m.results]
@@ -579,6 +621,8 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "grpo_example": (grpo_example_table, grpo_example_headline),
     "save_levers": (save_levers_table, save_levers_headline),
     "fp8_quant": (fp8_quant_table, fp8_quant_headline),
+    "levers": (levers_table, levers_headline),
+    "step_profile": (step_profile_table, step_profile_headline),
 }
 
 
