@@ -4,6 +4,7 @@ Markdown table at the end, with an exit code that says whether any run failed.""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -42,12 +43,21 @@ def single_gpu_env(port: int) -> dict[str, str]:
             "MASTER_PORT": str(port), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
+def die_with_parent() -> None:
+    """In a child, before it executes: the kernel kills it (SIGKILL) when the process that started it dies, however
+    that dies. A benchmark cut by a time limit must not leave its training process holding the GPU and the port the
+    next command needs (on 2026-12-02 a profile cut at the GPU machine's 600 s limit did). Linux's
+    prctl(PR_SET_PDEATHSIG); torchrun's ranks are children of torchrun, not of the bench, and are not covered."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 def run_training(cmd: list[str], env: dict[str, str], run_dir: Path, timeout: float = 900.0) -> subprocess.CompletedProcess:
     """One training process of a benchmark: its output goes to run_dir/log.txt, and its final checkpoint is
     deleted (not needed; ~20 GB for the MoE shape, which filled the GPU machine's 64 GB disk). A process still
     running (or whose output pipe is still open) after `timeout` seconds is killed and counts as failed (124)."""
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                          start_new_session=True) as p:  # its own process group: torchrun's ranks go with it
+                          start_new_session=True,  # its own process group: torchrun's ranks go with it
+                          preexec_fn=die_with_parent) as p:
         try:
             out, err = p.communicate(timeout=timeout)
             proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)

@@ -41,3 +41,30 @@ def test_a_run_past_its_time_is_killed_with_its_children(tmp_path: Path) -> None
     status = Path(f"/proc/{child}/status")
     assert not status.exists() or "\nState:\tZ" in status.read_text()  # gone (or a zombie awaiting its reaper)
     assert (tmp_path / "log.txt").read_text().startswith("child ")
+
+
+def test_a_killed_bench_takes_its_training_process_with_it(tmp_path: Path) -> None:
+    """bench/results.run_training: when the bench itself is killed (SIGKILL, as a GPU machine's time limit does), the
+    training process it started goes too, instead of holding the GPU and its port for the next command."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    bench = (f"import os, sys; sys.path.insert(0, {str(Path(train_bench.__file__).parent)!r}); "
+             "from pathlib import Path; from results import run_training; "
+             f"run_training(['bash', '-c', 'echo $$ > {pid_file}; exec sleep 60'], dict(os.environ), Path({str(tmp_path)!r}))")
+    parent = subprocess.Popen([sys.executable, "-c", bench])
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline and parent.poll() is None
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert Path(f"/proc/{child}").exists()
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    status = Path(f"/proc/{child}/status")
+    while status.exists() and "\nState:\tZ" not in status.read_text():  # gone, or a zombie awaiting its reaper
+        assert time.monotonic() < deadline, "the training process outlived its bench"
+        time.sleep(0.05)
