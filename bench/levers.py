@@ -16,8 +16,9 @@ defaults for the shape and --run):
            and the torch._grouped_mm experts (one grouped weight gradient added at once) instead of a .grad per
            parameter that DDP's hooks add; Megatron's own output layer keeps the plain path without APEX
            (models/megatron.build_gpt). On by default only where APEX is installed.
-  te-act   TE's SwiGLU kernel (Megatron-Core's use_te_activation_func; bias_activation_fusion off) instead of
-           Megatron-Core's bias-SwiGLU, which torch.compile compiles at step 1
+  te-act   (dense) TE's SwiGLU kernel (Megatron-Core's use_te_activation_func; bias_activation_fusion off) instead
+           of Megatron-Core's bias-SwiGLU, which torch.compile compiles at step 1. Dense MLPs only: the
+           torch._grouped_mm experts then run the unfused SwiGLU
   ce-plain Megatron-Core's unfused cross entropy (PyTorch ops) instead of its native fused one, which
            torch.compile compiles at step 1
   sync     (MoE) the dispatcher copies the tokens per expert to the host and waits for them in each MoE layer and
@@ -33,22 +34,18 @@ gives its cold start (process start to the end of step 1) and the seconds torch.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
-from results import finish, run_training, single_gpu_env, timed
-from start_save import parse
+from results import compile_env, compile_summary, finish, metrics_summary, run_training, startup_marks, timed
 from train_bench import SHAPES, hf_run, write_config
 
-from mcorekit.runtime.env import COMPILE_CACHE
+LEVERS = {"base", "eager", "gaf", "te-act", "ce-plain", "sync", "sort", "router"}
 
-# Runs in the training process before mcorekit.train's main: patches that switch a lever on (no config key yet).
-WORKER = r"""
-import sys
-levers = set(sys.argv[1].split("+"))
+# Run in the training process before mcorekit.train's main: patches that switch a lever on (no config key yet), for
+# the levers named by `levers` (a set).
+PATCHES = r"""
 import mcorekit.config.megatron as margs
 import mcorekit.models.grouped_mm_experts as gmm
 import mcorekit.models.megatron as mm
@@ -76,6 +73,11 @@ if "sync" in levers:
     gmm.keep_expert_counts_on_gpu = lambda model: 0
 if "sort" in levers:
     gmm.skip_identity_sort = lambda model: 0
+"""
+WORKER = f"""
+import sys
+levers = set(sys.argv[1].split("+"))
+{PATCHES}
 from mcorekit.train.__main__ import main
 sys.exit(main(sys.argv[2:]))
 """
@@ -90,19 +92,13 @@ def lever_run(shape: str, run: str, lever: str, steps: int, out: Path) -> dict:
     extra = (["moe.router_fusion=true"] if "router" in parts else []) + \
         (["schedule.cuda_graph=false"] if "eager" in parts or "sync" in parts else [])
     cmd = [sys.executable, "-c", WORKER, lever, "--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir), *extra]
-    env = {**single_gpu_env(29581), COMPILE_CACHE: str(cache), "TORCH_LOGS": "dynamo"}
-    proc = run_training(cmd, env, run_dir)
+    proc = run_training(cmd, compile_env(29581, cache), run_dir)
     shutil.rmtree(cache, ignore_errors=True)
     row = {"shape": shape, "precision": run, "run": lever}
     if proc.returncode:
         return {**row, "error": (proc.stdout + proc.stderr)[-1500:]}
-    m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"tokens_per_s"' in x]
-    steady = m[1:] or m
-    got = parse(proc.stdout + proc.stderr)
-    return {**row, "tokens_per_s": statistics.median(x["tokens_per_s"] for x in steady),
-            "mfu": statistics.median(x["mfu"] for x in steady), "mem_gb": max(x["mem_gb"] for x in m),
-            "loss_first": m[0]["loss"], "loss_last": m[-1]["loss"], "losses": [x["loss"] for x in m],
-            "cold_step1_s": got["startup"].get("step1"), **got["compile"]}
+    out = proc.stdout + proc.stderr
+    return {**row, **metrics_summary(run_dir), "cold_step1_s": startup_marks(out).get("step1"), **compile_summary(out)}
 
 
 def table(results: list[dict]) -> str:
@@ -114,11 +110,11 @@ def table(results: list[dict]) -> str:
         if "error" in r:
             rows.append(f"| {r['run']} | failed: {r['error'].strip().splitlines()[-1][:100]} | | | | | | | |")
             continue
-        tps, cold = r["tokens_per_s"], r.get("cold_step1_s")
+        tps, cold, compiled = r["tokens_per_s"], r.get("cold_step1_s"), r.get("compile_total_s")
         rows.append(f"| {r['run']} | {tps / 1e3:.1f}k | {r['mfu'] * 100:.1f}% | {r['mem_gb']:.1f} | "
                     f"{f'{tps / hf:.2f}x' if hf else ''} | {f'{tps / base:.2f}x' if base else ''} | "
                     f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} | {'' if cold is None else f'{cold:.1f}'} | "
-                    f"{r['compile_total_s'] if 'compile_total_s' in r else ''} |")
+                    f"{'' if compiled is None else f'{compiled:.1f}'} |")
     return "\n".join(rows)
 
 
@@ -131,6 +127,9 @@ def main() -> int:
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers baseline")
     p.add_argument("--out", default="/tmp/mcorekit-levers")
     a = p.parse_args()
+    unknown = {part for lever in a.levers.split(",") for part in lever.split("+")} - LEVERS
+    if unknown:
+        p.error(f"unknown lever(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(LEVERS))}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = [] if a.no_hf else [timed(lambda: hf_run(a.shape, a.steps))]

@@ -1,19 +1,24 @@
 """What the benchmark scripts share: a fresh work folder; a worker snippet run in its own Python process that
 reports one `RESULT ...` line; each run timed and printed as a JSON line as soon as it ends; results.json and the
-Markdown table at the end, with an exit code that says whether any run failed."""
+Markdown table at the end, with an exit code that says whether any run failed; what a training run's metrics and
+output say (its steady tokens/s, its start-up marks, what torch.compile spent)."""
 
 from __future__ import annotations
 
 import ctypes
 import json
 import os
+import re
 import shutil
+import statistics
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+from mcorekit.runtime.env import COMPILE_CACHE
 
 
 def timed(run: Callable[[], dict]) -> dict:
@@ -77,3 +82,51 @@ def run_worker(code: str, *args: str, env: dict[str, str] | None = None) -> tupl
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     payload = lines[-1][len("RESULT "):] if lines and proc.returncode == 0 else None
     return payload, (proc.stdout + proc.stderr)[-2000:]
+
+
+def metrics_summary(run_dir: Path) -> dict[str, Any]:
+    """A training run's figures from its metrics.jsonl: tokens/s and MFU as the median of the logged intervals after
+    the first (which holds start-up and warm-up), peak memory, the losses."""
+    m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"tokens_per_s"' in x]
+    steady = m[1:] or m
+    return {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in steady),
+            "mfu": statistics.median(x["mfu"] for x in steady), "mem_gb": max(x["mem_gb"] for x in m),
+            "loss_first": m[0]["loss"], "loss_last": m[-1]["loss"], "losses": [x["loss"] for x in m]}
+
+
+def compile_env(port: int, cache: Path) -> dict[str, str]:
+    """A one-process training run whose torch.compile cache is `cache` (empty: its start is cold) and whose dynamo
+    log lines (TORCH_LOGS=dynamo) time what it compiles (compile_seconds)."""
+    return {**single_gpu_env(port), COMPILE_CACHE: str(cache), "TORCH_LOGS": "dynamo"}
+
+
+def startup_marks(out: str) -> dict[str, float]:
+    """The `mcorekit.train: startup {json}` line of a training process's output: seconds from its start to the end of
+    each start-up phase (imports, checks, dist_init, model, optimizer, resume, step1)."""
+    line = next((x for x in out.splitlines() if x.startswith("mcorekit.train: startup ")), None)
+    return json.loads(line.split(" ", 2)[2]) if line else {}
+
+
+DYNAMO_LINE = re.compile(r"I\d{4} (\d\d):(\d\d):(\d\d\.\d+) \d+ \S+\] \[(\d+/\d+)\] Step (?:1: torchdynamo start "
+                         r"tracing (\S+)|2: done compiler function)")
+
+
+def compile_seconds(out: str) -> dict[str, float]:
+    """Seconds torch.compile spent on each function, from torch's dynamo log lines (TORCH_LOGS=dynamo: one line when
+    it starts tracing a frame, one when inductor has compiled it; each with the time of day). A frame compiled again
+    (a recompile, after midnight never) counts its last compile."""
+    started: dict[str, tuple[str, float]] = {}
+    seconds: dict[str, float] = {}
+    for m in DYNAMO_LINE.finditer(out):
+        at = int(m[1]) * 3600 + int(m[2]) * 60 + float(m[3])
+        if m[5]:
+            started[m[4]] = (m[5], at)
+        elif m[4] in started:
+            name, began = started.pop(m[4])
+            seconds[name] = round(at - began, 2)
+    return seconds
+
+
+def compile_summary(out: str) -> dict[str, Any]:
+    compiled = compile_seconds(out)
+    return {"compile_s": compiled, "compile_total_s": round(sum(compiled.values()), 2)}

@@ -38,9 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from results import single_gpu_env
-
-from mcorekit.runtime.env import COMPILE_CACHE
+from results import compile_env, compile_summary
 from train_bench import SHAPES, write_config
 
 SHAPES.setdefault("3b", {"preset": "llama-3b", "mbs": 4})  # 2.6B parameters: a 35 GB checkpoint with its optimizer
@@ -117,7 +115,7 @@ def train(cmd: list[str], run_dir: Path) -> tuple[int, str, float]:
     cold, the async run after it warm, as a user's first run and their later or requeued runs. Torch's dynamo log
     lines (TORCH_LOGS=dynamo) time what each compiled (compile_seconds)."""
     timeout = max(30.0, DEADLINE[0] - time.time())
-    env = {**single_gpu_env(29593), COMPILE_CACHE: str(compile_cache(run_dir.parent)), "TORCH_LOGS": "dynamo"}
+    env = compile_env(29593, compile_cache(run_dir.parent))
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         code, out = proc.returncode, proc.stdout + proc.stderr
@@ -134,26 +132,6 @@ def compile_cache(out: Path) -> Path:
     return out / "compile-cache"
 
 
-DYNAMO_LINE = re.compile(r"I\d{4} (\d\d):(\d\d):(\d\d\.\d+) \d+ \S+\] \[(\d+/\d+)\] Step (?:1: torchdynamo start "
-                         r"tracing (\S+)|2: done compiler function)")
-
-
-def compile_seconds(out: str) -> dict[str, float]:
-    """Seconds torch.compile spent on each function, from torch's dynamo log lines (TORCH_LOGS=dynamo: one line when
-    it starts tracing a frame, one when inductor has compiled it; each with the time of day). A frame compiled again
-    (a recompile, after midnight never) counts its last compile."""
-    started: dict[str, tuple[str, float]] = {}
-    seconds: dict[str, float] = {}
-    for m in DYNAMO_LINE.finditer(out):
-        at = int(m[1]) * 3600 + int(m[2]) * 60 + float(m[3])
-        if m[5]:
-            started[m[4]] = (m[5], at)
-        elif m[4] in started:
-            name, began = started.pop(m[4])
-            seconds[name] = round(at - began, 2)
-    return seconds
-
-
 def parse(out: str) -> dict[str, Any]:
     """The training process's stdout: its startup phases, checkpoint events, and each step's line, in order."""
     events: list[tuple[str, Any]] = []
@@ -168,9 +146,8 @@ def parse(out: str) -> dict[str, Any]:
             events.append(("step", int(m.group(1))))
     startup = next((e for kind, e in events if kind == "startup"), {})
     deleted = re.search(r"bench: deleted the loaded checkpoint in ([\d.]+) s", out)
-    compiled = compile_seconds(out)
     return {"startup": startup, "events": events, "delete_s": float(deleted.group(1)) if deleted else 0.0,
-            "compile": {"compile_s": compiled, "compile_total_s": round(sum(compiled.values()), 2)}}
+            "compile": compile_summary(out)}
 
 
 def step_seconds(run_dir: Path, tokens_per_step: int) -> dict[int, float]:

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import yaml
-from results import finish, run_training, run_worker, single_gpu_env, timed
+from results import finish, metrics_summary, run_training, run_worker, single_gpu_env, timed
 
 SHAPES = {
     "dense": {"preset": "llama-0.9b", "mbs": 8},
@@ -70,11 +69,8 @@ def mcore_run(shape: str, run: str, steps: int, out: Path, extra: list[str], gpu
     proc = run_training(cmd, single_gpu_env(29571), run_dir)
     if proc.returncode:
         return {"shape": shape, "run": run, "gpus": gpus, "error": (proc.stdout + proc.stderr)[-1500:]}
-    m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steady = m[1:] or m
-    tps = statistics.median(x["tokens_per_s"] for x in steady)
-    return {"shape": shape, "run": run, "gpus": gpus, "tokens_per_s": tps / gpus, "mfu": statistics.median(x["mfu"] for x in steady),
-            "mem_gb": max(x["mem_gb"] for x in m), "loss_first": m[0]["loss"], "loss_last": m[-1]["loss"]}
+    got = metrics_summary(run_dir)
+    return {"shape": shape, "run": run, "gpus": gpus, **got, "tokens_per_s": got["tokens_per_s"] / gpus}
 
 
 HF_WORKER = r"""

@@ -68,4 +68,8 @@ def test_kernel_families() -> None:
     assert kind_of("flash_fwd_kernel") == "attention"
     assert kind_of("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "communication"
     assert kind_of("Memcpy DtoD (Device -> Device)") == "memory copy/set"
+    assert kind_of("Memset (Device)") == "memory copy/set"
     assert kind_of("triton_poi_fused_mul_silu_0") == "other (elementwise, norms, optimizer)"
+    # A name that two families match goes to the first: cuDNN's GEMMs are GEMMs, dtype casts count as copies
+    assert kind_of("cudnn_generated_fort_native_gemm_bf16") == "GEMM"
+    assert kind_of("triton_poi_fused__to_copy_0") == "memory copy/set"

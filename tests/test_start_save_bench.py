@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+import results  # noqa: E402
 import start_save  # noqa: E402
 
 from mcorekit.config.experiment import load_experiment  # noqa: E402
@@ -145,12 +146,12 @@ def test_compile_seconds_from_torchs_dynamo_lines() -> None:
     """The dynamo lines of a real run (the dense 3B bf16 process of 2026-12-02, TORCH_LOGS=dynamo, its compile cache
     cold; docs/results/dense-3b-1gpu-2026-12-02): each function's start-tracing to done-compiling seconds."""
     log = (Path(__file__).parent.parent / "docs" / "results" / "dense-3b-1gpu-2026-12-02" / "dense-3b-bf16-1gpu.log")
-    got = start_save.compile_seconds(log.read_text())
+    got = results.compile_seconds(log.read_text())
     assert got == {"swiglu": 2.84, "calculate_logits_max": 0.45, "calculate_predicted_logits": 1.77,
                    "calculate_cross_entropy_loss": 0.57, "calculate_gradients": 0.88, "swiglu_back": 0.49}
-    assert start_save.compile_seconds("step 1/10 loss 11.0\n") == {}
+    assert results.compile_seconds("step 1/10 loss 11.0\n") == {}
     recompiled = ("I1202 23:59:00.000000 1 a.py:1] [0/0] Step 1: torchdynamo start tracing f x.py:1\n"
                   "I1202 23:59:01.500000 1 b.py:2] [0/0] Step 2: done compiler function inductor\n"
                   "I1202 23:59:02.000000 1 a.py:1] [0/1] Step 1: torchdynamo start tracing f x.py:1\n"
                   "I1202 23:59:02.250000 1 b.py:2] [0/1] Step 2: done compiler function inductor\n")
-    assert start_save.compile_seconds(recompiled) == {"f": 0.25}
+    assert results.compile_seconds(recompiled) == {"f": 0.25}

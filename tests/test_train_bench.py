@@ -4,6 +4,7 @@ checks MoE FP8 against the installed Transformer Engine, which this machine has 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -68,3 +69,51 @@ def test_a_killed_bench_takes_its_training_process_with_it(tmp_path: Path) -> No
     while status.exists() and "\nState:\tZ" not in status.read_text():  # gone, or a zombie awaiting its reaper
         assert time.monotonic() < deadline, "the training process outlived its bench"
         time.sleep(0.05)
+
+
+LEVER_CHECK = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from levers import PATCHES
+levers = set(sys.argv[1].split("+"))
+exec(PATCHES)
+from megatron.core.models.gpt import gpt_layer_specs
+import mcorekit.config.megatron as margs
+import mcorekit.models.megatron as mm
+from mcorekit.config.experiment import load_experiment
+from mcorekit.models.spec import resolve
+calls = []
+def recorder(*args, **kw):
+    calls.append(sorted(kw))
+    return "te-spec"
+gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec = recorder
+exp, spec = load_experiment("examples/llama-tiny.yaml"), resolve("llama-tiny", None, {})
+kw = margs.transformer_kwargs(exp, spec, use_te=True)
+# Megatron-Core's own checks accept the combination (without the fused kernels, whose checks need TE)
+config = margs.transformer_config(exp, spec, use_te=True, fusions=False)
+got = mm.layer_spec(spec, use_te=True)
+print("RESULT " + json.dumps({k: kw.get(k) for k in ("gradient_accumulation_fusion", "use_te_activation_func",
+      "bias_activation_fusion", "cross_entropy_loss_fusion")} | {"config_te_act": config.use_te_activation_func,
+      "spec": got, "te_act_passed": "use_te_activation_func" in calls[0],
+      "restored": gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec is recorder}))
+"""
+
+
+@pytest.mark.parametrize("lever, expected", [
+    ("base", {"gradient_accumulation_fusion": False, "use_te_activation_func": None, "bias_activation_fusion": True,
+              "cross_entropy_loss_fusion": True, "config_te_act": False, "te_act_passed": False}),
+    ("gaf+te-act+ce-plain", {"gradient_accumulation_fusion": True, "use_te_activation_func": True,
+                             "bias_activation_fusion": False, "cross_entropy_loss_fusion": False, "config_te_act": True,
+                             "te_act_passed": True}),
+])
+def test_lever_patches_change_what_the_training_process_builds(lever: str, expected: dict) -> None:
+    """bench/levers.py's patches, run as its worker runs them (in a process of their own: they patch modules): the
+    Megatron-Core config fields each lever switches, accepted by TransformerConfig, and TE's layer spec asked for its
+    activation only under `te-act` (TE is not installed here: a recorder stands in for the spec function)."""
+    from results import run_worker
+
+    payload, output = run_worker(LEVER_CHECK, lever, str(Path(train_bench.__file__).parent))
+    assert payload is not None, output
+    got = json.loads(payload)
+    assert {k: got[k] for k in expected} == expected
+    assert got["spec"] == "te-spec" and got["restored"]

@@ -242,10 +242,12 @@ def levers_table(m: Measurement) -> str:
 
 def levers_headline(m: Measurement) -> str:
     rows = [r for r in train_bench_rows(m) if r["run"] != "hf-bf16"]
-    base = next(r for r in rows if r["run"] == "base")
+    base = next((r for r in rows if r["run"] == "base"), None)
     best = max(rows, key=lambda r: r["tokens_per_s"])
     hf = next((r["tokens_per_s"] for r in train_bench_rows(m) if r["run"] == "hf-bf16"), None)
     vs_hf = f", {best['tokens_per_s'] / hf:.2f}x transformers" if hf else ""
+    if base is None:  # a run of levers without the defaults
+        return f"best `{best['run']}` {k(best['tokens_per_s'])} tokens/s (MFU {pct(best['mfu'])}{vs_hf})"
     return (f"defaults {k(base['tokens_per_s'])} tokens/s (MFU {pct(base['mfu'])}); best `{best['run']}` "
             f"{k(best['tokens_per_s'])} ({best['tokens_per_s'] / base['tokens_per_s'] - 1:+.1%}{vs_hf})")
 
