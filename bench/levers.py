@@ -84,7 +84,7 @@ sys.exit(main(sys.argv[2:]))
 
 
 def lever_run(shape: str, run: str, lever: str, steps: int, out: Path) -> dict:
-    run_dir = out / f"{shape}-{run}-{lever}"
+    run_dir = out / f"{shape}-{run}-{lever.replace('+', '_')}"  # '+' in a folder name: some copy tools refuse it
     write_config(shape, run, steps, run_dir)
     cache = run_dir / "compile-cache"  # empty: the start is cold
     shutil.rmtree(cache, ignore_errors=True)
