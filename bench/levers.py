@@ -97,8 +97,8 @@ def lever_run(shape: str, run: str, lever: str, steps: int, out: Path) -> dict:
     row = {"shape": shape, "precision": run, "run": lever}
     if proc.returncode:
         return {**row, "error": (proc.stdout + proc.stderr)[-1500:]}
-    out = proc.stdout + proc.stderr
-    return {**row, **metrics_summary(run_dir), "cold_step1_s": startup_marks(out).get("step1"), **compile_summary(out)}
+    log = proc.stdout + proc.stderr
+    return {**row, **metrics_summary(run_dir), "cold_step1_s": startup_marks(log).get("step1"), **compile_summary(log)}
 
 
 def table(results: list[dict]) -> str:

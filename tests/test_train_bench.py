@@ -117,3 +117,20 @@ def test_lever_patches_change_what_the_training_process_builds(lever: str, expec
     got = json.loads(payload)
     assert {k: got[k] for k in expected} == expected
     assert got["spec"] == "te-spec" and got["restored"]
+
+
+def test_a_runs_figures_from_its_metrics_and_output(tmp_path: Path) -> None:
+    """bench/results.metrics_summary: tokens/s and MFU are the median of the logged intervals after the first (start-up
+    and warm-up), lines without tokens/s (validation) are left out; startup_marks reads the start-up line."""
+    from results import metrics_summary, startup_marks
+
+    rows = [{"step": 2, "tokens_per_s": 10.0, "mfu": 0.1, "mem_gb": 5.0, "loss": 11.0},
+            {"step": 4, "tokens_per_s": 30.0, "mfu": 0.3, "mem_gb": 6.0, "loss": 10.0},
+            {"step": 4, "val_loss": 9.9},
+            {"step": 6, "tokens_per_s": 50.0, "mfu": 0.5, "mem_gb": 5.5, "loss": 9.0},
+            {"step": 8, "tokens_per_s": 40.0, "mfu": 0.4, "mem_gb": 5.5, "loss": 8.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert metrics_summary(tmp_path) == {"tokens_per_s": 40.0, "mfu": 0.4, "mem_gb": 6.0, "loss_first": 11.0,
+                                         "loss_last": 8.5, "losses": [11.0, 10.0, 9.0, 8.5]}
+    out = 'step 1/8 loss 11.0\nmcorekit.train: startup {"imports": 3.6, "step1": 28.78}\nstep 2/8 loss 10.9\n'
+    assert startup_marks(out) == {"imports": 3.6, "step1": 28.78} and startup_marks("step 1/8\n") == {}
