@@ -102,7 +102,12 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
+            import wandb
+
             self.wandb.finish()
+            # finish() can return before W&B's service has written the run file (an offline run's file held only its
+            # 7-byte header in 1 of 4-8 tries on a loaded machine); teardown waits for the service to end.
+            wandb.teardown()
             self.wandb = None
 
 
