@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from results import compile_env, compile_summary
+from results import compile_env, compile_summary, startup_marks
 from train_bench import SHAPES, write_config
 
 SHAPES.setdefault("3b", {"preset": "llama-3b", "mbs": 4})  # 2.6B parameters: a 35 GB checkpoint with its optimizer
@@ -133,20 +133,18 @@ def compile_cache(out: Path) -> Path:
 
 
 def parse(out: str) -> dict[str, Any]:
-    """The training process's stdout: its startup phases, checkpoint events, and each step's line, in order."""
+    """The training process's stdout: its startup marks; its checkpoint and shutdown events and each step's line, in
+    order; what torch.compile spent."""
     events: list[tuple[str, Any]] = []
     for line in out.splitlines():
-        if line.startswith("mcorekit.train: startup "):
-            events.append(("startup", json.loads(line.split(" ", 2)[2])))
-        elif line.startswith("mcorekit.train: shutdown "):
+        if line.startswith("mcorekit.train: shutdown "):
             events.append(("shutdown", json.loads(line.split(" ", 2)[2])))
         elif line.startswith("mcorekit.train: checkpoint "):
             events.append(("checkpoint", json.loads(line.split(" ", 2)[2])))
         elif m := re.match(r"step (\d+)/\d+ ", line):
             events.append(("step", int(m.group(1))))
-    startup = next((e for kind, e in events if kind == "startup"), {})
     deleted = re.search(r"bench: deleted the loaded checkpoint in ([\d.]+) s", out)
-    return {"startup": startup, "events": events, "delete_s": float(deleted.group(1)) if deleted else 0.0,
+    return {"startup": startup_marks(out), "events": events, "delete_s": float(deleted.group(1)) if deleted else 0.0,
             "compile": compile_summary(out)}
 
 

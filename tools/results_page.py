@@ -224,16 +224,21 @@ def moe_profile_headline(m: Measurement) -> str:
             f"{pct(last['gpu_busy_frac'], 0)} with torch._grouped_mm: the host sets the pace")
 
 
+def levers_row(rows: list[dict], run: str) -> dict | None:
+    """The row of one run of bench/levers.py (hf-bf16: transformers; base: the defaults), if it ran."""
+    return next((r for r in rows if r["run"] == run), None)
+
+
 def levers_table(m: Measurement) -> str:
     """bench/levers.py: one row per lever, each process with an empty compile cache (its start is cold)."""
     rows = train_bench_rows(m)
-    hf = next((r["tokens_per_s"] for r in rows if r["run"] == "hf-bf16"), None)
-    base = next((r["tokens_per_s"] for r in rows if r["run"] == "base"), None)
+    hf, base = levers_row(rows, "hf-bf16"), levers_row(rows, "base")
     out = []
     for r in rows:
         cold = r.get("cold_step1_s")
         out.append([run_label(r), k(r["tokens_per_s"]), pct(r["mfu"]), f"{r['mem_gb']:.1f}",
-                    f"{r['tokens_per_s'] / hf:.2f}x" if hf else "", f"{r['tokens_per_s'] / base:.2f}x" if base else "",
+                    f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x" if hf else "",
+                    f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "",
                     f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}", "" if cold is None else f"{cold:.1f}",
                     f"{r['compile_total_s']:.1f}" if "compile_total_s" in r else ""])
     return table(["lever", "tokens/s", "MFU", "peak mem GB", "vs HF bf16", "vs base", "loss first -> last",
@@ -241,11 +246,10 @@ def levers_table(m: Measurement) -> str:
 
 
 def levers_headline(m: Measurement) -> str:
-    rows = [r for r in train_bench_rows(m) if r["run"] != "hf-bf16"]
-    base = next((r for r in rows if r["run"] == "base"), None)
-    best = max(rows, key=lambda r: r["tokens_per_s"])
-    hf = next((r["tokens_per_s"] for r in train_bench_rows(m) if r["run"] == "hf-bf16"), None)
-    vs_hf = f", {best['tokens_per_s'] / hf:.2f}x transformers" if hf else ""
+    rows = train_bench_rows(m)
+    hf, base = levers_row(rows, "hf-bf16"), levers_row(rows, "base")
+    best = max((r for r in rows if r is not hf), key=lambda r: r["tokens_per_s"])
+    vs_hf = f", {best['tokens_per_s'] / hf['tokens_per_s']:.2f}x transformers" if hf else ""
     if base is None:  # a run of levers without the defaults
         return f"best `{best['run']}` {k(best['tokens_per_s'])} tokens/s (MFU {pct(best['mfu'])}{vs_hf})"
     return (f"defaults {k(base['tokens_per_s'])} tokens/s (MFU {pct(base['mfu'])}); best `{best['run']}` "
