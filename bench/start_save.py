@@ -163,14 +163,15 @@ def phases(startup: dict[str, float]) -> dict[str, float]:
 
 def exit_phases(events: list[tuple[str, Any]], saved_end: float, ended: float) -> dict[str, float]:
     """Where the time after the last save went: closing the run (saver, metrics), releasing torch's cached pinned
-    host memory, the barrier and process-group teardown, the exit handlers (atexit), and the rest (the process's
-    exit), in seconds."""
+    host memory, the final barrier (`barrier`; in results from before the process groups were left to the process's
+    exit, the barrier and their teardown: `destroy`), the exit handlers (atexit), and the rest (the process's exit),
+    in seconds."""
     marks = next((e for kind, e in events if kind == "shutdown"), None)
     if not marks:
         return {}
     out, last = {}, saved_end
     for mark, name in (("trained", "close"), ("host_cache_released", "host_cache"), ("destroyed", "destroy"),
-                       ("exit_handlers", "exit_handlers")):
+                       ("ranks_through", "barrier"), ("exit_handlers", "exit_handlers")):
         if mark in marks:
             out[name], last = round(marks[mark] - last, 2), marks[mark]
     out["exit"] = round(ended - last, 2)
@@ -287,7 +288,7 @@ def table(results: list[dict[str, Any]]) -> str:
         ("save GB/s", lambda r: cell(r, "save", "save_gb_per_s", "{:.2f}") + share(r, ("save", "save_gb_per_s"),
                                                                                     "dd_write_gb_per_s")),
         ("process lived on after the save, s", lambda r: cell(r, "save", "exit_after_save_s")),
-        ("  of which close / pinned host memory / teardown / exit handlers / process exit, s",
+        ("  of which close / pinned host memory / barrier (and teardown, before) / exit handlers / process exit, s",
          lambda r: " / ".join(str(v) for v in r.get("save", {}).get("exit_phases", {}).values())),
         ("load (resume), s", lambda r: cell(r, "async", "load_s")),
         ("load GB/s (page cache dropped)", lambda r: cell(r, "", "load_gb_per_s", "{:.2f}") +

@@ -67,7 +67,7 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
                   saved(6, 20.0, False)]  # steps 1-3: the step graph's warm-up and capture
         end = json.loads(lines[-1].split(" ", 2)[2])["end"]  # then the exit path's marks, as train/shutdown.shut_down
         lines.append("mcorekit.train: shutdown " + json.dumps({"trained": end + 0.2, "host_cache_released": end + 0.7,
-                                                               "destroyed": end + 0.8,
+                                                               "ranks_through": end + 0.8,
                                                                "exit_handlers": end + 0.85}))
     else:
         assert "-c" in cmd and "load_then_delete" in cmd[cmd.index("-c") + 1]  # the worker keeps one checkpoint
@@ -99,7 +99,7 @@ def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pyte
     assert r["save"]["compile_s"] == {"swiglu": 1.75} and r["async"]["compile_total_s"] == 0.0
     assert r["save"]["exit_after_save_s"] >= 1.0
     ex = r["save"]["exit_phases"]
-    assert (ex["close"], ex["host_cache"], ex["destroy"], ex["exit_handlers"]) == (0.2, 0.5, 0.1, 0.05)
+    assert (ex["close"], ex["host_cache"], ex["barrier"], ex["exit_handlers"]) == (0.2, 0.5, 0.1, 0.05)
     assert ex["exit"] >= 0.1
     assert r["async"]["exit_phases"] == {}  # that run's stand-in prints no shutdown line
     a = r["async"]

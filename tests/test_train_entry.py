@@ -67,8 +67,52 @@ def test_a_finished_run_runs_the_exit_handlers_then_leaves_at_once(tmp_path: Pat
     first, shutdown, last = proc.stdout.split("\n")
     assert first == "last metrics line" and last == "after shutdown"
     marks = json.loads(shutdown.removeprefix("mcorekit.train: shutdown "))
-    assert list(marks) == ["trained", "host_cache_released", "destroyed", "exit_handlers"]
+    assert list(marks) == ["trained", "host_cache_released", "ranks_through", "exit_handlers"]
     assert (tmp_path / "handler").read_text() == "ran"
+
+
+def test_ranks_leave_together_without_destroying_their_groups(tmp_path: Path) -> None:
+    """Two ranks (gloo; NCCL needs GPUs) end a run as `python -m mcorekit.train` does: shut_down, then leave. Their
+    process groups are not destroyed (torch's destroy_process_group is made to fail), both exit 0 with no warning, and
+    rank 0, which serves the store, is the last to go: it waits until rank 1 has had its answer."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import sys, time\n"
+        "import torch.distributed as dist\n"
+        "rank = int(sys.argv[1])\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=rank, world_size=2)\n"
+        "def refuse(*args, **kwargs): raise AssertionError('destroyed')\n"
+        "dist.destroy_process_group = refuse\n"
+        "if rank == 1:\n"
+        "    time.sleep(2)  # rank 0 reaches the end first\n"
+        "from mcorekit.train.shutdown import leave, shut_down\n"
+        "shut_down()\n"
+        "print(f'left {time.time()}', end='')\n"
+        "leave(0)\n")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert not any("warning" in err or "Traceback" in err for _, err in outs), outs
+    left = [float(out.rsplit("left ", 1)[1]) for out, _ in outs]
+    assert left[0] >= left[1], left
+    assert "ranks_through" in outs[0][0] and "mcorekit.train: shutdown" not in outs[1][0]
+
+
+def test_a_rank_that_never_reports_only_warns(tmp_path: Path) -> None:
+    """ranks_through with a rank that never comes (gone after the barrier): one warning line after its timeout, and
+    the run still ends (its work is saved)."""
+    script = tmp_path / "alone.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+        "from mcorekit.train.shutdown import ranks_through\n"
+        "ranks_through(0, 2, timeout_s=1)\n"
+        "print('ended')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "ended\n", proc.stderr
+    warning = [ln for ln in proc.stderr.splitlines() if ln.startswith("mcorekit.train: warning: ")]
+    assert len(warning) == 1 and "ranks did not all report the end of the run" in warning[0], proc.stderr
 
 
 @pytest.mark.parametrize("ending", ["saved", "fails after saving", "exits 3 before saving"])

@@ -34,13 +34,14 @@ def stop_compile_workers() -> None:
 def shut_down() -> None:
     """The end of a finished run, timed (epoch seconds, as the checkpoint lines' `end`). On an H200 (3B shape) the
     process lived on 13.1 s after its final save at `12cf9e3`, mostly unpinning the host copy Megatron-Core's writer
-    had staged the checkpoint in; with a synchronous save staged per tensor (train/checkpoint.stage_per_tensor) 6.2 s
-    at `df9f463`: nothing to release, process-group teardown 1.7 s, interpreter exit 4.45 s. An async save still
-    stages in pinned memory, which is released here. Then what the interpreter's exit would do first: join the
-    non-daemon threads, run the exit handlers (atexit); leave() skips only what comes after them. One handler stops
-    torch's compile workers, which hold this process's stdout and stderr, if stop_compile_workers has not. After it
-    the process is shutting down as far as Python's threading is concerned: code that still runs (submitit's runner
-    saving the result) may not start thread pools."""
+    had staged the checkpoint in; 2.6 s at `916c1d7`, of which destroying the process groups (NCCL's graceful
+    teardown of each communicator) took 1.75 s. An async save still stages in pinned memory, which is released here.
+    The process groups are not destroyed: the process leaves next (leave), and its exit frees them; the ranks only
+    make sure that none is still inside a collective (ranks_through). Then what the interpreter's exit would do
+    first: join the non-daemon threads, run the exit handlers (atexit); leave() skips only what comes after them.
+    One handler stops torch's compile workers, which hold this process's stdout and stderr, if stop_compile_workers
+    has not. After it the process is shutting down as far as Python's threading is concerned: code that still runs
+    (submitit's runner saving the result) may not start thread pools."""
     import torch
     import torch.distributed as dist
 
@@ -53,8 +54,8 @@ def shut_down() -> None:
         marks["host_cache_released"] = time.time()
     dist.barrier()
     rank = dist.get_rank()
-    dist.destroy_process_group()
-    marks["destroyed"] = time.time()
+    ranks_through(rank, dist.get_world_size())
+    marks["ranks_through"] = time.time()
     threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter's exit: non-daemon threads end first
     atexit._run_exitfuncs()
     marks["exit_handlers"] = time.time()
@@ -62,10 +63,44 @@ def shut_down() -> None:
         print("mcorekit.train: shutdown " + json.dumps({k: round(v, 3) for k, v in marks.items()}), flush=True)
 
 
+def ranks_through(rank: int, world: int, timeout_s: float = 60.0) -> None:
+    """Return once every rank is through the final barrier, so that a rank may exit without destroying its process
+    groups. Each rank's barrier has finished on its GPU, but a peer's may still be finishing and reading this rank's
+    buffers; exiting then could fail that peer. Through the rendezvous store (rank 0 serves it): every rank posts that
+    it is through and waits for all; rank 0, whose exit ends the store, waits also until each other rank has its
+    answer. A store that fails here (a rank gone) only warns: the run's work is saved."""
+    if world == 1:
+        return
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store.set(f"mcorekit/through/{rank}", "1")
+        store.wait([f"mcorekit/through/{r}" for r in range(world)], timedelta(seconds=timeout_s))
+        if rank:
+            store.set(f"mcorekit/answered/{rank}", "1")
+        else:
+            store.wait([f"mcorekit/answered/{r}" for r in range(1, world)], timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001  # the store's errors are RuntimeErrors and DistStoreErrors
+        print(f"mcorekit.train: warning: ranks did not all report the end of the run ({e}); leaving anyway",
+              file=sys.stderr, flush=True)
+
+
+def destroy_process_groups() -> None:
+    """For a process that ends through the interpreter (its finalization would otherwise meet live NCCL groups)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def leave(code: int) -> None:
     """Exit a finished run (after shut_down) without the interpreter's finalization: freeing every module and
     tensor and CUDA's context took most of the 4.45 s the 3B run lived on after its last save, holding the job and
-    its afterok children. Nothing is lost by skipping it: the checkpoint is complete, metrics and loggers closed,
+    its afterok children. Nothing is lost by skipping it: the checkpoint is complete, metrics and loggers closed, no
+    rank inside a collective (the process groups go with the process),
     non-daemon threads joined and the exit handlers run (shut_down, in the interpreter's order); output, Python's and
     the C library's, is flushed here. An exit handler left out (torch's compile workers, which keep our stdout open)
     kept a benchmark's pipe open after such an exit: shut_down runs them all first."""
@@ -90,12 +125,14 @@ def leave_after_runner(result: Path | None) -> None:
     is done; shut_down ran the others, so only handlers registered later run before it. It leaves only if the result
     was saved and no exception is on its way out: a failing runner keeps the interpreter's exit and its code (a
     SystemExit leaves no trace for an exit handler: before the result is saved, its code is kept too).
-    None (not under submitit): the ordinary exit."""
+    None (not under submitit): the ordinary exit, the process groups destroyed first (so does a runner that fails)."""
     if result is None:
+        destroy_process_groups()
         return
 
     def leave_once_saved() -> None:
         if result.exists() and getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
             leave(0)
+        destroy_process_groups()
 
     atexit.register(leave_once_saved)
