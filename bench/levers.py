@@ -25,7 +25,9 @@ defaults for the shape and --run):
            micro-batch (Megatron-Core's own behaviour, which stops the host running ahead): the default before
            2026-12-01. It cannot be captured: use it with `eager`
   sort     (MoE) Megatron-Core's sort of the tokens by local expert, which is the identity with one EP and TP rank
-  router   (MoE) TE's fused router (top-k + softmax + aux loss in one kernel): moe.router_fusion=true.
+  router   (MoE) TE's fused router (top-k + softmax + aux loss in one kernel): moe.router_fusion=true
+  fp8-attn (--run fp8-*) attention in FP8 too: TE's FP8 fused attention (cuDNN), Megatron-Core's
+           fp8_dot_product_attention; the FP8 recipe's fp8_dpa. Without it attention runs in bf16 under FP8 training.
 Levers combine with '+'. Tokens/s is the median over logged intervals after the first; one process per lever. Each
 process starts with an empty torch.compile cache and torch's dynamo log on (TORCH_LOGS=dynamo), so the table also
 gives its cold start (process start to the end of step 1) and the seconds torch.compile spent in it.
@@ -41,7 +43,7 @@ from pathlib import Path
 from results import compile_env, compile_summary, finish, metrics_summary, run_training, startup_marks, timed
 from train_bench import SHAPES, hf_run, write_config
 
-LEVERS = {"base", "eager", "gaf", "te-act", "ce-plain", "sync", "sort", "router"}
+LEVERS = {"base", "eager", "gaf", "te-act", "ce-plain", "sync", "sort", "router", "fp8-attn"}
 
 # Run in the training process before mcorekit.train's main: patches that switch a lever on (no config key yet), for
 # the levers named by `levers` (a set).
@@ -58,6 +60,8 @@ def kwargs(*args, **kw):
         out.update(use_te_activation_func=True, bias_activation_fusion=False)
     if "ce-plain" in levers:
         out["cross_entropy_loss_fusion"] = False
+    if "fp8-attn" in levers:
+        out["fp8_dot_product_attention"] = True
     return out
 def layer_spec(*args, **kw):
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -130,6 +134,8 @@ def main() -> int:
     unknown = {part for lever in a.levers.split(",") for part in lever.split("+")} - LEVERS
     if unknown:
         p.error(f"unknown lever(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(LEVERS))}")
+    if "fp8-attn" in a.levers and not a.run.startswith("fp8"):
+        p.error("the fp8-attn lever needs an FP8 run (--run fp8-<recipe>)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = [] if a.no_hf else [timed(lambda: hf_run(a.shape, a.steps))]

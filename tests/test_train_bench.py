@@ -93,7 +93,7 @@ kw = margs.transformer_kwargs(exp, spec, use_te=True)
 config = margs.transformer_config(exp, spec, use_te=True, fusions=False)
 got = mm.layer_spec(spec, use_te=True)
 print("RESULT " + json.dumps({k: kw.get(k) for k in ("gradient_accumulation_fusion", "use_te_activation_func",
-      "bias_activation_fusion", "cross_entropy_loss_fusion")} | {"config_te_act": config.use_te_activation_func,
+      "bias_activation_fusion", "cross_entropy_loss_fusion", "fp8_dot_product_attention")} | {"config_te_act": config.use_te_activation_func,
       "spec": got, "te_act_passed": "use_te_activation_func" in calls[0],
       "restored": gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec is recorder}))
 """
@@ -101,7 +101,9 @@ print("RESULT " + json.dumps({k: kw.get(k) for k in ("gradient_accumulation_fusi
 
 @pytest.mark.parametrize("lever, expected", [
     ("base", {"gradient_accumulation_fusion": False, "use_te_activation_func": None, "bias_activation_fusion": True,
-              "cross_entropy_loss_fusion": True, "config_te_act": False, "te_act_passed": False}),
+              "cross_entropy_loss_fusion": True, "fp8_dot_product_attention": None, "config_te_act": False,
+              "te_act_passed": False}),
+    ("fp8-attn", {"gradient_accumulation_fusion": False, "fp8_dot_product_attention": True, "te_act_passed": False}),
     ("gaf+te-act+ce-plain", {"gradient_accumulation_fusion": True, "use_te_activation_func": True,
                              "bias_activation_fusion": False, "cross_entropy_loss_fusion": False, "config_te_act": True,
                              "te_act_passed": True}),
