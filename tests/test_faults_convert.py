@@ -339,7 +339,8 @@ def test_hf_writer_never_writes_a_header_it_could_not_finish(tmp_path: Path) -> 
             shard = _Shard(small / "s.safetensors", 65536)
             try:
                 for i in range(16):
-                    shard.write(f"w{i}", torch.full((1024,), float(i)))
+                    w = torch.full((1024,), float(i))
+                    shard.write(shard.place(f"w{i}", w), w)
                 shard.close()
             except OSError:
                 shard.abandon()
