@@ -26,8 +26,9 @@ defaults for the shape and --run):
            2026-12-01. It cannot be captured: use it with `eager`
   sort     (MoE) Megatron-Core's sort of the tokens by local expert, which is the identity with one EP and TP rank
   router   (MoE) TE's fused router (top-k + softmax + aux loss in one kernel): moe.router_fusion=true
-  fp8-attn (--run fp8-*) attention in FP8 too: TE's FP8 fused attention (cuDNN), Megatron-Core's
-           fp8_dot_product_attention; the FP8 recipe's fp8_dpa. Without it attention runs in bf16 under FP8 training.
+  fp8-attn (--run fp8-delayed, -tensorwise or -mxfp8) attention in FP8 too: TE's FP8 fused attention (cuDNN),
+           Megatron-Core's fp8_dot_product_attention, the FP8 recipe's fp8_dpa. Without it attention runs in bf16
+           under FP8 training.
 Levers combine with '+'. Tokens/s is the median over logged intervals after the first; one process per lever. Each
 process starts with an empty torch.compile cache and torch's dynamo log on (TORCH_LOGS=dynamo), so the table also
 gives its cold start (process start to the end of step 1) and the seconds torch.compile spent in it.
@@ -44,6 +45,7 @@ from results import compile_env, compile_summary, finish, metrics_summary, run_t
 from train_bench import SHAPES, hf_run, write_config
 
 LEVERS = {"base", "eager", "gaf", "te-act", "ce-plain", "sync", "sort", "router", "fp8-attn"}
+FP8_ATTN_RUNS = ("fp8-delayed", "fp8-tensorwise", "fp8-mxfp8")  # Megatron-Core's block-scaling recipe has no fp8_dpa
 
 # Run in the training process before mcorekit.train's main: patches that switch a lever on (no config key yet), for
 # the levers named by `levers` (a set).
@@ -83,7 +85,8 @@ import sys
 levers = set(sys.argv[1].split("+"))
 {PATCHES}
 from mcorekit.train.__main__ import main
-sys.exit(main(sys.argv[2:]))
+from mcorekit.train.shutdown import exit_with
+exit_with(main(sys.argv[2:]))  # as `python -m mcorekit.train` ends
 """
 
 
@@ -134,8 +137,8 @@ def main() -> int:
     unknown = {part for lever in a.levers.split(",") for part in lever.split("+")} - LEVERS
     if unknown:
         p.error(f"unknown lever(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(LEVERS))}")
-    if "fp8-attn" in a.levers and not a.run.startswith("fp8"):
-        p.error("the fp8-attn lever needs an FP8 run (--run fp8-<recipe>)")
+    if "fp8-attn" in a.levers and a.run not in FP8_ATTN_RUNS:
+        p.error(f"the fp8-attn lever needs an FP8 run whose recipe has attention in FP8: {', '.join(FP8_ATTN_RUNS)}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = [] if a.no_hf else [timed(lambda: hf_run(a.shape, a.steps))]

@@ -71,48 +71,94 @@ def test_a_finished_run_runs_the_exit_handlers_then_leaves_at_once(tmp_path: Pat
     assert (tmp_path / "handler").read_text() == "ran"
 
 
-def test_ranks_leave_together_without_destroying_their_groups(tmp_path: Path) -> None:
-    """Two ranks (gloo; NCCL needs GPUs) end a run as `python -m mcorekit.train` does: shut_down, then leave. Their
-    process groups are not destroyed (torch's destroy_process_group is made to fail), both exit 0 with no warning, and
-    rank 0, which serves the store, is the last to go: it waits until rank 1 has had its answer."""
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+RANK = """
+import os, sys, time
+import torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{sys.argv[2]}}", rank=rank, world_size=2)
+from mcorekit.train import shutdown
+shutdown.STORE_TIMEOUT_S = 5
+destroyed = dist.destroy_process_group
+dist.destroy_process_group = lambda *a, **k: (print("destroyed", flush=True), destroyed(*a, **k))
+{body}
+"""
+
+
+def two_ranks(body: str, tmp_path: Path) -> list[tuple[int, str, str, float]]:
+    """Two gloo ranks (NCCL needs GPUs) on a `tcp://` rendezvous, as train/build.py forms them: rank 0's process
+    serves the store. Each rank's exit code, stdout, stderr and the time.time() its exit was seen."""
     script = tmp_path / "rank.py"
-    script.write_text(
-        "import sys, time\n"
-        "import torch.distributed as dist\n"
-        "rank = int(sys.argv[1])\n"
-        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=rank, world_size=2)\n"
-        "def refuse(*args, **kwargs): raise AssertionError('destroyed')\n"
-        "dist.destroy_process_group = refuse\n"
-        "if rank == 1:\n"
-        "    time.sleep(2)  # rank 0 reaches the end first\n"
-        "from mcorekit.train.shutdown import leave, shut_down\n"
-        "shut_down()\n"
-        "print(f'left {time.time()}', end='')\n"
-        "leave(0)\n")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert not any("warning" in err or "Traceback" in err for _, err in outs), outs
-    left = [float(out.rsplit("left ", 1)[1]) for out, _ in outs]
-    assert left[0] >= left[1], left
-    assert "ranks_through" in outs[0][0] and "mcorekit.train: shutdown" not in outs[1][0]
+    script.write_text(RANK.format(body=body))
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    ended: dict[int, float] = {}
+    import time
+
+    deadline = time.time() + 120
+    while len(ended) < 2 and time.time() < deadline:
+        for r, p in enumerate(procs):
+            if r not in ended and p.poll() is not None:
+                ended[r] = time.time()
+        time.sleep(0.01)
+    outs = [p.communicate(timeout=10) for p in procs]
+    return [(p.returncode, out, err, ended[r]) for r, (p, (out, err)) in enumerate(zip(procs, outs))]
+
+
+def test_ranks_leave_together_without_destroying_their_groups(tmp_path: Path) -> None:
+    """Two ranks end a run as `python -m mcorekit.train` does: shut_down, then leave. Their process groups are not
+    destroyed, both exit 0 with no warning, and rank 0, whose process serves the store, is the last to go: rank 1,
+    slow to leave here, posts that it leaves right before it does, and rank 0 waits for that (without it, rank 0
+    left 2 s before rank 1, and a rank still asking the store would have found it gone)."""
+    ranks = two_ranks("""
+if rank == 1:
+    time.sleep(1)  # rank 0 reaches the end first
+shutdown.shut_down()
+if rank == 1:
+    time.sleep(2)  # slow to leave
+print(f"leaving {time.time()}", flush=True)
+shutdown.leave(0)
+""", tmp_path)
+    assert [code for code, *_ in ranks] == [0, 0], ranks
+    assert not any("warning" in err.lower() or "Traceback" in err for _, _, err, _ in ranks), ranks
+    assert not any("destroyed" in out for _, out, _, _ in ranks), ranks
+    rank1_leaving = float(ranks[1][1].rsplit("leaving ", 1)[1])
+    assert ranks[0][3] >= rank1_leaving, (ranks[0][3], rank1_leaving)
+    assert "ranks_through" in ranks[0][1] and "mcorekit.train: shutdown" not in ranks[1][1]
 
 
 def test_a_rank_that_never_reports_only_warns(tmp_path: Path) -> None:
-    """ranks_through with a rank that never comes (gone after the barrier): one warning line after its timeout, and
-    the run still ends (its work is saved)."""
-    script = tmp_path / "alone.py"
-    script.write_text(
-        "import torch.distributed as dist\n"
-        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
-        "from mcorekit.train.shutdown import ranks_through\n"
-        "ranks_through(0, 2, timeout_s=1)\n"
-        "print('ended')\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and proc.stdout == "ended\n", proc.stderr
-    warning = [ln for ln in proc.stderr.splitlines() if ln.startswith("mcorekit.train: warning: ")]
-    assert len(warning) == 1 and "ranks did not all report the end of the run" in warning[0], proc.stderr
+    """Rank 1 ends without leaving through leave() (as if killed after the barrier): rank 0 waits STORE_TIMEOUT_S
+    for it, warns in one line and still ends with 0 (its work is saved)."""
+    ranks = two_ranks("""
+shutdown.shut_down()
+if rank == 1:
+    os._exit(0)
+shutdown.leave(0)
+""", tmp_path)
+    assert [code for code, *_ in ranks] == [0, 0], ranks
+    warning = [ln for ln in ranks[0][2].splitlines() if ln.startswith("mcorekit.train: warning: ")]
+    assert len(warning) == 1 and "not every rank reported the end of the run (left" in warning[0], ranks[0][2]
+    assert ranks[0][3] - ranks[1][3] >= 4.5  # rank 0 waited its 5 s for rank 1
+
+
+def test_a_rank_that_ends_through_the_interpreter_destroys_its_groups(tmp_path: Path) -> None:
+    """After shut_down, a process that does not leave (a failing submitit runner; a caller that returns) ends through
+    the interpreter: its process groups are destroyed at exit, so torch's finalization meets none alive."""
+    ranks = two_ranks("""
+shutdown.shut_down()
+print("returned", flush=True)
+""", tmp_path)
+    assert [code for code, *_ in ranks] == [0, 0], ranks
+    assert all(out.split("returned\n", 1)[1] == "destroyed\n" for _, out, _, _ in ranks), ranks
 
 
 @pytest.mark.parametrize("ending", ["saved", "fails after saving", "exits 3 before saving"])

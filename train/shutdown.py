@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 _stopping_compile_workers: threading.Thread | None = None
+STORE_TIMEOUT_S = 60.0  # how long a rank waits for the others at the end of a run, then warns and leaves
 
 
 def stop_compile_workers() -> None:
@@ -40,8 +41,10 @@ def shut_down() -> None:
     make sure that none is still inside a collective (ranks_through). Then what the interpreter's exit would do
     first: join the non-daemon threads, run the exit handlers (atexit); leave() skips only what comes after them.
     One handler stops torch's compile workers, which hold this process's stdout and stderr, if stop_compile_workers
-    has not. After it the process is shutting down as far as Python's threading is concerned: code that still runs
-    (submitit's runner saving the result) may not start thread pools."""
+    has not. A process that goes on to the interpreter's exit instead (a failing submitit runner; a caller that
+    does not leave) destroys its process groups there: an exit handler registered here, which leave() skips. After
+    it the process is shutting down as far as Python's threading is concerned: code that still runs (submitit's
+    runner saving the result) may not start thread pools."""
     import torch
     import torch.distributed as dist
 
@@ -54,37 +57,54 @@ def shut_down() -> None:
         marks["host_cache_released"] = time.time()
     dist.barrier()
     rank = dist.get_rank()
-    ranks_through(rank, dist.get_world_size())
+    ranks_through()
     marks["ranks_through"] = time.time()
     threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter's exit: non-daemon threads end first
     atexit._run_exitfuncs()
+    atexit.register(destroy_process_groups)
     marks["exit_handlers"] = time.time()
     if rank == 0:
         print("mcorekit.train: shutdown " + json.dumps({k: round(v, 3) for k, v in marks.items()}), flush=True)
 
 
-def ranks_through(rank: int, world: int, timeout_s: float = 60.0) -> None:
+def ranks_through() -> None:
     """Return once every rank is through the final barrier, so that a rank may exit without destroying its process
-    groups. Each rank's barrier has finished on its GPU, but a peer's may still be finishing and reading this rank's
-    buffers; exiting then could fail that peer. Through the rendezvous store (rank 0 serves it): every rank posts that
-    it is through and waits for all; rank 0, whose exit ends the store, waits also until each other rank has its
-    answer. A store that fails here (a rank gone) only warns: the run's work is saved."""
-    if world == 1:
+    groups: each rank's barrier has finished on its GPU, but a peer's may still be finishing and reading this
+    rank's buffers, and exiting then could fail that peer. Counted on the rendezvous store (one counter, one key
+    that the last rank through sets; each rank waits for that key)."""
+    _count_on_store("through", every_rank=True)
+
+
+def last_out() -> None:
+    """Right before a rank exits: the other ranks post that they are leaving, and rank 0 waits for them all. Rank 0's
+    process serves the store of the `tcp://` rendezvous (runtime/env.init_process_group); exiting before another
+    rank's last request to it (ranks_through's wait, this post) is answered would fail that rank, and torch's NCCL
+    monitor threads, which poll the store until the process ends, would log that it went away."""
+    _count_on_store("left", every_rank=False)
+
+
+def _count_on_store(name: str, every_rank: bool) -> None:
+    """Ranks count themselves on the default store under `name` (every rank, or every rank but 0); the last one in
+    sets `name`/done. Every rank (every_rank) or rank 0 alone waits for it. No-op without a group of 2 ranks or more.
+    A store that fails, or a rank that does not come within STORE_TIMEOUT_S (gone), only warns: the work is saved."""
+    if "torch.distributed" not in sys.modules:
+        return  # no process group in this process (and no torch import to find that out)
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     from datetime import timedelta
 
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
+    rank, counted = dist.get_rank(), dist.get_world_size() - (0 if every_rank else 1)
     try:
-        store.set(f"mcorekit/through/{rank}", "1")
-        store.wait([f"mcorekit/through/{r}" for r in range(world)], timedelta(seconds=timeout_s))
-        if rank:
-            store.set(f"mcorekit/answered/{rank}", "1")
-        else:
-            store.wait([f"mcorekit/answered/{r}" for r in range(1, world)], timedelta(seconds=timeout_s))
-    except Exception as e:  # noqa: BLE001  # the store's errors are RuntimeErrors and DistStoreErrors
-        print(f"mcorekit.train: warning: ranks did not all report the end of the run ({e}); leaving anyway",
+        store = dist.distributed_c10d._get_default_store()
+        if every_rank or rank:
+            if store.add(f"mcorekit/{name}", 1) == counted:
+                store.set(f"mcorekit/{name}/done", "1")
+        if every_rank or not rank:
+            store.wait([f"mcorekit/{name}/done"], timedelta(seconds=STORE_TIMEOUT_S))
+    except Exception as e:  # noqa: BLE001  # the store's errors (RuntimeError, DistStoreError, DistNetworkError)
+        print(f"mcorekit.train: warning: not every rank reported the end of the run ({name}: {e}); leaving anyway",
               file=sys.stderr, flush=True)
 
 
@@ -92,7 +112,7 @@ def destroy_process_groups() -> None:
     """For a process that ends through the interpreter (its finalization would otherwise meet live NCCL groups)."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -106,6 +126,7 @@ def leave(code: int) -> None:
     kept a benchmark's pipe open after such an exit: shut_down runs them all first."""
     import ctypes
 
+    last_out()
     sys.stdout.flush()
     sys.stderr.flush()
     ctypes.CDLL(None).fflush(None)  # what C and C++ code wrote through stdio, which os._exit does not flush
@@ -125,14 +146,12 @@ def leave_after_runner(result: Path | None) -> None:
     is done; shut_down ran the others, so only handlers registered later run before it. It leaves only if the result
     was saved and no exception is on its way out: a failing runner keeps the interpreter's exit and its code (a
     SystemExit leaves no trace for an exit handler: before the result is saved, its code is kept too).
-    None (not under submitit): the ordinary exit, the process groups destroyed first (so does a runner that fails)."""
+    None (not under submitit): the ordinary exit (shut_down's exit handler destroys the process groups)."""
     if result is None:
-        destroy_process_groups()
         return
 
     def leave_once_saved() -> None:
         if result.exists() and getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
             leave(0)
-        destroy_process_groups()
 
     atexit.register(leave_once_saved)
