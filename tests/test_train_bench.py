@@ -93,9 +93,10 @@ kw = margs.transformer_kwargs(exp, spec, use_te=True)
 config = margs.transformer_config(exp, spec, use_te=True, fusions=False)
 got = mm.layer_spec(spec, use_te=True)
 print("RESULT " + json.dumps({k: kw.get(k) for k in ("gradient_accumulation_fusion", "use_te_activation_func",
-      "bias_activation_fusion", "cross_entropy_loss_fusion", "fp8_dot_product_attention")} | {"config_te_act": config.use_te_activation_func,
-      "spec": got, "te_act_passed": "use_te_activation_func" in calls[0],
-      "restored": gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec is recorder}))
+      "bias_activation_fusion", "cross_entropy_loss_fusion", "fp8_dot_product_attention")}
+      | {"config_te_act": config.use_te_activation_func, "spec": got,
+         "te_act_passed": "use_te_activation_func" in calls[0],
+         "restored": gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec is recorder}))
 """
 
 

@@ -120,10 +120,10 @@ def leave(code: int) -> None:
     """Exit a finished run (after shut_down) without the interpreter's finalization: freeing every module and
     tensor and CUDA's context took most of the 4.45 s the 3B run lived on after its last save, holding the job and
     its afterok children. Nothing is lost by skipping it: the checkpoint is complete, metrics and loggers closed, no
-    rank inside a collective (the process groups go with the process),
-    non-daemon threads joined and the exit handlers run (shut_down, in the interpreter's order); output, Python's and
-    the C library's, is flushed here. An exit handler left out (torch's compile workers, which keep our stdout open)
-    kept a benchmark's pipe open after such an exit: shut_down runs them all first."""
+    rank inside a collective (the process groups go with the process), non-daemon threads joined and the exit
+    handlers run (shut_down, in the interpreter's order); output, Python's and the C library's, is flushed here. An
+    exit handler left out (torch's compile workers, which keep our stdout open) kept a benchmark's pipe open after
+    such an exit: shut_down runs them all first."""
     import ctypes
 
     last_out()
