@@ -1,6 +1,8 @@
-"""How fast one GPU writes a checkpoint, lever by lever (issue "Speed", part 3), next to the disk's own speed.
+"""How fast one GPU writes and reads a checkpoint, lever by lever (issue "Speed", part 3), next to the disk's own
+speed.
 
     python bench/save_levers.py [--gb 36] [--levers megatron,nocrc,per-tensor,defaults] [--dd-gb 8] [--out DIR]
+                                [--load-levers torch,read-ahead --load-repeats 2]
     python bench/save_levers.py --device cpu --gb 6 --levers no-writeback,defaults   # the writer alone, no GPU
 
 The state: bf16 weights and their fp32 main copies and two Adam moments, shaped as the llama-3b preset's layers
@@ -17,6 +19,12 @@ The state: bf16 weights and their fp32 main copies and two Adam moments, shaped 
                before it (train/checkpoint.copied_ahead; what a synchronous save of mcorekit does)
   defaults-2t  the defaults with two writer threads and two files (Megatron-Core 0.19.2 writes its last bucket on
                the calling thread before it starts the others, so this measures two files more than two writers)
+Load levers (--load-levers, after the save levers): the state saved once more with the defaults, then loaded
+into zeroed tensors of the same shapes and device by `dist_checkpointing.load`, the checkpoint's pages dropped from
+the page cache before each load (so it reads the disk), the levers alternated --load-repeats times:
+  torch        torch's FileSystemReader as Megatron-Core builds it (each record read when the loader reaches it)
+  read-ahead   train/checkpoint_reader.ReadAheadReader (records read in file order on a thread, up to 2 GiB ahead;
+               what a resume of mcorekit reads with)
 With --device cpu the state lies in host memory and one gloo rank writes it: the staging is then no copy, and
 only the levers staged per tensor run (Megatron-Core's own staging needs CUDA).
 Each save's seconds include the writer's fsync; `release_s` is how long torch then takes to hand its cached pinned
@@ -37,7 +45,7 @@ from typing import Any, Iterator
 from unittest import mock
 
 from results import fresh_dir
-from start_save import dd_speed
+from start_save import dd_speed, drop_page_cache
 
 LEVERS = {  # name: (CRC-32s, staged per tensor, writer threads, writeback every 32 MiB, copies ahead)
     "megatron": (True, False, 1, False, False),
@@ -90,7 +98,7 @@ def make_state(gb: float, device: str = "cuda") -> tuple[dict[str, Any], int]:
     return state, nbytes
 
 
-def save_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
+def save_once(state: dict[str, Any], path: Path, lever: str, keep: bool = False) -> dict[str, Any]:
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -124,12 +132,41 @@ def save_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
     torch._C._host_emptyCache()
     release = time.perf_counter() - start
     check = _read_back(path, state)
-    shutil.rmtree(path)
+    if not keep:
+        shutil.rmtree(path)
     os.sync()
     return {"lever": lever, "crc32": crc, "per_tensor": per_tensor, "threads": threads, "writeback": writeback,
             "ahead": ahead, "seconds": round(seconds, 2),
             "gb": round(size / 1e9, 3), "gb_per_s": round(size / 1e9 / seconds, 3), "release_s": round(release, 2),
             "read_back": check}
+
+
+LOAD_LEVERS = ("torch", "read-ahead")
+
+
+def load_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
+    """`path` (the state, saved) loaded into zeroed tensors like the state's, its page cache dropped first."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from mcorekit.train.checkpoint_reader import read_ahead
+
+    targets = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v.data), replica_id=0) for k, v in state.items()}
+    drop_page_cache(path)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with read_ahead() if lever == "read-ahead" else contextlib.nullcontext():
+        loaded = dist_checkpointing.load(targets, str(path))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    same = all(torch.equal(loaded[k], state[k].data) for k in list(state)[:: max(1, len(state) // 8)])
+    del loaded, targets
+    return {"load_lever": lever, "seconds": round(seconds, 2), "gb": round(size / 1e9, 3),
+            "gb_per_s": round(size / 1e9 / seconds, 3), "loaded": "equal" if same else "DIFFERENT"}
 
 
 def _read_back(path: Path, state: dict[str, Any]) -> str:
@@ -161,6 +198,16 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"{staged[r['per_tensor'], r.get('ahead')]} | {r['threads']} | "
                      f"{'32 MiB' if r.get('writeback') else 'off'} | {r['gb']} | "
                      f"{r['seconds']} | {r['gb_per_s']} | {share} | {r['release_s']} | {r['read_back']} |")
+    loads = [r for r in rows if "load_lever" in r]
+    if loads:
+        lines += ["", "| load lever | GB | load s | GB/s | of dd read | loaded |", "|---|---|---|---|---|---|"]
+        for r in loads:
+            if "error" in r:
+                lines.append(f"| {r['load_lever']} | error: {r['error']} |||||")
+                continue
+            share = f"{100 * r['gb_per_s'] / disk['dd_read_gb_per_s']:.0f}%" if disk else "-"
+            lines.append(f"| {r['load_lever']} | {r['gb']} | {r['seconds']} | {r['gb_per_s']} | {share} | "
+                         f"{r['loaded']} |")
     return "\n".join(lines)
 
 
@@ -172,8 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=540, help="seconds; no lever starts after 80%% of it")
     p.add_argument("--out", default="/tmp/mcorekit-save-levers")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--load-levers", default="", help=f"comma-separated, of {', '.join(LOAD_LEVERS)}")
+    p.add_argument("--load-repeats", type=int, default=2, help="the load levers alternated this many times")
     a = p.parse_args(argv)
-    levers = a.levers.split(",")
+    levers = [x for x in a.levers.split(",") if x]
+    load_levers = [x for x in a.load_levers.split(",") if x]
+    if unknown := [x for x in load_levers if x not in LOAD_LEVERS]:
+        p.error(f"unknown load levers {unknown}; known: {', '.join(LOAD_LEVERS)}")
     if unknown := [x for x in levers if x not in LEVERS]:
         p.error(f"unknown levers {unknown}; known: {', '.join(LEVERS)}")
     if a.device == "cpu" and (pinned := [x for x in levers if not LEVERS[x][1]]):
@@ -198,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warm = torch.randn(1024, device=a.device)
     save_once({"optimizer.exp_avg.warm": ShardedTensor.from_rank_offsets("optimizer.exp_avg.warm", warm, replica_id=0)},
-              out / "warm-up", levers[0])
+              out / "warm-up", "defaults")
     for lever in levers:
         if time.perf_counter() - began > 0.8 * a.budget:
             rows.append({"lever": lever, "error": "not run: out of time"})
@@ -209,6 +261,18 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"lever": lever, "error": f"{type(e).__name__}: {e}"})
         print(json.dumps(rows[-1]), flush=True)
         (out / "results.json").write_text(json.dumps(rows, indent=1))
+    if load_levers:
+        saved = save_once(state, out / "load", "defaults", keep=True)
+        print(json.dumps(saved), flush=True)
+        for _ in range(a.load_repeats):
+            for lever in load_levers:
+                try:
+                    rows.append(load_once(state, out / "load", lever))
+                except Exception as e:  # noqa: BLE001
+                    rows.append({"load_lever": lever, "error": f"{type(e).__name__}: {e}"})
+                print(json.dumps(rows[-1]), flush=True)
+                (out / "results.json").write_text(json.dumps(rows, indent=1))
+        shutil.rmtree(out / "load")
     print(table(rows))
     dist.destroy_process_group()
     return 0 if all("error" not in r for r in rows) else 1

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mcorekit.outputs import without_crc32
-from mcorekit.train.checkpoint import save_strategy, stage_per_tensor
+from mcorekit.train.checkpoint import results_queue, save_strategy, stage_per_tensor
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def _save(path: Path, ours: bool) -> None:
 
     path.mkdir()
     if ours:
-        with without_crc32():
+        with without_crc32(), results_queue(background=False):
             request = dist_checkpointing.save(_state(), str(path), sharded_strategy=save_strategy(),
                                               async_sharded_save=True, async_strategy="mcore")
             with stage_per_tensor(request) as staged:
@@ -134,7 +134,7 @@ def _save_with(path: Path, threads: int, writeback: bool, device: str = "cpu") -
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     path.mkdir()
-    with without_crc32():
+    with without_crc32(), results_queue(background=False):
         request = dist_checkpointing.save(_state(device), str(path), async_sharded_save=True, async_strategy="mcore",
                                           sharded_strategy=TorchDistSaveShardedStrategy(thread_count=threads))
         with stage_per_tensor(request, writeback) as staged:
@@ -249,19 +249,45 @@ def test_gpu_staging_writes_what_host_tensors_write(model_parallel: None, tmp_pa
 def test_a_save_the_loop_waits_for_is_written_at_once_with_async_save(model_parallel: None, tmp_path: Path) -> None:
     """A save the loop waits for (the end-of-run save, the save before a requeue: wait=True) is not handed to the
     background writer of a Saver with async_save; Saver.write then writes it before it returns, through the
-    per-tensor staging. On CPU: the background writer itself needs CUDA."""
+    per-tensor staging, its results handed back in this process while the Manager's server process that background
+    writes need is stopped beside it (as Saver.save does): the process ends without that server. On CPU: the
+    background writer itself needs CUDA."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from mcorekit.train.checkpoint import Saver
 
     saver = Saver(tmp_path / "ckpts", keep_last=1, async_save=True)
     assert saver.in_background(wait=False) and not saver.in_background(wait=True)
-    assert not Saver(tmp_path / "sync", keep_last=1, async_save=False).in_background(wait=False)
+    saver._queue_ready.join()
+    server = filesystem_async._results_queue._manager._process  # the Manager's server, as Megatron-Core spawns it
+    assert server.is_alive()
     _save(tmp_path / "reference", ours=True)
     (tmp_path / "now").mkdir()
-    with without_crc32():
+    saver._stop_results_queue()
+    with without_crc32(), results_queue(background=saver.in_background(wait=True)):
         request = dist_checkpointing.save(_state(), str(tmp_path / "now"), sharded_strategy=save_strategy(),
                                           async_sharded_save=True, async_strategy="mcore")
-        saver.write(request, background=saver.in_background(wait=True))
+        saver.write(request, background=False)
     saver.close()
     assert _same_data_files(tmp_path / "reference", tmp_path / "now") == 1
+    assert not server.is_alive() and filesystem_async._results_queue is None
+
+
+def test_a_run_without_async_save_starts_no_manager_process(model_parallel: None, tmp_path: Path) -> None:
+    """Without async_save every save is written at once and hands its results back in this process: no Manager
+    server is spawned at the start, at a save, or stopped at exit (0.7 s of a finished run's exit, measured on this
+    CPU machine with multiprocessing's exit handler timed)."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from mcorekit.train.checkpoint import Saver
+
+    before = (set(multiprocessing.active_children()), filesystem_async._results_queue)
+    saver = Saver(tmp_path / "ckpts", keep_last=1, async_save=False)
+    _save(tmp_path / "now", ours=True)
+    saver.close()
+    assert not saver._queue_ready.is_alive() and saver._queue_ready.ident is None  # never started
+    assert (set(multiprocessing.active_children()), filesystem_async._results_queue) == before
+    assert len(list((tmp_path / "now").glob("*.distcp"))) == 1 and (tmp_path / "now" / ".metadata").is_file()

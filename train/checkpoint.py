@@ -102,11 +102,13 @@ class Saver:
         self.root, self.keep_last = root, keep_last
         self.queue = AsyncCallsQueue() if async_save else None
         self.strategy: Any = None  # built at the first save (the process groups exist by then)
-        # Megatron's writer hands its results back through a multiprocessing Manager queue, whose server process
-        # it spawns at the first save (a fresh interpreter importing this entry point and torch: seconds on the
-        # critical path of that save). Started now, it comes up while the model is built and trained.
+        # A background write hands its results back through a multiprocessing Manager's queue (results_queue),
+        # whose server process Megatron-Core spawns at the first save (a fresh interpreter: seconds on the critical
+        # path of that save). Started now, it comes up while the model is built and trained.
         self._queue_ready = threading.Thread(target=_start_results_queue, daemon=True)
-        self._queue_ready.start()
+        self._stopping_queue: threading.Thread | None = None
+        if async_save:
+            self._queue_ready.start()
 
     def save(self, step: int, chunks: list[Any], optimizer: Any, scheduler: Any, wait: bool = False) -> Path:
         from megatron.core import dist_checkpointing
@@ -128,7 +130,11 @@ class Saver:
             dist.barrier()
             self._finalize(path, step, started, background=False)
             return path
-        self._queue_ready.join()
+        background = self.in_background(wait)
+        if background:
+            self._queue_ready.join()
+        elif self.queue is not None:
+            self._stop_results_queue()
         if self.strategy is None:
             self.strategy = save_strategy()
         model_sd = _model_state(chunks, ADAPTERS if lora_info(chunks) else ALL)
@@ -137,8 +143,7 @@ class Saver:
         state = {**model_sd, "optimizer": optimizer_sd, "scheduler": scheduler.state_dict(), "iteration": step}
         # Megatron-Core's writer as an AsyncRequest in both cases: written here (write) or by Megatron-Core's own
         # background writer ("mcore"; the default "nvrx" needs nvidia-resiliency-ext)
-        background = self.in_background(wait)
-        with without_crc32():
+        with without_crc32(), results_queue(background):
             request = dist_checkpointing.save(state, str(path), sharded_strategy=self.strategy,
                                               async_sharded_save=True, async_strategy="mcore")
             request.add_finalize_fn(lambda: self._finalize(path, step, started, background))
@@ -176,6 +181,19 @@ class Saver:
         if self.queue is not None:
             self.wait()
             self.queue.close()
+        if self._stopping_queue is not None:
+            self._stopping_queue.join()
+
+    def _stop_results_queue(self) -> None:
+        """Before a save the loop waits for (the process's last: the run ends or requeues after it), with no
+        background write in flight (save's wait): the Manager's server process is stopped on a thread while the
+        save is written. Stopped at exit instead (multiprocessing's exit handler), it held a finished run 0.7-0.8 s
+        after its final save (one H200 at `9a56802`; this CPU machine). A background save after it (none in the
+        loop) would spawn a new one."""
+        if self._stopping_queue is None:
+            self._queue_ready.join()
+            self._stopping_queue = threading.Thread(target=_stop_results_queue)
+            self._stopping_queue.start()
 
     def _finalize(self, path: Path, step: int, started: float, background: bool) -> None:
         if dist.get_rank() == 0:
@@ -322,6 +340,36 @@ def _start_results_queue() -> None:
     get_write_results_queue()
 
 
+def _stop_results_queue() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue_proxy, filesystem_async._results_queue = filesystem_async._results_queue, None
+    manager = getattr(queue_proxy, "_manager", None)  # a Manager's proxy keeps its manager (multiprocessing)
+    if manager is not None:
+        manager.shutdown()
+
+
+@contextmanager
+def results_queue(background: bool) -> Iterator[None]:
+    """Where Megatron-Core's writer hands a save's results back (a module-level queue that the save's writer keeps):
+    a write in the background, in a forked process, needs a multiprocessing Manager's queue, which Megatron-Core
+    creates at the first save by spawning its server process; a write done here (Saver.write) gets an ordinary
+    queue of this process, so a run that never saves in the background never starts, nor stops at exit, that
+    server process."""
+    if background:
+        yield
+        return
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    before, filesystem_async._results_queue = filesystem_async._results_queue, queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = before
+
+
 def save_strategy() -> Any:
     """Megatron-Core's torch_dist writer (the format every torch_dist reader loads). With data parallelism the
     writing is spread over the data-parallel ranks (Megatron-LM's default fully parallel save): each rank writes
@@ -439,22 +487,31 @@ def _part(sd: dict[str, Any], part: str) -> dict[str, Any]:
     return {k: v for k, v in sd.items() if is_adapter_key(k) == (part == ADAPTERS)}
 
 
+def read(sharded: dict[str, Any], path: Path, **kwargs: Any) -> dict[str, Any]:
+    """Megatron-Core's dist_checkpointing.load of a torch_dist checkpoint, its records read ahead of the
+    deserializing (train/checkpoint_reader.py)."""
+    from megatron.core import dist_checkpointing
+
+    from mcorekit.train.checkpoint_reader import read_ahead
+
+    with read_ahead():
+        return dist_checkpointing.load(sharded, str(path), **kwargs)
+
+
 def load_base(path: Path, chunks: list[Any]) -> None:
     """A LoRA run's frozen base model from a full checkpoint (a converted `release`, or a run's iteration), every
     start; no optimizer state (the base has none)."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    state = dist_checkpointing.load(_model_state(chunks, BASE), str(path), strict=StrictHandling.LOG_UNEXPECTED)
+    state = read(_model_state(chunks, BASE), path, strict=StrictHandling.LOG_UNEXPECTED)
     _load_model(chunks, state, BASE)
 
 
 def load_adapters(path: Path, chunks: list[Any], optimizer: Any | None = None) -> None:
     """Adapter weights only (e.g. a PEFT adapter converted by `mcorekit convert hf-to-mcore --lora`): the optimizer
     starts fresh, its fp32 main copy refreshed from them."""
-    from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load(_model_state(chunks, ADAPTERS), str(path))
+    state = read(_model_state(chunks, ADAPTERS), path)
     _load_model(chunks, state, ADAPTERS)
     if optimizer is not None:
         optimizer.reload_model_params()
@@ -464,7 +521,6 @@ def load_weights(path: Path, chunks: list[Any], optimizer: Any | None = None) ->
     """Model weights only (e.g. converted from HF): the optimizer starts fresh. Its fp32 main copy of the
     weights was taken when it was built, so it is refreshed here; without that, the first optimizer step
     would write the random initial weights (plus one update) back into the model."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     if lora_info(chunks) is not None:  # the base was loaded by build (load_base), the adapters start as built
@@ -475,7 +531,7 @@ def load_weights(path: Path, chunks: list[Any], optimizer: Any | None = None) ->
     if format_of(path) == FSDP_DTENSOR:
         load_fsdp_weights(path, chunks)
     else:
-        state = dist_checkpointing.load(_model_state(chunks), str(path), strict=StrictHandling.LOG_UNEXPECTED)
+        state = read(_model_state(chunks), path, strict=StrictHandling.LOG_UNEXPECTED)
         _load_model(chunks, state)
     if optimizer is not None:
         optimizer.reload_model_params()
@@ -516,7 +572,7 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
                           f"or a converted `release`")
     model_sd = _model_state(chunks, part)
     sharded = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=SHARDING)}
-    state = dist_checkpointing.load(sharded, str(path))
+    state = read(sharded, path)
     optimizer_state = state.pop("optimizer")
     _load_model(chunks, state, part)
     optimizer.load_state_dict(optimizer_state)

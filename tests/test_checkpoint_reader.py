@@ -1,0 +1,98 @@
+"""The resume load's reader (train/checkpoint_reader.py) loads what torch's own reader loads, bitwise, reading each
+file front to back; a truncated file and a failing target are raised, and its read-ahead thread stops either way.
+On CPU with one gloo rank; the checkpoints are written by the Saver's writer (tests/test_checkpoint_writer.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcorekit.train import checkpoint_reader
+from mcorekit.train.checkpoint_reader import ReadAheadReader, read_ahead
+from test_checkpoint_writer import _finalize_on_cpu, _save, _state  # noqa: F401  # the fixture applies here too
+
+
+def _zeroed() -> dict:
+    """The test state's sharded tensors with zeros for data: a load must fill every byte."""
+    state = _state()
+    for key in ("w.bf16", "m.fp32", "e.int", "view.fp32", "t.fp32"):
+        state[key].data = torch.zeros_like(state[key].data)
+    return state
+
+
+def _load(path: Path, ahead: bool) -> dict:
+    from megatron.core import dist_checkpointing
+
+    if not ahead:
+        return dist_checkpointing.load(_zeroed(), str(path))
+    with read_ahead():
+        return dist_checkpointing.load(_zeroed(), str(path))
+
+
+def _readers() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name == "mcorekit-read-ahead"}
+
+
+@pytest.mark.parametrize("ahead_bytes", [checkpoint_reader.AHEAD_BYTES, 1])  # 1: the consumer paces every read
+def test_loads_what_torchs_reader_loads_in_file_order(model_parallel: None, tmp_path: Path, ahead_bytes: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron.core.dist_checkpointing.strategies import torch as strategies
+
+    _save(tmp_path / "ckpt", ours=True)
+    monkeypatch.setattr(checkpoint_reader, "AHEAD_BYTES", ahead_bytes)
+    reads: list[tuple[int, int]] = []
+    pread = os.pread
+
+    def spy(fd: int, n: int, offset: int) -> bytes:
+        reads.append((offset, n))
+        return pread(fd, n, offset)
+
+    monkeypatch.setattr(checkpoint_reader.os, "pread", spy)
+    with read_ahead():
+        assert type(strategies._get_filesystem_reader(str(tmp_path / "ckpt"))) is ReadAheadReader
+    assert strategies._get_filesystem_reader.__name__ == "_get_filesystem_reader"  # put back
+    theirs, ours = _load(tmp_path / "ckpt", ahead=False), _load(tmp_path / "ckpt", ahead=True)
+    template = _state()
+    for key in ("w.bf16", "m.fp32", "e.int", "view.fp32", "t.fp32"):
+        assert ours[key].dtype == template[key].data.dtype
+        assert torch.equal(ours[key], template[key].data) and torch.equal(ours[key], theirs[key]), key
+    assert ours["rng"]["seed"] == 1234 and torch.equal(ours["rng"]["state"], torch.arange(4))
+    assert ours["iteration"] == 7 == theirs["iteration"]
+    # every record (5 tensors, the ShardedObject) read once, front to back, none overlapping
+    assert len(reads) == 6 and reads == sorted(reads)
+    assert all(a + n <= b for (a, n), (b, _) in zip(reads, reads[1:]))
+    assert not _readers()
+
+
+def test_a_truncated_file_is_an_error_not_a_hang(model_parallel: None, tmp_path: Path) -> None:
+    _save(tmp_path / "ckpt", ours=True)
+    data = next((tmp_path / "ckpt").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(BaseException, match="a truncated file"):
+        _load(tmp_path / "ckpt", ahead=True)
+    assert not _readers()
+
+
+def test_a_failing_target_stops_the_reader(model_parallel: None, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer fails half-way (here: the second tensor's deserializing): the error comes out (in torch's
+    CheckpointException, a BaseException), the thread ends."""
+    _save(tmp_path / "ckpt", ours=True)
+    monkeypatch.setattr(checkpoint_reader, "AHEAD_BYTES", 1)  # the thread is waiting for room when the copy fails
+    loads = []
+    real_load = torch.load
+
+    def failing_load(*args: object, **kwargs: object) -> object:
+        loads.append(1)
+        if len(loads) == 2:
+            raise RuntimeError("the target's copy failed")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_reader.torch, "load", failing_load)
+    with pytest.raises(BaseException, match="the target's copy failed"):
+        _load(tmp_path / "ckpt", ahead=True)
+    assert not _readers()

@@ -1,0 +1,130 @@
+"""The resume load's reader of torch_dist checkpoints: torch's FileSystemReader with the disk kept busy.
+
+torch's reader (torch.distributed.checkpoint.FileSystemReader, which Megatron-Core's load uses) reads each tensor's
+record from the file when it gets to it, then deserializes it and copies it into its target (often on the GPU), the
+disk idle meanwhile, and in the plan's order rather than the file's. On one H200 machine it loaded the 3B shape's
+36.6 GB checkpoint at 0.78-0.96 GB/s where `dd` read 0.95-1.44 GB/s (2026-12-01/02). This reader reads the records
+on a thread in file order, up to AHEAD_BYTES ahead of the deserializing, so the disk reads while the tensors before
+are copied. The same records, deserialized the same way (torch.load, weights_only) into the same targets.
+
+    with read_ahead():
+        dist_checkpointing.load(...)
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index  # as torch's FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+AHEAD_BYTES = 2 << 30  # records read but not yet deserialized, at most (one record larger than this still passes)
+
+
+class ReadAheadReader(FileSystemReader):
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items):
+            return super().read_data(plan, planner)  # compressed or otherwise transformed: torch's own path
+        records = _Records(self, plan.items)
+        try:
+            for req, data in records:
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(data))
+                    continue
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+        finally:
+            records.close()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+class _Records:
+    """(read item, its record's bytes) in file order (file by file, by offset), read by a thread ahead of the
+    consumer; a failed read is raised to the consumer; close() stops the thread."""
+
+    def __init__(self, reader: FileSystemReader, items: list[ReadItem]) -> None:
+        info = reader.storage_data
+        self._order = sorted(items, key=lambda r: (info[r.storage_index].relative_path, info[r.storage_index].offset))
+        self._reader, self._queue = reader, queue.Queue()
+        self._room = threading.Condition()
+        self._ahead, self._stopped = 0, False
+        self._thread = threading.Thread(target=self._read_all, daemon=True, name="mcorekit-read-ahead")
+        self._thread.start()
+
+    def _read_all(self) -> None:
+        info, fd, open_path = self._reader.storage_data, -1, None
+        try:
+            for req in self._order:
+                record = info[req.storage_index]
+                with self._room:  # wait for room: at most AHEAD_BYTES read and not yet taken (or nothing at all)
+                    self._room.wait_for(lambda: self._stopped or self._ahead == 0 or
+                                        self._ahead + record.length <= AHEAD_BYTES)
+                    if self._stopped:
+                        return
+                    self._ahead += record.length
+                if record.relative_path != open_path:
+                    if fd >= 0:
+                        os.close(fd)
+                    open_path = record.relative_path
+                    fd = os.open(self._reader.fs.concat_path(self._reader.path, open_path), os.O_RDONLY)
+                data = os.pread(fd, record.length, record.offset)
+                if len(data) != record.length:
+                    raise OSError(f"{open_path}: {len(data)} bytes at offset {record.offset}, the checkpoint's "
+                                  f"metadata says {record.length} (a truncated file?)")
+                self._queue.put((req, data))
+        except BaseException as e:  # noqa: BLE001  # handed to the consumer, which raises it
+            self._queue.put(e)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def __iter__(self) -> Iterator[tuple[ReadItem, bytes]]:
+        for _ in self._order:
+            got = self._queue.get()
+            if isinstance(got, BaseException):
+                raise got
+            with self._room:
+                self._ahead -= len(got[1])
+                self._room.notify()
+            yield got
+
+    def close(self) -> None:
+        with self._room:
+            self._stopped = True
+            self._room.notify()
+        self._thread.join()
+
+
+@contextmanager
+def read_ahead() -> Iterator[None]:
+    """Megatron-Core's torch_dist loads inside the block read through ReadAheadReader (Megatron-Core builds its
+    reader per load in strategies.torch._get_filesystem_reader; only the plain reader is replaced: a metadata cache
+    or the multi-storage client keep theirs)."""
+    from megatron.core.dist_checkpointing.strategies import torch as strategies
+
+    build = strategies._get_filesystem_reader
+
+    def reader(checkpoint_dir: Any, *args: Any, **kwargs: Any) -> FileSystemReader:
+        built = build(checkpoint_dir, *args, **kwargs)
+        return ReadAheadReader(checkpoint_dir) if type(built) is FileSystemReader else built
+
+    strategies._get_filesystem_reader = reader
+    try:
+        yield
+    finally:
+        strategies._get_filesystem_reader = build
