@@ -82,7 +82,11 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
                   step(13, 3.5), step(14, 2.1), saved(12, 9.0, True),
                   *(step(n, 2.0) for n in range(15, 25)),
                   "mcorekit.train: checkpoint " + json.dumps({"event": "scheduled", "step": 24, "blocking_s": 1.5}),
-                  saved(24, 18.0, True)]
+                  saved(24, 18.0, True), "bench: deleted the saved checkpoint of step 24 in 0.40 s"]
+        end = json.loads(lines[-2].split(" ", 2)[2])["end"]  # the bench's deletion ran in `close`, then shut_down
+        lines.append("mcorekit.train: shutdown " + json.dumps({"trained": end + 0.6, "host_cache_released": end + 0.9,
+                                                               "ranks_through": end + 0.9,
+                                                               "exit_handlers": end + 0.95}))
         shutil.rmtree(ckpt)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return subprocess.CompletedProcess(cmd, 0, "\n".join(lines) + "\n", "")
@@ -101,7 +105,10 @@ def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pyte
     ex = r["save"]["exit_phases"]
     assert (ex["close"], ex["host_cache"], ex["barrier"], ex["exit_handlers"]) == (0.2, 0.5, 0.1, 0.05)
     assert ex["exit"] >= 0.1
-    assert r["async"]["exit_phases"] == {}  # that run's stand-in prints no shutdown line
+    ax = r["async"]["exit_phases"]  # less the bench's own 0.4 s deletion of the final checkpoint
+    assert r["async"]["bench_delete_final_s"] == 0.4
+    assert (ax["close"], ax["host_cache"], ax["barrier"], ax["exit_handlers"]) == (0.2, 0.3, 0.0, 0.05)
+    assert r["async"]["exit_after_final_save_s"] == pytest.approx(1.0 - 0.4, abs=0.3)
     a = r["async"]
     assert a["load_s"] == 17.0 and r["load_gb_per_s"] == round(35.0 / 17.0, 3)  # resume minus the bench's delete
     assert a["steps_in_flight"] == [13, 14] and a["step_s_in_flight"] == pytest.approx((3.5 - 1.5 + 2.1) / 2, abs=1e-3)  # step 13 less the blocking
