@@ -26,8 +26,11 @@ def _run_root_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["MCOREKIT_RUN_ROOT"] = str(tmp_path_factory.mktemp("runs"))
 
 
-@pytest.fixture(scope="module")
-def model_parallel(tmp_path_factory: pytest.TempPathFactory):  # one gloo rank: Megatron's modules look up their TP group
+@pytest.fixture(scope="session")
+def model_parallel(tmp_path_factory: pytest.TempPathFactory):
+    """One gloo rank: Megatron's modules look up their TP group. One per test process (session): a pytest-xdist worker
+    interleaves the tests of the modules that use it, and a process has one default group (module-scoped, two modules'
+    groups met in one worker: 'trying to initialize the default process group twice', on the GPU machine 2026-12-03)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 

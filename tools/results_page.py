@@ -565,26 +565,46 @@ def staged_label(r: dict) -> str:
     return {True: "per tensor, one ahead, pinned", False: "per tensor, when asked"}.get(r.get("ahead"), "per tensor")
 
 
+def load_levers_rows(m: Measurement) -> list[dict]:
+    """The resume-load rows of bench/save_levers.py --load-levers (from `0eb02d8` on)."""
+    return [r for r in m.results if "load_lever" in r and "error" not in r]
+
+
 def save_levers_table(m: Measurement) -> str:
     disk, rows = save_levers_rows(m)
     on = {True: "on", False: "off"}
-    return table(["lever", "CRC-32s", "staged", "writeback", "GB", "save s", "GB/s", "of dd write", "pinned release s",
-                  "read back"],
-                 [[r["lever"], on[r["crc32"]], staged_label(r),
-                   "32 MiB" if r.get("writeback") else "off", f"{r['gb']:.1f}", f"{r['seconds']:.1f}", f"{r['gb_per_s']:.2f}",
-                   pct(r["gb_per_s"] / disk["dd_write_gb_per_s"], 0), f"{r['release_s']:.1f}", r["read_back"]]
-                  for r in rows]) + (f"\n\ndd O_DIRECT: write {disk['dd_write_gb_per_s']:.2f} GB/s, "
-                                     f"read {disk['dd_read_gb_per_s']:.2f} GB/s.")
+    out = []
+    if rows:
+        out.append(table(["lever", "CRC-32s", "staged", "writeback", "GB", "save s", "GB/s", "of dd write",
+                          "pinned release s", "read back"],
+                         [[r["lever"], on[r["crc32"]], staged_label(r), "32 MiB" if r.get("writeback") else "off",
+                           f"{r['gb']:.1f}", f"{r['seconds']:.1f}", f"{r['gb_per_s']:.2f}",
+                           pct(r["gb_per_s"] / disk["dd_write_gb_per_s"], 0), f"{r['release_s']:.1f}", r["read_back"]]
+                          for r in rows]))
+    if loads := load_levers_rows(m):
+        out.append(table(["load lever (in the order run)", "GB", "load s", "GB/s", "of dd read", "loaded"],
+                         [[r["load_lever"], f"{r['gb']:.1f}", f"{r['seconds']:.1f}", f"{r['gb_per_s']:.2f}",
+                           pct(r["gb_per_s"] / disk["dd_read_gb_per_s"], 0), r["loaded"]] for r in loads]))
+    out.append(f"dd O_DIRECT: write {disk['dd_write_gb_per_s']:.2f} GB/s, read {disk['dd_read_gb_per_s']:.2f} GB/s.")
+    return "\n\n".join(out)
+
+
+def lever_medians(rows: list[dict], key: str, dd: float) -> str:
+    by: dict[str, list[float]] = {}
+    for r in rows:  # a lever run twice: its median
+        by.setdefault(r[key], []).append(r["gb_per_s"])
+    return ", ".join(f"{lever} {statistics.median(v):.2f} GB/s ({pct(statistics.median(v) / dd, 0)})"
+                     for lever, v in by.items())
 
 
 def save_levers_headline(m: Measurement) -> str:
     disk, rows = save_levers_rows(m)
-    by = {}
-    for r in rows:  # a lever run twice: its median
-        by.setdefault(r["lever"], []).append(r["gb_per_s"])
-    parts = [f"{lever} {statistics.median(v):.2f} GB/s ({pct(statistics.median(v) / disk['dd_write_gb_per_s'], 0)})"
-             for lever, v in by.items()]
-    return "save GB/s (of dd write): " + ", ".join(parts)
+    parts = []
+    if rows:
+        parts.append("save GB/s (of dd write): " + lever_medians(rows, "lever", disk["dd_write_gb_per_s"]))
+    if loads := load_levers_rows(m):
+        parts.append("load GB/s (of dd read): " + lever_medians(loads, "load_lever", disk["dd_read_gb_per_s"]))
+    return "; ".join(parts)
 
 
 def fp8_quant_table(m: Measurement) -> str:
