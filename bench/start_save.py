@@ -65,7 +65,7 @@ def load_then_delete(path, *args, **kwargs):
 def finalize_then_delete(self, path, step, *args, **kwargs):
     finalize(self, path, step, *args, **kwargs)
     start = time.perf_counter()
-    shutil.rmtree(path, ignore_errors=True)  # measured: it runs inside the run's exit path after the final save
+    shutil.rmtree(path, ignore_errors=True)  # measured: after the final save it falls in the exit's `close` phase
     print(f"bench: deleted the saved checkpoint of step {step} in {time.perf_counter() - start:.2f} s", flush=True)
 checkpoint.load, checkpoint.Saver._finalize = load_then_delete, finalize_then_delete
 from mcorekit.train.__main__ import main
@@ -234,7 +234,8 @@ def async_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
     free = [v for k, v in steps.items() if k not in overlapped and k > SAVE_STEPS + WARM_STEPS]
     ph = phases(got["startup"])
     load_s = round(ph["resume"] - got["delete_s"], 2)  # the bench's deletion of the loaded checkpoint is not loading
-    # nor is its deletion of the final checkpoint (right after the save, in `close`) part of the run's exit
+    # nor is its deletion of the final checkpoint (in the save's finalize, after its report: the exit's `close`
+    # phase) part of the run's exit
     deleted = got["saved_delete_s"].get(ASYNC_END, 0.0)
     final_end = saved[ASYNC_END]["end"] + deleted
     return {"startup": got["startup"], "phases": ph, "load_s": load_s, **got["compile"],

@@ -26,14 +26,19 @@ def _run_root_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["MCOREKIT_RUN_ROOT"] = str(tmp_path_factory.mktemp("runs"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def model_parallel(tmp_path_factory: pytest.TempPathFactory):
-    """One gloo rank: Megatron's modules look up their TP group. One per test process (session): a pytest-xdist worker
-    interleaves the tests of the modules that use it, and a process has one default group (module-scoped, two modules'
-    groups met in one worker: 'trying to initialize the default process group twice', on the GPU machine 2026-12-03)."""
+    """One gloo rank: Megatron's modules look up their TP group. A group an in-process GPU test left behind
+    (convert/logits.init_single_gpu keeps its NCCL group for the next check in the process) is destroyed first: a
+    process has one default group, and a pytest-xdist worker on the GPU machine ran such a test before this fixture
+    ('trying to initialize the default process group twice', 2026-12-03). init_single_gpu makes a new one after."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     # a file store, not MASTER_PORT in os.environ: that would leak into the Slurm jobs later tests submit
     store = tmp_path_factory.mktemp("store") / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)

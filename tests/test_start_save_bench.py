@@ -83,7 +83,7 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
                   *(step(n, 2.0) for n in range(15, 25)),
                   "mcorekit.train: checkpoint " + json.dumps({"event": "scheduled", "step": 24, "blocking_s": 1.5}),
                   saved(24, 18.0, True), "bench: deleted the saved checkpoint of step 24 in 0.40 s"]
-        end = json.loads(lines[-2].split(" ", 2)[2])["end"]  # the bench's deletion ran in `close`, then shut_down
+        end = json.loads(lines[-2].split(" ", 2)[2])["end"]  # the bench's deletion ran after the report, then shut_down
         lines.append("mcorekit.train: shutdown " + json.dumps({"trained": end + 0.6, "host_cache_released": end + 0.9,
                                                                "ranks_through": end + 0.9,
                                                                "exit_handlers": end + 0.95}))

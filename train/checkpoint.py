@@ -192,7 +192,11 @@ class Saver:
         loop) would spawn a new one."""
         if self._stopping_queue is None:
             self._queue_ready.join()
-            self._stopping_queue = threading.Thread(target=_stop_results_queue)
+            from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+            # taken here, before this save's results_queue swaps the module's queue for its own
+            proxy, filesystem_async._results_queue = filesystem_async._results_queue, None
+            self._stopping_queue = threading.Thread(target=_stop_manager, args=(proxy,))
             self._stopping_queue.start()
 
     def _finalize(self, path: Path, step: int, started: float, background: bool) -> None:
@@ -340,10 +344,7 @@ def _start_results_queue() -> None:
     get_write_results_queue()
 
 
-def _stop_results_queue() -> None:
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    queue_proxy, filesystem_async._results_queue = filesystem_async._results_queue, None
+def _stop_manager(queue_proxy: Any) -> None:
     manager = getattr(queue_proxy, "_manager", None)  # a Manager's proxy keeps its manager (multiprocessing)
     if manager is not None:
         manager.shutdown()

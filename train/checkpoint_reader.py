@@ -26,7 +26,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-AHEAD_BYTES = 2 << 30  # records read but not yet deserialized, at most (one record larger than this still passes)
+# records read and queued, not yet taken by the deserializing (one record larger than this still passes); the record
+# being deserialized is held on top of it, twice for a moment (its bytes and torch.load's tensor)
+AHEAD_BYTES = 2 << 30
 
 
 class ReadAheadReader(FileSystemReader):
@@ -80,13 +82,10 @@ class _Records:
                 if record.relative_path != open_path:
                     if fd >= 0:
                         os.close(fd)
+                        fd = -1
                     open_path = record.relative_path
                     fd = os.open(self._reader.fs.concat_path(self._reader.path, open_path), os.O_RDONLY)
-                data = os.pread(fd, record.length, record.offset)
-                if len(data) != record.length:
-                    raise OSError(f"{open_path}: {len(data)} bytes at offset {record.offset}, the checkpoint's "
-                                  f"metadata says {record.length} (a truncated file?)")
-                self._queue.put((req, data))
+                self._queue.put((req, read_exactly(fd, record.length, record.offset, open_path)))
         except BaseException as e:  # noqa: BLE001  # handed to the consumer, which raises it
             self._queue.put(e)
         finally:
@@ -108,6 +107,21 @@ class _Records:
             self._stopped = True
             self._room.notify()
         self._thread.join()
+
+
+def read_exactly(fd: int, length: int, offset: int, name: str) -> bytes:
+    """`length` bytes at `offset`, as bytes (which io.BytesIO wraps without a copy). One read returns at most 0x7ffff000
+    bytes on Linux: a record over 2 GiB (the fp32 Adam moment of a large vocabulary's embedding) takes several, joined
+    once. A read that returns nothing is the end of the file before the record's end."""
+    parts, got = [], 0
+    while got < length:
+        part = os.pread(fd, length - got, offset + got)
+        if not part:
+            raise OSError(f"{name}: {got} bytes at offset {offset}, the checkpoint's metadata says {length} "
+                          "(a truncated file?)")
+        parts.append(part)
+        got += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 @contextmanager
