@@ -203,7 +203,9 @@ class CheckpointConfig(Strict):
     dir: str | None = None  # default: <run dir>/checkpoints
     save_interval: int = Field(500, ge=1)
     keep_last: int = Field(3, ge=1)
-    async_save: bool = False  # write in the background while training continues
+    # write in the background while training continues; the first async save pins a host copy of the checkpoint
+    # (blocking about as long as a synchronous save), later ones reuse it, and it is unpinned at the run's end
+    async_save: bool = False
     load: str | None = None  # a checkpoint to start from (e.g. converted from HF)
     finetune: bool = False  # load: weights only, fresh optimizer, step 0 (always so for a converted `release`)
 
