@@ -607,6 +607,18 @@ def save_levers_headline(m: Measurement) -> str:
     return "; ".join(parts)
 
 
+def exit_probe_table(m: Measurement) -> str:
+    return table(["pinned GB", "how the process ends", "from ready to its end, s", "of which cudaFreeHost, s"],
+                 [[f"{r['gb']:g}", r["mode"], str(r.get("end_s", r.get("error"))), str(r.get("release_s", ""))]
+                  for r in m.results])
+
+
+def exit_probe_headline(m: Measurement) -> str:
+    big = max(r["gb"] for r in m.results)
+    ends = {r["mode"]: r["end_s"] for r in m.results if r["gb"] == big and "end_s" in r}
+    return f"{big:g} GB pinned: " + ", ".join(f"{mode} {s:.2f} s" for mode, s in ends.items())
+
+
 def fp8_quant_table(m: Measurement) -> str:
     quant = [r for r in m.results if "eager_ms" in r]
     gemms = [r for r in m.results if "tflops" in r]
@@ -649,6 +661,7 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "fp8_quant": (fp8_quant_table, fp8_quant_headline),
     "levers": (levers_table, levers_headline),
     "step_profile": (step_profile_table, step_profile_headline),
+    "exit_probe": (exit_probe_table, exit_probe_headline),
 }
 
 
