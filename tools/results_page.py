@@ -619,6 +619,23 @@ def exit_probe_headline(m: Measurement) -> str:
     return f"{big:g} GB pinned: " + ", ".join(f"{mode} {s:.2f} s" for mode, s in ends.items())
 
 
+def pin_probe_table(m: Measurement) -> str:
+    rows = []
+    for r in m.results:
+        while_pinning = "" if "pin_s" not in r else (f"{r['step_ms_while_pinning']:.0f} ms (max {r['step_ms_max_while_pinning']:.0f}, "
+                                                     f"{r['steps_while_pinning']} steps in {r['pin_s']:.1f} s of pinning)")
+        rows.append([r["mode"], f"{r['gb']:g} GB in {r['tensors']} tensors", f"{r['step_ms_free']:.1f} ms", while_pinning,
+                     f"{r['staging_blocks_s']:.2f} s"])
+    return table(["mode", "GPU state", "step without pinning", "step while a thread pins", "staging copies block"], rows)
+
+
+def pin_probe_headline(m: Measurement) -> str:
+    by = {r["mode"]: r for r in m.results}
+    cold, pre = by["cold"], by["prepin"]
+    return (f"staging blocks {cold['staging_blocks_s']:.1f} s cold, {pre['staging_blocks_s']:.2f} s pinned ahead; pinning "
+            f"ahead took {pre['pin_s']:.1f} s with GPU steps {pre['step_ms_while_pinning'] / pre['step_ms_free']:.0f}x slower meanwhile")
+
+
 def fp8_quant_table(m: Measurement) -> str:
     quant = [r for r in m.results if "eager_ms" in r]
     gemms = [r for r in m.results if "tflops" in r]
@@ -662,6 +679,7 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "levers": (levers_table, levers_headline),
     "step_profile": (step_profile_table, step_profile_headline),
     "exit_probe": (exit_probe_table, exit_probe_headline),
+    "pin_probe": (pin_probe_table, pin_probe_headline),
 }
 
 
