@@ -48,12 +48,12 @@ def one(gb: float, mode: str) -> dict[str, float | str]:
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(gb), mode], stdout=subprocess.PIPE, text=True)
     ready, released = None, None
     assert proc.stdout is not None
-    for line in proc.stdout:
-        word, value = line.split()
-        if word == "ready":
-            ready = float(value)
-        elif word == "released":
-            released = float(value)
+    for line in proc.stdout:  # the child's two marks; anything else a library prints is passed over
+        match line.split():
+            case ["ready", value]:
+                ready = float(value)
+            case ["released", value]:
+                released = float(value)
     proc.wait()
     ended = time.time()
     if proc.returncode != 0 or ready is None:

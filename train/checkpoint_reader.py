@@ -110,9 +110,10 @@ class _Records:
 
 
 def read_exactly(fd: int, length: int, offset: int, name: str) -> bytes:
-    """`length` bytes at `offset`, as bytes (which io.BytesIO wraps without a copy). One read returns at most 0x7ffff000
-    bytes on Linux: a record over 2 GiB (the fp32 Adam moment of a large vocabulary's embedding) takes several, joined
-    once. A read that returns nothing is the end of the file before the record's end."""
+    """`length` bytes at `offset`, as bytes (which io.BytesIO wraps without a copy; convert/files.pread_into fills a
+    tensor instead, whose memory BytesIO would copy). One read returns at most 0x7ffff000 bytes on Linux: a record over
+    2 GiB (the fp32 Adam moment of a large vocabulary's embedding) takes several, joined once. A read that returns
+    nothing is the end of the file before the record's end."""
     parts, got = [], 0
     while got < length:
         part = os.pread(fd, length - got, offset + got)
