@@ -15,7 +15,7 @@ from pathlib import Path
 from mcorekit import quiet
 from mcorekit.errors import MCoreKitError
 from mcorekit.config.experiment import Experiment, load_experiment
-from mcorekit.runtime.env import use_compile_cache
+from mcorekit.runtime.env import prepare_training_process
 from mcorekit.train.shutdown import exit_with, shut_down
 
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU peak for MFU (H100/H200 bf16: 989)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    use_compile_cache()  # before torch and Megatron-Core are imported (see there)
+    prepare_training_process()  # before torch and Megatron-Core are imported (see there)
     quiet.install()
     try:
         exp = load_experiment(a.config, a.overrides)

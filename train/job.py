@@ -23,9 +23,9 @@ class TrainJob:
         self.peak_tflops = peak_tflops
 
     def __call__(self) -> dict[str, Any]:
-        from mcorekit.runtime.env import use_compile_cache
+        from mcorekit.runtime.env import prepare_training_process
 
-        use_compile_cache()  # before torch and Megatron-Core are imported (see there)
+        prepare_training_process()  # before torch and Megatron-Core are imported (see there)
         from mcorekit import quiet
         from mcorekit.config.experiment import load_experiment
         from mcorekit.train.loop import train

@@ -1,6 +1,8 @@
-"""Where torch.compile's cache goes for a training process (runtime/env.use_compile_cache): a persistent per-user
-folder unless the environment names one, so later and requeued jobs load compiled kernels instead of compiling; set
-by both training entries before Megatron-Core is imported (importing it makes torch write its own default)."""
+"""What a training process sets in its environment before torch is imported (runtime/env.prepare_training_process):
+where torch.compile's cache goes (use_compile_cache: a persistent per-user folder unless the environment names one,
+so later and requeued jobs load compiled kernels instead of compiling; set before Megatron-Core is imported, whose
+import makes torch write its own default), and pinned host memory through cudaHostRegister (use_registered_pinning:
+an async save's first staging 22 s -> 5 s on one H200). Both training entries call it first."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mcorekit.runtime.env import COMPILE_CACHE, use_compile_cache
+from mcorekit.runtime.env import COMPILE_CACHE, REGISTERED_PINNING, use_compile_cache, use_registered_pinning
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "llama-tiny.yaml"
@@ -41,6 +43,27 @@ def test_torchs_default_stays_without_a_usable_home(tmp_path: Path) -> None:
     assert use_compile_cache(env) is None and COMPILE_CACHE not in env
 
 
+def test_registered_pinning_is_added_to_the_allocator_settings() -> None:
+    env: dict[str, str] = {}
+    assert use_registered_pinning(env) == REGISTERED_PINNING == env["PYTORCH_CUDA_ALLOC_CONF"]
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    use_registered_pinning(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:True,{REGISTERED_PINNING}"}
+    # the newer name, where the user set it, is the one extended
+    env = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    use_registered_pinning(env)
+    assert env == {"PYTORCH_ALLOC_CONF": f"expandable_segments:True,{REGISTERED_PINNING}"}
+
+
+def test_the_users_pinning_settings_are_kept() -> None:
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"}
+    use_registered_pinning(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "pinned_num_register_threads:4"}  # the thread count stays theirs
+    use_registered_pinning(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "pinned_num_register_threads:4,pinned_use_cuda_host_register:True"}
+
+
 def test_both_training_entries_set_it_before_megatron_is_imported(tmp_path: Path) -> None:
     """`python -m mcorekit.train`'s main (which stops at 'no CUDA GPU' here) and the launcher's payload (which fails
     on a missing config here) set the folder first: after them, importing Megatron-Core leaves it, and torch's
@@ -60,13 +83,16 @@ def test_both_training_entries_set_it_before_megatron_is_imported(tmp_path: Path
         "        pass\n"
         "from megatron.core import parallel_state\n"
         "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+        "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n"
         "print(cache_dir())\n")
-    env = {k: v for k, v in os.environ.items() if k not in (COMPILE_CACHE, "XDG_CACHE_HOME")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in (COMPILE_CACHE, "XDG_CACHE_HOME", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     env.update(HOME=str(tmp_path / "home"), CUDA_VISIBLE_DEVICES="", MCOREKIT_RUN_ROOT=str(tmp_path / "runs"))
     want = tmp_path / "home" / ".cache" / "mcorekit" / "torchinductor"
     for entry in ("main", "job", "none"):
         proc = subprocess.run([sys.executable, str(script), entry], capture_output=True, text=True, env=env,
                               timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        got = Path(proc.stdout.strip().splitlines()[-1])
-        assert (got == want) == (entry != "none"), (entry, got)
+        alloc_conf, got = proc.stdout.strip().splitlines()[-2:]
+        assert (Path(got) == want) == (entry != "none"), (entry, got)
+        assert (alloc_conf == REGISTERED_PINNING) == (entry != "none"), (entry, alloc_conf)
