@@ -636,6 +636,28 @@ def pin_probe_headline(m: Measurement) -> str:
             f"ahead took {pre['pin_s']:.1f} s with GPU steps {pre['step_ms_while_pinning'] / pre['step_ms_free']:.0f}x slower meanwhile")
 
 
+def _host_alloc(r: dict) -> str:
+    threads = r["alloc_conf"].rpartition("pinned_num_register_threads:")[2]
+    return f"cudaHostRegister, {threads} threads" if r["alloc_conf"] else "cudaHostAlloc (torch's default)"
+
+
+def host_alloc_probe_table(m: Measurement) -> str:
+    rows = [[_host_alloc(r), f"{r['stage_cold_s']:.2f} s", f"{r['stage_cached_s']:.2f} s", f"{r['release_s']:.2f} s",
+             f"{r['pin_s']:.1f} s", f"{r['step_ms_while_pinning']:.1f} ms (free: {r['step_ms_free']:.1f} ms)",
+             f"{r['exit_s']:.2f} s"] for r in m.results]
+    return table(["pinned memory from", "staging blocks, cold", "staging blocks, cached", "handing back",
+                  "pinning on a thread", "GPU step meanwhile", "process exit"], rows)
+
+
+def host_alloc_probe_headline(m: Measurement) -> str:
+    def slower(r: dict) -> str:
+        ratio = r["step_ms_while_pinning"] / r["step_ms_free"]
+        return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.2f}x"
+
+    return "; ".join(f"{_host_alloc(r)}: staging {r['stage_cold_s']:.1f} s cold, GPU steps {slower(r)} while a thread "
+                     "pins" for r in m.results)
+
+
 def fp8_quant_table(m: Measurement) -> str:
     quant = [r for r in m.results if "eager_ms" in r]
     gemms = [r for r in m.results if "tflops" in r]
@@ -680,6 +702,7 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "step_profile": (step_profile_table, step_profile_headline),
     "exit_probe": (exit_probe_table, exit_probe_headline),
     "pin_probe": (pin_probe_table, pin_probe_headline),
+    "host_alloc_probe": (host_alloc_probe_table, host_alloc_probe_headline),
 }
 
 
