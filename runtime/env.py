@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COMPILE_CACHE = "TORCHINDUCTOR_CACHE_DIR"
-# torch reads the first of these that is set (PYTORCH_CUDA_ALLOC_CONF is the older name)
-ALLOC_CONFS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+# torch's CUDA allocators take their settings from the first of these that is set (both set: the first wins, seen
+# on one H200 with torch 2.11, 2026-12-03)
+ALLOC_CONFS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 REGISTERED_PINNING = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
 
@@ -102,7 +103,7 @@ def use_registered_pinning(env: dict[str, str] | None = None) -> str:
     another thread slowed the GPU steps launched meanwhile 94x with cudaHostAlloc (it holds CUDA's lock), 4% with
     this. Settings that already name pinned_use_cuda_host_register are left as they are. Returns the settings."""
     env = os.environ if env is None else env
-    name = next((n for n in ALLOC_CONFS if env.get(n)), ALLOC_CONFS[1])
+    name = next((n for n in ALLOC_CONFS if env.get(n)), ALLOC_CONFS[0])
     conf = env.get(name, "")
     if "pinned_use_cuda_host_register" not in conf:
         extra = "pinned_use_cuda_host_register:True" if "pinned_num_register_threads" in conf else REGISTERED_PINNING

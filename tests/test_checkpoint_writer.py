@@ -10,6 +10,7 @@ import os
 import re
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def _save(path: Path, ours: bool) -> None:
 
     path.mkdir()
     if ours:
-        with without_crc32(), results_queue(background=False):
+        with without_crc32(), results_queue():
             request = dist_checkpointing.save(_state(), str(path), sharded_strategy=save_strategy(),
                                               async_sharded_save=True, async_strategy="mcore")
             with stage_per_tensor(request) as staged:
@@ -134,7 +135,7 @@ def _save_with(path: Path, threads: int, writeback: bool, device: str = "cpu") -
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     path.mkdir()
-    with without_crc32(), results_queue(background=False):
+    with without_crc32(), results_queue():
         request = dist_checkpointing.save(_state(device), str(path), async_sharded_save=True, async_strategy="mcore",
                                           sharded_strategy=TorchDistSaveShardedStrategy(thread_count=threads))
         with stage_per_tensor(request, writeback) as staged:
@@ -253,38 +254,33 @@ def test_gpu_staging_writes_what_host_tensors_write(model_parallel: None, tmp_pa
         assert got.is_pinned() and got.stride() == want.stride() and torch.equal(got, want.cpu())
 
 
-def test_a_save_the_loop_waits_for_is_written_at_once_with_async_save(model_parallel: None, tmp_path: Path) -> None:
-    """A save the loop waits for (the end-of-run save, the save before a requeue: wait=True) is not handed to the
-    background writer of a Saver with async_save; Saver.write then writes it before it returns, through the
-    per-tensor staging, its results handed back in this process while the Manager's server process that background
-    writes need is stopped beside it (as Saver.save does): the process ends without that server. On CPU: the
-    background writer itself needs CUDA."""
+def _write(saver: Any, path: Path, background: bool, finalize: Any, before_write: Any = None) -> None:
+    """What Saver.save does with its state once planned (here _state, in `path`, which exists)."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from mcorekit.train.checkpoint import Saver
-
-    saver = Saver(tmp_path / "ckpts", keep_last=1, async_save=True)
-    assert saver.in_background(wait=False) and not saver.in_background(wait=True)
-    saver._queue_ready.join()
-    server = filesystem_async._results_queue._manager._process  # the Manager's server, as Megatron-Core spawns it
-    assert server.is_alive()
-    _save(tmp_path / "reference", ours=True)
-    (tmp_path / "now").mkdir()
-    saver._stop_results_queue()
-    with without_crc32(), results_queue(background=saver.in_background(wait=True)):
-        request = dist_checkpointing.save(_state(), str(tmp_path / "now"), sharded_strategy=save_strategy(),
+    with without_crc32(), results_queue():
+        request = dist_checkpointing.save(_state(), str(path), sharded_strategy=save_strategy(),
                                           async_sharded_save=True, async_strategy="mcore")
-        saver.write(request, background=False)
-    saver.close()
-    assert _same_data_files(tmp_path / "reference", tmp_path / "now") == 1
-    assert not server.is_alive() and filesystem_async._results_queue is None
+        request.add_finalize_fn(finalize)
+        if before_write is not None:
+            before_write()
+        saver.write(request, background)
 
 
-def test_a_run_without_async_save_starts_no_manager_process(model_parallel: None, tmp_path: Path) -> None:
-    """Without async_save every save is written at once and hands its results back in this process: no Manager
-    server is spawned at the start, at a save, or stopped at exit (0.7 s of a finished run's exit, measured on this
-    CPU machine with multiprocessing's exit handler timed)."""
+@pytest.fixture
+def staging_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-Core's staging of a background save waits for its GPU copies (torch.cuda.synchronize); without a GPU
+    there is nothing to wait for, and that one call is pointed away."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+
+
+def test_a_background_save_is_written_by_a_thread(model_parallel: None, staging_on_cpu: None, tmp_path: Path) -> None:
+    """With async_save a save is written by a thread of this process (train/checkpoint.WriterThread; Megatron-Core's
+    own caller forks a process) and finalized once written (.metadata, then the finalize functions): the same files
+    as a save written at once, without CRC-32s as those (the thread keeps the setting of the save that scheduled
+    it). A save the loop waits for is written at once. No process is started, and Megatron-Core's module-level
+    results queue is left as it was (it would be a multiprocessing Manager, whose server process it spawns)."""
     import multiprocessing
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -292,9 +288,35 @@ def test_a_run_without_async_save_starts_no_manager_process(model_parallel: None
     from mcorekit.train.checkpoint import Saver
 
     before = (set(multiprocessing.active_children()), filesystem_async._results_queue)
-    saver = Saver(tmp_path / "ckpts", keep_last=1, async_save=False)
-    _save(tmp_path / "now", ours=True)
+    saver = Saver(tmp_path / "ckpts", keep_last=1, async_save=True)
+    assert saver.in_background(wait=False) and not saver.in_background(wait=True)
+    _save(tmp_path / "reference", ours=True)
+    finalized: list[str] = []
+    for name, background in (("background", True), ("now", False)):
+        (tmp_path / name).mkdir()
+        _write(saver, tmp_path / name, background, lambda name=name: finalized.append(name))
+        if background:
+            assert saver.queue.get_num_unfinalized_calls() == 1
+            saver.wait()
     saver.close()
-    assert not saver._queue_ready.is_alive() and saver._queue_ready.ident is None  # never started
+    assert finalized == ["background", "now"] and saver.queue.get_num_unfinalized_calls() == 0
+    for name in ("background", "now"):
+        assert _same_data_files(tmp_path / "reference", tmp_path / name) == 1
+        assert (tmp_path / name / ".metadata").is_file()
     assert (set(multiprocessing.active_children()), filesystem_async._results_queue) == before
-    assert len(list((tmp_path / "now").glob("*.distcp"))) == 1 and (tmp_path / "now" / ".metadata").is_file()
+
+
+def test_a_failed_background_write_fails_the_save(model_parallel: None, staging_on_cpu: None, tmp_path: Path) -> None:
+    """A background write that fails (here its folder is gone before the thread writes) raises where the save is
+    finalized, on the training thread, and the save's own finalize functions (the tracker update) do not run."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mcorekit.train.checkpoint import Saver
+
+    saver = Saver(tmp_path / "ckpts", keep_last=1, async_save=True)
+    (tmp_path / "gone").mkdir()
+    finalized: list[str] = []
+    _write(saver, tmp_path / "gone", True, lambda: finalized.append("gone"), (tmp_path / "gone").rmdir)
+    with pytest.raises(CheckpointException, match="FileNotFoundError"):
+        saver.wait()
+    assert finalized == [] and not (tmp_path / "gone").exists()

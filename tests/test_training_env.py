@@ -49,10 +49,14 @@ def test_registered_pinning_is_added_to_the_allocator_settings() -> None:
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     use_registered_pinning(env)
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:True,{REGISTERED_PINNING}"}
-    # the newer name, where the user set it, is the one extended
+    # the newer name, where only it is set, is the one extended; with both set torch reads the older
     env = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     use_registered_pinning(env)
     assert env == {"PYTORCH_ALLOC_CONF": f"expandable_segments:True,{REGISTERED_PINNING}"}
+    env = {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    use_registered_pinning(env)
+    assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True",
+                   "PYTORCH_CUDA_ALLOC_CONF": f"max_split_size_mb:512,{REGISTERED_PINNING}"}
 
 
 def test_the_users_pinning_settings_are_kept() -> None:

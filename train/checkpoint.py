@@ -92,23 +92,14 @@ def unwrap(model: Any) -> Any:
 
 
 class Saver:
-    """Saves iter_N/ checkpoints; with async_save the write happens in a background process while training
-    continues, and the tracker is updated only once every rank's part is on disk (one save in flight). Saves the
-    loop waits for (the end-of-run save, the save before a requeue) are written at once (see write)."""
+    """Saves iter_N/ checkpoints; with async_save the write happens on a background thread while training continues
+    (WriterThread), and the tracker is updated only once every rank's part is on disk (one save in flight).
+    Saves the loop waits for (the end-of-run save, the save before a requeue) are written at once (see write)."""
 
     def __init__(self, root: Path, keep_last: int, async_save: bool) -> None:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
         self.root, self.keep_last = root, keep_last
-        self.queue = AsyncCallsQueue() if async_save else None
+        self.queue = background_writes() if async_save else None
         self.strategy: Any = None  # built at the first save (the process groups exist by then)
-        # A background write hands its results back through a multiprocessing Manager's queue (results_queue),
-        # whose server process Megatron-Core spawns at the first save (a fresh interpreter: seconds on the critical
-        # path of that save). Started now, it comes up while the model is built and trained.
-        self._queue_ready = threading.Thread(target=_start_results_queue, daemon=True)
-        self._stopping_queue: threading.Thread | None = None
-        if async_save:
-            self._queue_ready.start()
 
     def save(self, step: int, chunks: list[Any], optimizer: Any, scheduler: Any, wait: bool = False) -> Path:
         from megatron.core import dist_checkpointing
@@ -131,19 +122,15 @@ class Saver:
             self._finalize(path, step, started, background=False)
             return path
         background = self.in_background(wait)
-        if background:
-            self._queue_ready.join()
-        elif self.queue is not None:
-            self._stop_results_queue()
         if self.strategy is None:
             self.strategy = save_strategy()
         model_sd = _model_state(chunks, ADAPTERS if lora_info(chunks) else ALL)
         with optimizer_state_in_place(optimizer):
             optimizer_sd = optimizer.sharded_state_dict(model_sd, metadata=SHARDING)
         state = {**model_sd, "optimizer": optimizer_sd, "scheduler": scheduler.state_dict(), "iteration": step}
-        # Megatron-Core's writer as an AsyncRequest in both cases: written here (write) or by Megatron-Core's own
-        # background writer ("mcore"; the default "nvrx" needs nvidia-resiliency-ext)
-        with without_crc32(), results_queue(background):
+        # Megatron-Core's writer as an AsyncRequest ("mcore"; the default "nvrx" needs nvidia-resiliency-ext), written
+        # here (write) or on the background thread
+        with without_crc32(), results_queue():
             request = dist_checkpointing.save(state, str(path), sharded_strategy=self.strategy,
                                               async_sharded_save=True, async_strategy="mcore")
             request.add_finalize_fn(lambda: self._finalize(path, step, started, background))
@@ -159,8 +146,8 @@ class Saver:
 
     def write(self, request: Any, background: bool) -> None:
         """A save request written now, each tensor copied to host memory one ahead of the writer (stage_per_tensor),
-        or scheduled on the background writer, which stages the whole checkpoint in pinned memory and forks. A save
-        the loop waits for is written now even with async_save: nothing overlaps it, and on one H200 (3B shape,
+        or scheduled on the background thread, which first stages the whole checkpoint in pinned memory. A save the
+        loop waits for is written now even with async_save: nothing overlaps it, and on one H200 (3B shape,
         2026-12-02, `916c1d7`) the end-of-run save took 22.3 s written now and 29.7 s in the background."""
         if background:
             self.queue.schedule_async_request(request)
@@ -181,23 +168,6 @@ class Saver:
         if self.queue is not None:
             self.wait()
             self.queue.close()
-        if self._stopping_queue is not None:
-            self._stopping_queue.join()
-
-    def _stop_results_queue(self) -> None:
-        """Before a save the loop waits for (the process's last: the run ends or requeues after it), with no
-        background write in flight (save's wait): the Manager's server process is stopped on a thread while the
-        save is written. Stopped at exit instead (multiprocessing's exit handler), it held a finished run 0.7-0.8 s
-        after its final save (one H200 at `9a56802`; this CPU machine). A background save after it (none in the
-        loop) would spawn a new one."""
-        if self._stopping_queue is None:
-            self._queue_ready.join()
-            from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-            # taken here, before this save's results_queue swaps the module's queue for its own
-            proxy, filesystem_async._results_queue = filesystem_async._results_queue, None
-            self._stopping_queue = threading.Thread(target=_stop_manager, args=(proxy,))
-            self._stopping_queue.start()
 
     def _finalize(self, path: Path, step: int, started: float, background: bool) -> None:
         if dist.get_rank() == 0:
@@ -338,28 +308,12 @@ def _report(record: dict[str, Any]) -> None:
     print("mcorekit.train: checkpoint " + json.dumps(record), flush=True)
 
 
-def _start_results_queue() -> None:
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
-
-    get_write_results_queue()
-
-
-def _stop_manager(queue_proxy: Any) -> None:
-    manager = getattr(queue_proxy, "_manager", None)  # a Manager's proxy keeps its manager (multiprocessing)
-    if manager is not None:
-        manager.shutdown()
-
-
 @contextmanager
-def results_queue(background: bool) -> Iterator[None]:
-    """Where Megatron-Core's writer hands a save's results back (a module-level queue that the save's writer keeps):
-    a write in the background, in a forked process, needs a multiprocessing Manager's queue, which Megatron-Core
-    creates at the first save by spawning its server process; a write done here (Saver.write) gets an ordinary
-    queue of this process, so a run that never saves in the background never starts, nor stops at exit, that
-    server process."""
-    if background:
-        yield
-        return
+def results_queue() -> Iterator[None]:
+    """Where Megatron-Core's writer hands a save's results back: a module-level queue that each save's writer keeps,
+    which Megatron-Core makes a multiprocessing Manager's queue (for a writer in a forked process; it spawns the
+    Manager's server process for it, and multiprocessing stops that at exit: 0.79 s of a finished run's exit on one
+    H200 at `9a56802`). Our writers are threads of this process, so an ordinary queue."""
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -369,6 +323,62 @@ def results_queue(background: bool) -> Iterator[None]:
         yield
     finally:
         filesystem_async._results_queue = before
+
+
+def background_writes() -> Any:
+    """Megatron-Core's queue of background saves (one in flight: a save is finalized once every rank's writer is
+    done, checked with one all-reduce per poll), each save written by a WriterThread."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    class ThreadWrites(AsyncCallsQueue):
+        def _get_async_caller(self) -> Any:
+            return WriterThread()
+
+    return ThreadWrites()
+
+
+class WriterThread:
+    """Writes one background save on a thread of this process, where Megatron-Core's TemporalAsyncCaller forks a
+    process. Forking a process that holds the checkpoint's pinned staging took most of the 25.6 s an async save
+    blocked the loop on one H200 (3B shape, 36.6 GB, 2026-12-03, `a448486`): with pages pinned by cudaHostRegister
+    (runtime/env.use_registered_pinning) the kernel copies every pinned page into the child at the fork, so staging
+    in 5 s instead of 22 s gained nothing. The thread reads the same staged copy; the writes release the GIL.
+    The methods are those AsyncCallsQueue calls, each on every rank."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+
+    def schedule_async_call(self, request: Any) -> None:
+        if request.async_fn is None:
+            return
+        args = list(request.async_fn_args)
+        if request.preload_fn is not None:  # the whole checkpoint into pinned host memory, before training goes on
+            args[1] = request.preload_fn()
+
+        def write() -> None:
+            with without_crc32():  # as the save that scheduled it (the setting is the process's, counted)
+                request.async_fn(*args, **request.async_fn_kwargs)
+
+        self.thread = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        import torch
+
+        alive = int(self.thread is not None and self.thread.is_alive())
+        if not no_dist:  # done only when done on every rank
+            flag = torch.tensor([alive], dtype=torch.int, device=torch.cuda.current_device())
+            dist.all_reduce(flag)
+            alive = int(flag.item())
+        if alive and not blocking:
+            return False
+        self.close()
+        return True
+
+    def close(self, abort: bool = False) -> None:
+        if self.thread is not None:
+            self.thread.join()  # a failed write has put its exception in the results queue: finalize raises it
+            self.thread = None
 
 
 def save_strategy() -> Any:
