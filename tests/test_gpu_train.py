@@ -229,6 +229,17 @@ def test_signal_save_resume_reproduces_losses(tmp_path: Path, async_save: bool) 
     assert [x["step"] for x in first] == list(range(1, 11))
     ckpts = tmp_path / "interrupted" / "checkpoints"
     assert (ckpts / "latest_checkpointed_iteration.txt").read_text() == "10"
+    if async_save:  # step 8's checkpoint was written in the background (a writer thread): resuming from it too
+        import shutil
+
+        from mcorekit.train.checkpoint import iter_dir
+
+        shutil.copytree(iter_dir(ckpts, 8), iter_dir(tmp_path / "from8" / "checkpoints", 8))
+        (tmp_path / "from8" / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("8")
+        from8 = run(tmp_path, "from8", cfg)
+        assert [x["step"] for x in from8] == list(range(9, 21))
+        for a, b in zip(from8, full[8:]):
+            assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a, b)
     resumed = run(tmp_path, "interrupted", cfg)  # same run folder: finds its checkpoint by itself
     after = [x for x in resumed if x["step"] > 10]
     assert [x["step"] for x in after] == list(range(11, 21))
