@@ -658,6 +658,25 @@ def host_alloc_probe_headline(m: Measurement) -> str:
                      "pins" for r in m.results)
 
 
+def async_run_table(m: Measurement) -> str:
+    r = m.results
+    rows = [["async save: the loop blocked", f"{r['async_blocking_s']:.2f} s"],
+            ["async save: begun to finalized", f"{r['async_save_s']:.1f} s ({r['async_save_gb_per_s']:.2f} GB/s, {r['ckpt_gb']:.1f} GB)"],
+            ["step without a save (steps " + ", ".join(map(str, r["steps_free"])) + ")", f"{r['step_s_free']:.3f} s"],
+            ["step while the thread writes (steps " + ", ".join(map(str, r["steps_in_flight"])) + ")",
+             f"{r['step_s_in_flight']:.3f} s ({(r['step_s_in_flight'] / r['step_s_free'] - 1) * 100:+.1f}%)"],
+            ["end-of-run save", f"{r['final_save_s']:.1f} s ({r['final_save_gb_per_s']:.2f} GB/s)"],
+            ["then: pinned memory handed back / exit handlers", f"{r['host_cache_s']:.2f} s / {r['exit_handlers_s']:.2f} s"]]
+    return table(["3B shape, one run", "measured"], rows)
+
+
+def async_run_headline(m: Measurement) -> str:
+    r = m.results
+    return (f"async save blocked {r['async_blocking_s']:.1f} s; steps while it wrote "
+            f"{(r['step_s_in_flight'] / r['step_s_free'] - 1) * 100:+.1f}%; pinned memory handed back at the end "
+            f"{r['host_cache_s']:.1f} s")
+
+
 def fp8_quant_table(m: Measurement) -> str:
     quant = [r for r in m.results if "eager_ms" in r]
     gemms = [r for r in m.results if "tflops" in r]
@@ -703,6 +722,7 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "exit_probe": (exit_probe_table, exit_probe_headline),
     "pin_probe": (pin_probe_table, pin_probe_headline),
     "host_alloc_probe": (host_alloc_probe_table, host_alloc_probe_headline),
+    "async_run": (async_run_table, async_run_headline),
 }
 
 

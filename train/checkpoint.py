@@ -339,11 +339,12 @@ def background_writes() -> Any:
 
 class WriterThread:
     """Writes one background save on a thread of this process, where Megatron-Core's TemporalAsyncCaller forks a
-    process. Forking a process that holds the checkpoint's pinned staging took most of the 25.6 s an async save
-    blocked the loop on one H200 (3B shape, 36.6 GB, 2026-12-03, `a448486`): with pages pinned by cudaHostRegister
-    (runtime/env.use_registered_pinning) the kernel copies every pinned page into the child at the fork, so staging
-    in 5 s instead of 22 s gained nothing. The thread reads the same staged copy; the writes release the GIL.
-    The methods are those AsyncCallsQueue calls, each on every rank."""
+    process. With host memory pinned by cudaHostRegister (runtime/env.use_registered_pinning) an async save of the
+    3B shape (36.6 GB) still blocked the loop 25.6 s with the fork on one H200 (2026-12-03, `a448486`), though the
+    pinning alone had taken 5 s instead of 22 s (Linux copies pinned anonymous pages into a forked child rather
+    than sharing them); with this thread it blocked 14.0 s (`0fb8253`) and the steps it overlapped ran as fast as
+    before. The thread reads the same staged copy; the writes release the GIL. The methods are those
+    AsyncCallsQueue calls, each on every rank."""
 
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
