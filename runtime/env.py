@@ -105,7 +105,7 @@ def use_registered_pinning(env: dict[str, str] | None = None) -> str:
     would copy these pages: train/checkpoint.WriterThread) and the staging was handed back at the end in 2.4 s
     (6.1-9.6 s). Settings that already name pinned_use_cuda_host_register are left as they are. Returns them."""
     env = os.environ if env is None else env
-    name = next((n for n in ALLOC_CONFS if env.get(n)), ALLOC_CONFS[0])
+    name = next((n for n in ALLOC_CONFS if n in env), ALLOC_CONFS[0])  # set, even to nothing, is what torch reads
     conf = env.get(name, "")
     if "pinned_use_cuda_host_register" not in conf:
         extra = "pinned_use_cuda_host_register:True" if "pinned_num_register_threads" in conf else REGISTERED_PINNING

@@ -306,6 +306,47 @@ def test_a_background_save_is_written_by_a_thread(model_parallel: None, staging_
     assert (set(multiprocessing.active_children()), filesystem_async._results_queue) == before
 
 
+def test_training_goes_on_while_the_thread_writes(model_parallel: None, staging_on_cpu: None, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's poll between steps never waits for a background write: while the thread is held inside its first
+    write the save stays unfinalized (and the garbage collector off: Megatron-Core's writer disables it), once the
+    write may go on the next poll finalizes it, and the collector is on again. The staged copy is let go on this
+    thread (WriterThread.close)."""
+    import gc
+    import threading
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from mcorekit.train.checkpoint import Saver
+
+    real, inside, go_on = filesystem_async._write_item, threading.Event(), threading.Event()
+
+    @functools.wraps(real)
+    def held(*args, **kwargs):
+        inside.set()
+        assert go_on.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(filesystem_async, "_write_item", held)
+    assert gc.isenabled()
+    saver = Saver(tmp_path / "ckpts", keep_last=1, async_save=True)
+    (tmp_path / "background").mkdir()
+    finalized: list[str] = []
+    _write(saver, tmp_path / "background", True, lambda: finalized.append("background"))
+    caller = saver.queue.async_calls[0].async_caller
+    assert inside.wait(60) and caller.thread.is_alive() and caller.staged is not None
+    for _ in range(3):  # three steps' polls
+        saver.poll()
+    assert finalized == [] and saver.queue.get_num_unfinalized_calls() == 1 and not gc.isenabled()
+    go_on.set()
+    caller.thread.join(60)
+    saver.poll()
+    assert finalized == ["background"] and saver.queue.get_num_unfinalized_calls() == 0
+    assert caller.thread is None and caller.staged is None and gc.isenabled()
+    saver.close()
+    assert (tmp_path / "background" / ".metadata").is_file()
+
+
 def test_a_failed_background_write_fails_the_save(model_parallel: None, staging_on_cpu: None, tmp_path: Path) -> None:
     """A background write that fails (here its folder is gone before the thread writes) raises where the save is
     finalized, on the training thread, and the save's own finalize functions (the tracker update) do not run."""

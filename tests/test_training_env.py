@@ -57,6 +57,9 @@ def test_registered_pinning_is_added_to_the_allocator_settings() -> None:
     use_registered_pinning(env)
     assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True",
                    "PYTORCH_CUDA_ALLOC_CONF": f"max_split_size_mb:512,{REGISTERED_PINNING}"}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}  # set, if empty
+    use_registered_pinning(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": REGISTERED_PINNING, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
 
 
 def test_the_users_pinning_settings_are_kept() -> None:

@@ -119,7 +119,7 @@ class Saver:
         if is_fsdp(chunks):  # Megatron-FSDP: fsdp_dtensor through torch.distributed.checkpoint, synchronous
             _save_fsdp(path, step, chunks, optimizer, scheduler)
             dist.barrier()
-            self._finalize(path, step, started, background=False)
+            self._finalize(path, step, started, waited, background=False)
             return path
         background = self.in_background(wait)
         if self.strategy is None:
@@ -133,7 +133,7 @@ class Saver:
         with without_crc32(), results_queue():
             request = dist_checkpointing.save(state, str(path), sharded_strategy=self.strategy,
                                               async_sharded_save=True, async_strategy="mcore")
-            request.add_finalize_fn(lambda: self._finalize(path, step, started, background))
+            request.add_finalize_fn(lambda: self._finalize(path, step, started, waited, background))
             self.write(request, background)
         if background:
             _report({"event": "scheduled", "step": step, "blocking_s": round(time.perf_counter() - started, 2),
@@ -169,11 +169,14 @@ class Saver:
             self.wait()
             self.queue.close()
 
-    def _finalize(self, path: Path, step: int, started: float, background: bool) -> None:
+    def _finalize(self, path: Path, step: int, started: float, waited: float, background: bool) -> None:
+        """`seconds` from the save's start to its end; `waited_for_previous_s` before it, for the previous
+        background write to end (a save the loop waits for, such as the end-of-run save, holds it that long too)."""
         if dist.get_rank() == 0:
             seconds, size = time.perf_counter() - started, _bytes_on_disk(path)
             _report({"event": "saved", "step": step, "async": background, "seconds": round(seconds, 2),
-                     "gb": round(size / 1e9, 3), "gb_per_s": round(size / 1e9 / seconds, 3), "end": time.time()})
+                     "gb": round(size / 1e9, 3), "gb_per_s": round(size / 1e9 / seconds, 3),
+                     "waited_for_previous_s": round(waited, 2), "end": time.time()})
             tmp = self.root / (TRACKER + ".tmp")
             tmp.write_text(str(step))
             os.replace(tmp, self.root / TRACKER)  # only now is this the latest checkpoint
@@ -341,20 +344,25 @@ class WriterThread:
     """Writes one background save on a thread of this process, where Megatron-Core's TemporalAsyncCaller forks a
     process. With host memory pinned by cudaHostRegister (runtime/env.use_registered_pinning) an async save of the
     3B shape (36.6 GB) still blocked the loop 25.6 s with the fork on one H200 (2026-12-03, `a448486`), though the
-    pinning alone had taken 5 s instead of 22 s (Linux copies pinned anonymous pages into a forked child rather
-    than sharing them); with this thread it blocked 14.0 s (`0fb8253`) and the steps it overlapped ran as fast as
-    before. The thread reads the same staged copy; the writes release the GIL. The methods are those
-    AsyncCallsQueue calls, each on every rank."""
+    pinning alone had taken 5 s instead of 22 s (most likely the fork: Linux copies pinned anonymous pages into a
+    forked child rather than sharing them; not timed apart); with this thread it blocked 14.0 s (`0fb8253`, another
+    machine) and the five steps it overlapped ran as fast as before (one GPU, each step one CUDA graph). The thread reads the same staged copy; the writes release the GIL. Megatron-Core's writer switches the
+    garbage collector off while it writes (for the whole process now, 30-60 s for 36 GB; it switches it back on).
+    The staged copy is released by close(), on the training thread: the last reference dropped on the writer
+    thread would hand the pinned blocks back there, with CUDA events recorded on the stream the copies ran on,
+    possibly while the training thread captures a CUDA graph on it. The methods are those AsyncCallsQueue calls,
+    each on every rank."""
 
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
+        self.staged: Any = None
 
     def schedule_async_call(self, request: Any) -> None:
         if request.async_fn is None:
             return
         args = list(request.async_fn_args)
         if request.preload_fn is not None:  # the whole checkpoint into pinned host memory, before training goes on
-            args[1] = request.preload_fn()
+            args[1] = self.staged = request.preload_fn()
 
         def write() -> None:
             with without_crc32():  # as the save that scheduled it (the setting is the process's, counted)
@@ -380,6 +388,7 @@ class WriterThread:
         if self.thread is not None:
             self.thread.join()  # a failed write has put its exception in the results queue: finalize raises it
             self.thread = None
+        self.staged = None
 
 
 def save_strategy() -> Any:
