@@ -346,12 +346,12 @@ class WriterThread:
     3B shape (36.6 GB) still blocked the loop 25.6 s with the fork on one H200 (2026-12-03, `a448486`), though the
     pinning alone had taken 5 s instead of 22 s (most likely the fork: Linux copies pinned anonymous pages into a
     forked child rather than sharing them; not timed apart); with this thread it blocked 14.0 s (`0fb8253`, another
-    machine) and the five steps it overlapped ran as fast as before (one GPU, each step one CUDA graph). The thread reads the same staged copy; the writes release the GIL. Megatron-Core's writer switches the
-    garbage collector off while it writes (for the whole process now, 30-60 s for 36 GB; it switches it back on).
-    The staged copy is released by close(), on the training thread: the last reference dropped on the writer
-    thread would hand the pinned blocks back there, with CUDA events recorded on the stream the copies ran on,
-    possibly while the training thread captures a CUDA graph on it. The methods are those AsyncCallsQueue calls,
-    each on every rank."""
+    machine) and the five steps it overlapped ran as fast as before (one GPU, each step one CUDA graph). The thread
+    reads the same staged copy; the writes release the GIL. Megatron-Core's writer switches the garbage collector
+    off while it writes (for the whole process now, 30-60 s for 36 GB; it switches it back on). The staged copy is
+    released by close(), on the training thread: the last reference dropped on the writer thread would hand the
+    pinned blocks back there, with CUDA events recorded on the stream the copies ran on, possibly while the training
+    thread captures a CUDA graph on it. The methods are those AsyncCallsQueue calls, each on every rank."""
 
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
@@ -372,13 +372,11 @@ class WriterThread:
         self.thread.start()
 
     def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
-        import torch
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller
 
-        alive = int(self.thread is not None and self.thread.is_alive())
-        if not no_dist:  # done only when done on every rank
-            flag = torch.tensor([alive], dtype=torch.int, device=torch.cuda.current_device())
-            dist.all_reduce(flag)
-            alive = int(flag.item())
+        alive = self.thread is not None and self.thread.is_alive()
+        if not no_dist:  # done only when done on every rank: Megatron-Core's all-reduce of the flags (self unused)
+            alive = not AsyncCaller.sync_all_async_calls(self, int(alive))
         if alive and not blocking:
             return False
         self.close()
