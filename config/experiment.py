@@ -203,8 +203,9 @@ class CheckpointConfig(Strict):
     dir: str | None = None  # default: <run dir>/checkpoints
     save_interval: int = Field(500, ge=1)
     keep_last: int = Field(3, ge=1)
-    # write in the background (a thread) while training continues; the first async save pins a host copy of the
-    # checkpoint (3B shape, 36.6 GB: the loop blocked 14 s on one H200), later ones reuse it, unpinned at the run's end
+    # write in the background (a thread) while training continues, from a copy made first: on the GPU where it has
+    # room for one (each rank's share of the checkpoint next to the steps' peak; the run's mem_gb then includes
+    # it), else in pinned host memory (3B shape, 36.6 GB: the loop blocked 14 s on one H200 the first time)
     async_save: bool = False
     load: str | None = None  # a checkpoint to start from (e.g. converted from HF)
     finetune: bool = False  # load: weights only, fresh optimizer, step 0 (always so for a converted `release`)

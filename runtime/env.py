@@ -97,8 +97,8 @@ def prepare_training_process(env: dict[str, str] | None = None) -> None:
 
 def use_registered_pinning(env: dict[str, str] | None = None) -> str:
     """Pinned host memory from malloc + cudaHostRegister on 8 threads instead of cudaHostAlloc (torch's caching host
-    allocator options, added to the allocator settings the environment has). An async save stages the whole
-    checkpoint in pinned memory at its first save, which blocks the loop: for 36 GB on one H200 (2026-12-03,
+    allocator options, added to the allocator settings the environment has). An async save without room for its
+    copy on the GPU stages the whole checkpoint in pinned memory at its first save, which blocks the loop: for 36 GB on one H200 (2026-12-03,
     bench/host_alloc_probe.py) 22.0 s with cudaHostAlloc, 5.1 s with this (3.4 s with 16 threads), and pinning on
     another thread slowed the GPU steps launched meanwhile 94x with cudaHostAlloc (it holds CUDA's lock), 4% with
     this. In a 3B run the first async save blocked 14.0 s (23-26 s before; its writer a thread, not a fork, which

@@ -254,17 +254,21 @@ def test_gpu_staging_writes_what_host_tensors_write(model_parallel: None, tmp_pa
         assert got.is_pinned() and got.stride() == want.stride() and torch.equal(got, want.cpu())
 
 
-def _write(saver: Any, path: Path, background: bool, finalize: Any, before_write: Any = None) -> None:
-    """What Saver.save does with its state once planned (here _state, in `path`, which exists)."""
+def _write(saver: Any, path: Path, background: bool, finalize: Any, before_write: Any = None,
+           device: str = "cpu") -> dict:
+    """What Saver.save does with its state once planned (here _state on `device`, in `path`, which exists); returns
+    the state."""
     from megatron.core import dist_checkpointing
 
+    state = _state(device)
     with without_crc32(), results_queue():
-        request = dist_checkpointing.save(_state(), str(path), sharded_strategy=save_strategy(),
+        request = dist_checkpointing.save(state, str(path), sharded_strategy=save_strategy(),
                                           async_sharded_save=True, async_strategy="mcore")
         request.add_finalize_fn(finalize)
         if before_write is not None:
             before_write()
         saver.write(request, background)
+    return state
 
 
 @pytest.fixture
@@ -361,3 +365,67 @@ def test_a_failed_background_write_fails_the_save(model_parallel: None, staging_
     with pytest.raises(CheckpointException, match="FileNotFoundError"):
         saver.wait()
     assert finalized == [] and not (tmp_path / "gone").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("staged_on", ["gpu", "host"])
+def test_a_background_save_holds_the_tensors_of_when_it_was_scheduled(model_parallel: None, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     staged_on: str) -> None:
+    """Once a background save is scheduled the next step changes the tensors in place (the optimizer's step) while
+    the thread writes. Here the thread is held before its first write until every GPU tensor has changed: the files
+    hold the tensors as they were when the save was scheduled, whether it was staged on the GPU (a copy there; the
+    thread copies each tensor to host memory as it writes it) or, with no room on the GPU, in pinned host memory.
+    Staged on the GPU, scheduling waits for nothing on the GPU (no torch.cuda.synchronize on any thread before the
+    write goes on); staged in host memory it waits for the copies."""
+    import threading
+
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from mcorekit.train import checkpoint
+
+    _save(tmp_path / "reference", ours=True)
+    real_write, real_sync, go_on, synced = filesystem_async._write_item, torch.cuda.synchronize, threading.Event(), []
+
+    @functools.wraps(real_write)
+    def held(*args, **kwargs):
+        assert go_on.wait(60)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(filesystem_async, "_write_item", held)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: (synced.append(1), real_sync(*args))[1])
+    if staged_on == "host":
+        monkeypatch.setattr(checkpoint, "room_on_gpu", lambda nbytes, queue: False)
+    saver = checkpoint.Saver(tmp_path / "ckpts", keep_last=1, async_save=True)
+    (tmp_path / "background").mkdir()
+    state = _write(saver, tmp_path / "background", True, lambda: None, device="cuda")
+    assert saver.queue.staged_on == staged_on and (synced == []) == (staged_on == "gpu")
+    changed = [v.data.add_(1) for v in state.values() if isinstance(v, ShardedTensor)]
+    assert len(changed) == 5 and all(t.is_cuda for t in changed)
+    go_on.set()
+    saver.wait()
+    saver.close()
+    assert _same_data_files(tmp_path / "reference", tmp_path / "background") == 1
+
+
+def test_gpu_room_is_judged_against_the_steps_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """room_on_gpu on a GPU of 100 GiB whose steps reserved at most 60 GiB, 5 GiB outside torch's allocator (the
+    GPU's memory figures mocked: no GPU here): a copy fits up to 100 - 60 - 5 - 3.125 (the margin, 1/32 of the
+    GPU) GiB. A later save is judged against the same 60 GiB, not against the peak that now includes the first
+    copy's cached blocks (which it reuses)."""
+    from types import SimpleNamespace
+
+    from mcorekit.train.checkpoint import room_on_gpu
+
+    gib = 2**30
+    memory = {"free": 40 * gib, "reserved": 55 * gib, "peak": 60 * gib}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (memory["free"], 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: memory["reserved"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: memory["peak"])
+    queue = SimpleNamespace(steps_peak=None)
+    assert room_on_gpu(31 * gib, queue) and not room_on_gpu(32 * gib, queue) and queue.steps_peak == 60 * gib
+    memory.update(free=9 * gib, reserved=86 * gib, peak=91 * gib)  # the first copy's 31 GiB, released, cached
+    assert room_on_gpu(31 * gib, queue) and not room_on_gpu(32 * gib, queue)
+    memory.update(free=4 * gib, reserved=86 * gib)  # 5 GiB more outside torch's allocator (say NCCL's buffers)
+    assert not room_on_gpu(31 * gib, queue) and room_on_gpu(26 * gib, queue)

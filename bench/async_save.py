@@ -1,0 +1,170 @@
+"""What an asynchronous checkpoint save costs a training run on one GPU, with its copy staged on the GPU (the default
+where the GPU has room: train/checkpoint.room_on_gpu) next to staged in pinned host memory (Megatron-Core's staging,
+the fallback), in one command on one machine.
+
+    python bench/async_save.py [--shape 3b] [--steps 25] [--every 10] [--staging gpu,host] [--out DIR] [--dry]
+
+Per staging, one fresh `mcorekit.train` process (start_save's worker: the real entry, each checkpoint deleted once
+finalized so the disk holds one) on start_save's async experiment file, `--steps` steps with an async save every
+`--every` steps and the end-of-run save (written at once). For each save: the loop's blocking part, where it was
+staged, seconds until finalized and GB/s, how long it first waited for the previous background write; the mean step
+time while a save was in flight (less its blocking part) against the steps without one; the end-of-run save and how
+long the process lived on after it (and where: start_save.exit_phases); peak GPU memory (max_memory_allocated).
+The `host` run stages in host memory through a bench-only patch (room_on_gpu answering no). Prints a Markdown
+table and writes results.json after each run. --dry writes and validates the experiment file only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from start_save import (DEADLINE, SHAPES, WARM_STEPS, WORKER, bench_config, exit_phases, in_flight_steps, parse,
+                        step_seconds, train)
+
+HOST_STAGING = "from mcorekit.train import checkpoint as c\nc.room_on_gpu = lambda nbytes, queue: False\n"
+
+
+def experiment(shape: str, run_dir: Path, ckpt: Path, steps: int, every: int) -> Path:
+    """start_save's async experiment file, started fresh (nothing in `ckpt`), with these steps and saves."""
+    path = bench_config(shape, "async", run_dir, ckpt)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["schedule"]["train_iters"], cfg["checkpoint"]["save_interval"] = steps, every
+    cfg["name"] = f"async-save-{shape}"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run(shape: str, staging: str, out: Path, steps: int, every: int) -> dict[str, Any]:
+    run_dir, ckpt = out / f"{shape}-{staging}", out / f"{shape}-{staging}-ckpt"
+    config = experiment(shape, run_dir, ckpt, steps, every)
+    worker = (HOST_STAGING if staging == "host" else "") + WORKER
+    shutil.rmtree(ckpt, ignore_errors=True)  # a fresh start
+    code, log, ended = train([sys.executable, "-c", worker, "--config", str(config), "--run-dir", str(run_dir)],
+                             run_dir)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    if code:
+        return {"error": log[-1500:]}
+    got = parse(log)
+    ckpts = [e for kind, e in got["events"] if kind == "checkpoint"]
+    saved = {e["step"]: e for e in ckpts if e["event"] == "saved"}
+    step_s = step_seconds(run_dir, SHAPES[shape]["mbs"] * 8 * 2048)
+    for n, seconds in after_deletions(got["events"], got["saved_delete_s"]).items():
+        step_s[n] -= seconds  # the bench's deletion of a finalized checkpoint is no cost of the save
+    saves, busy, flight = [], [], set()
+    for e in (e for e in ckpts if e["event"] == "scheduled"):
+        overlapped = in_flight_steps(got["events"], e["step"])
+        flight |= overlapped
+        first = min(overlapped, default=None)  # it also carries the blocking part, reported on its own
+        busy += [step_s[k] - (e["blocking_s"] if k == first else 0.0) for k in overlapped if k in step_s]
+        done = saved.get(e["step"], {})
+        saves.append({"step": e["step"], "staged_on": e.get("staged_on"), "blocking_s": e["blocking_s"],
+                      "waited_for_previous_s": e.get("waited_for_previous_s"), "seconds": done.get("seconds"),
+                      "gb_per_s": done.get("gb_per_s")})
+    free = [v for k, v in step_s.items() if k not in flight and k > WARM_STEPS + 1 and k < steps]
+    final = saved[steps]
+    final_end = final["end"] + got["saved_delete_s"].get(steps, 0.0)  # the bench's deletion is not the run's exit
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"mem_gb"' in x]
+    return {"saves": saves, "gb": final["gb"], "step_s_free": round(statistics.mean(free), 3) if free else None,
+            "step_s_in_flight": round(statistics.mean(busy), 3) if busy else None,
+            "final_save_s": final["seconds"], "final_waited_for_previous_s": final.get("waited_for_previous_s"),
+            "exit_after_final_save_s": round(ended - final_end, 2),
+            "exit_phases": exit_phases(got["events"], final_end, ended),
+            "peak_mem_gb": round(max(r["mem_gb"] for r in rows), 1) if rows else None}
+
+
+def after_deletions(events: list[tuple[str, Any]], deleted: dict[int, float]) -> dict[int, float]:
+    """{step: seconds of the bench's deletion it carries}: a save is finalized (and the bench deletes it) in the
+    loop's poll before a step, inside that step's time."""
+    out, pending = {}, 0.0
+    for kind, e in events:
+        if kind == "checkpoint" and e["event"] == "saved":
+            pending += deleted.get(e["step"], 0.0)
+        elif kind == "step" and pending:
+            out[e], pending = pending, 0.0
+    return out
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    names = list(results)
+    lines = ["| | " + " | ".join(f"staged on the {n}" for n in names) + " |", "|---|" + "---|" * len(names)]
+
+    def row(label: str, get: Any) -> None:
+        lines.append(f"| {label} | " + " | ".join(get(results[n]) for n in names) + " |")
+
+    for i in range(max((len(r.get("saves", [])) for r in results.values()), default=0)):
+        def save(r: dict[str, Any], key: str, i: int = i) -> str:
+            s = r.get("saves", [])
+            return "" if i >= len(s) or s[i].get(key) is None else str(s[i][key])
+        row(f"async save {i + 1}: step", lambda r: save(r, "step"))
+        row("  loop blocked, s", lambda r: save(r, "blocking_s"))
+        row("  of which waiting for the previous write, s", lambda r: save(r, "waited_for_previous_s"))
+        row("  until finalized, s / GB/s", lambda r: f"{save(r, 'seconds')} / {save(r, 'gb_per_s')}")
+    row("step s without a save in flight", lambda r: str(r.get("step_s_free", "")))
+    row("step s with one in flight (less the blocking part)", lambda r: str(r.get("step_s_in_flight", "")))
+    row("end-of-run save, s (first waited for the previous write, s)",
+        lambda r: f"{r.get('final_save_s', '')} ({r.get('final_waited_for_previous_s', '')})")
+    row("process lived on after it, s", lambda r: str(r.get("exit_after_final_save_s", "")))
+    row("  close / pinned host memory / barrier / exit handlers / process exit, s",
+        lambda r: " / ".join(str(v) for v in r.get("exit_phases", {}).values()))
+    row("peak GPU memory (max allocated), GB", lambda r: str(r.get("peak_mem_gb", "")))
+    for n, r in results.items():
+        if "error" in r:
+            lines.append(f"\n{n} failed: {r['error'].strip().splitlines()[-1][:200]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="3b", choices=sorted(SHAPES))
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--every", type=int, default=10, help="an async save every this many steps")
+    p.add_argument("--staging", default="gpu,host", help="comma-separated, of gpu, host; in this order")
+    p.add_argument("--out", default="/tmp/mcorekit-async-save")
+    p.add_argument("--budget", type=float, default=540, help="seconds for the whole bench (a process still running "
+                   "then is killed), so one GPU call always returns")
+    p.add_argument("--dry", action="store_true", help="write and validate the experiment file, train nothing")
+    a = p.parse_args(argv)
+    stagings = a.staging.split(",")
+    if bad := [s for s in stagings if s not in ("gpu", "host")]:
+        p.error(f"unknown staging {bad}: gpu, host")
+    if not WARM_STEPS + 2 < a.every < a.steps:
+        p.error(f"--every must lie between {WARM_STEPS + 2} and --steps: steady steps come first")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.dry:
+        from mcorekit.config.experiment import load_experiment
+        from mcorekit.config.rules import Nodes, problems
+
+        path = experiment(a.shape, out / f"{a.shape}-dry", out / f"{a.shape}-dry-ckpt", a.steps, a.every)
+        exp = load_experiment(path)
+        if bad := problems(exp, 1, Nodes(transformer_engine=True, gpus=False)):
+            print(f"{path}: {bad}", file=sys.stderr)
+            return 1
+        print(f"{path} ok ({exp.model.preset}, {exp.schedule.train_iters} steps, async_save="
+              f"{exp.checkpoint.async_save}, save_interval={exp.checkpoint.save_interval})")
+        return 0
+    DEADLINE[0] = time.time() + a.budget
+    results: dict[str, dict[str, Any]] = {}
+    for staging in stagings:
+        start = time.perf_counter()
+        try:
+            results[staging] = run(a.shape, staging, out, a.steps, a.every)
+        except Exception as e:  # noqa: BLE001 - one failed run must not lose the other's figures
+            results[staging] = {"error": f"{type(e).__name__}: {e}"}
+        results[staging]["wall_s"] = round(time.perf_counter() - start, 1)
+        print(json.dumps({staging: results[staging]}), flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(table(results))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""bench/async_save.py on a CPU: its experiment file passes the project's loader and rules (--dry), and its GPU path
+(two training processes, the host one with the bench's staging patch, the parsing of their lines, the table and
+results.json) works with a stand-in for the training process, so the one GPU run cannot fail on the bench's code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+import async_save  # noqa: E402
+import start_save  # noqa: E402
+
+from mcorekit.config.experiment import load_experiment  # noqa: E402
+
+
+def test_dry_run_writes_a_valid_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert async_save.main(["--dry", "--out", str(tmp_path), "--steps", "25", "--every", "10"]) == 0
+    assert " ok (llama-3b, 25 steps, async_save=True, save_interval=10)" in capsys.readouterr().out
+    exp = load_experiment(tmp_path / "3b-dry" / "config.yaml")
+    assert exp.checkpoint.dir == str(tmp_path / "3b-dry-ckpt") and exp.logging.log_interval == 1
+    with pytest.raises(SystemExit):
+        async_save.main(["--dry", "--out", str(tmp_path), "--every", "3"])
+
+
+def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """Stands in for the bench's worker: two async saves (steps 10, 20) and the end-of-run save at 25; staged on the
+    GPU unless the worker carries the bench's host-staging patch."""
+    worker = cmd[cmd.index("-c") + 1]
+    host = worker.startswith(async_save.HOST_STAGING) and "finalize_then_delete" in worker
+    run_dir = Path(cmd[cmd.index("--run-dir") + 1])
+    cfg = yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())
+    assert not Path(cfg["checkpoint"]["dir"]).exists()  # a fresh start
+    tokens, staged = cfg["schedule"]["global_batch_size"] * 2048, "host" if host else "gpu"
+    blocking = 14.0 if host else 0.3
+    lines, rows = [], []
+
+    def step(n: int, seconds: float) -> None:
+        rows.append({"step": n, "loss": 10.0, "tokens_per_s": tokens / seconds, "mem_gb": 70.0 if host else 107.0})
+        lines.append(f"step {n}/25 loss 10")
+
+    def checkpoint(**e: Any) -> None:
+        lines.append("mcorekit.train: checkpoint " + json.dumps(e))
+
+    for n in range(1, 26):
+        step(n, {1: 8.0, 2: 3.0, 3: 4.0}.get(n, 2.0) + (blocking if n in (11, 21) else 0.0)
+             + (0.1 if n in (12, 22) else 0.0) + (9.0 if n in (13, 23) else 0.0))  # the deletion in 13's and 23's poll
+        if n in (10, 20):
+            checkpoint(event="scheduled", step=n, blocking_s=blocking, staged_on=staged, waited_for_previous_s=0.0)
+        if n in (12, 22):
+            checkpoint(event="saved", step=n - 2, seconds=20.0, gb=36.6, gb_per_s=1.83, waited_for_previous_s=0.0)
+            lines.append(f"bench: deleted the saved checkpoint of step {n - 2} in 9.00 s")
+    end = time.time() - 3.0
+    checkpoint(event="saved", step=25, seconds=18.0, gb=36.6, gb_per_s=2.0, waited_for_previous_s=5.5, end=end)
+    lines.append("bench: deleted the saved checkpoint of step 25 in 0.40 s")
+    lines.append("mcorekit.train: shutdown " + json.dumps({"trained": end + 0.6, "host_cache_released": end + 0.9,
+                                                           "ranks_through": end + 0.9, "exit_handlers": end + 0.95}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return subprocess.CompletedProcess(cmd, 0, "\n".join(lines) + "\n", "")
+
+
+def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(start_save.subprocess, "run", fake_training)
+    assert async_save.main(["--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert list(r) == ["gpu", "host"]
+    for name, blocking in (("gpu", 0.3), ("host", 14.0)):
+        got = r[name]
+        assert [(s["step"], s["staged_on"], s["blocking_s"], s["seconds"]) for s in got["saves"]] == [
+            (10, name, blocking, 20.0), (20, name, blocking, 20.0)]
+        assert got["step_s_free"] == pytest.approx(2.0)  # steps 5-9, 13-19, 23-24
+        assert got["step_s_in_flight"] == pytest.approx((2.0 + 2.1) / 2)  # steps 11-12 and 21-22, less the blocking
+        assert (got["final_save_s"], got["final_waited_for_previous_s"]) == (18.0, 5.5)
+        assert got["exit_after_final_save_s"] == pytest.approx(3.0 - 0.4, abs=0.3)  # less the bench's deletion
+        assert got["peak_mem_gb"] == (107.0 if name == "gpu" else 70.0)
+    table = capsys.readouterr().out
+    assert "| | staged on the gpu | staged on the host |" in table and "|   loop blocked, s | 0.3 | 14.0 |" in table
+    assert not list(tmp_path.glob("*-ckpt"))
