@@ -1,5 +1,5 @@
 """What an asynchronous checkpoint save costs a training run on one GPU, with its copy staged on the GPU (the default
-where the GPU has room: train/checkpoint.room_on_gpu) next to staged in pinned host memory (Megatron-Core's staging,
+where the GPU has room: train/checkpoint_writer.room_on_gpu) next to staged in pinned host memory (Megatron-Core's staging,
 the fallback), in one command on one machine.
 
     python bench/async_save.py [--shape 3b] [--steps 25] [--every 10] [--staging gpu,host] [--out DIR] [--dry]
@@ -29,7 +29,7 @@ import yaml
 from start_save import (DEADLINE, SHAPES, WARM_STEPS, WORKER, bench_config, exit_phases, in_flight_steps, parse,
                         step_seconds, train)
 
-HOST_STAGING = "from mcorekit.train import checkpoint as c\nc.room_on_gpu = lambda nbytes, queue: False\n"
+HOST_STAGING = "from mcorekit.train import checkpoint_writer as w\nw.room_on_gpu = lambda nbytes, queue: False\n"
 
 
 def experiment(shape: str, run_dir: Path, ckpt: Path, steps: int, every: int) -> Path:

@@ -16,7 +16,7 @@ The state: bf16 weights and their fp32 main copies and two Adam moments, shaped 
   no-ahead     both, what is written handed to the kernel's writeback every 32 MiB, each tensor copied to pageable
                host memory when the writer asks for it (the defaults from 83cb09a until copies ran ahead)
   defaults     the same with each tensor's copy into pinned memory started while the writer writes the tensor
-               before it (train/checkpoint.copied_ahead; what a synchronous save of mcorekit does)
+               before it (train/checkpoint_writer.copied_ahead; what a synchronous save of mcorekit does)
   defaults-2t  the defaults with two writer threads and two files (Megatron-Core 0.19.2 writes its last bucket on
                the calling thread before it starts the others, so this measures two files more than two writers)
 Load levers (--load-levers, after the save levers): the state saved once more with the defaults, then loaded
@@ -59,7 +59,7 @@ LEVERS = {  # name: (CRC-32s, staged per tensor, writer threads, writeback every
 
 
 def copied_when_asked(tensors: list[Any]) -> Iterator[Any]:
-    """The no-ahead lever's stand-in for checkpoint.copied_ahead: each tensor copied when the writer asks for it."""
+    """The no-ahead lever's stand-in for checkpoint_writer.copied_ahead: each tensor copied when the writer asks for it."""
     for item, tensor in tensors:
         yield item, tensor.to("cpu")
 
@@ -104,7 +104,7 @@ def save_once(state: dict[str, Any], path: Path, lever: str, keep: bool = False)
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from mcorekit.outputs import without_crc32
-    from mcorekit.train import checkpoint
+    from mcorekit.train import checkpoint_writer as checkpoint
 
     crc, per_tensor, threads, writeback, ahead = LEVERS[lever]
     path.mkdir(parents=True)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mcorekit.outputs import without_crc32
-from mcorekit.train.checkpoint import results_queue, save_strategy, stage_per_tensor
+from mcorekit.train.checkpoint_writer import results_queue, save_strategy, stage_per_tensor
 
 
 @pytest.fixture(autouse=True)
@@ -169,7 +169,7 @@ def _open_files(under: Path) -> set[str]:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_writeback_hint_changes_no_byte_and_closes_its_files(model_parallel: None, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
-    from mcorekit.train import checkpoint
+    from mcorekit.train import checkpoint_writer as checkpoint
 
     _save_with(tmp_path / "plain", threads, writeback=False)
     hints: list[tuple[int, int]] = []
@@ -221,7 +221,7 @@ def test_overlapping_without_crc32_blocks_restore_once_both_end() -> None:
 def test_copies_run_one_tensor_ahead_of_the_writer() -> None:
     """copied_ahead hands the tensors out in order and takes tensor i+1 (starting its copy on a GPU) before it hands
     out tensor i: the copy of the next runs while the writer writes this one. On CPU the tensors pass through."""
-    from mcorekit.train.checkpoint import copied_ahead
+    from mcorekit.train.checkpoint_writer import copied_ahead
 
     taken: list[int] = []
     tensors = [torch.full((3,), float(i)) for i in range(4)]
@@ -244,7 +244,7 @@ def test_gpu_staging_writes_what_host_tensors_write(model_parallel: None, tmp_pa
     """GPU tensors, copied ahead of the writer into pinned memory on a side stream (stage_per_tensor), give the files
     the same tensors written from host memory give (save ids apart): the copy is complete before each is written,
     and each keeps its layout (a transposed one included)."""
-    from mcorekit.train.checkpoint import copied_ahead
+    from mcorekit.train.checkpoint_writer import copied_ahead
 
     _save_with(tmp_path / "host", threads, writeback=True, device="cpu")
     _save_with(tmp_path / "gpu", threads, writeback=True, device="cuda")
@@ -280,7 +280,7 @@ def staging_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_background_save_is_written_by_a_thread(model_parallel: None, staging_on_cpu: None, tmp_path: Path) -> None:
-    """With async_save a save is written by a thread of this process (train/checkpoint.WriterThread; Megatron-Core's
+    """With async_save a save is written by a thread of this process (train/checkpoint_writer.WriterThread; Megatron-Core's
     own caller forks a process) and finalized once written (.metadata, then the finalize functions): the same files
     as a save written at once, without CRC-32s as those (the thread keeps the setting of the save that scheduled
     it). A save the loop waits for is written at once. No process is started, and Megatron-Core's module-level
@@ -383,7 +383,7 @@ def test_a_background_save_holds_the_tensors_of_when_it_was_scheduled(model_para
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from mcorekit.train import checkpoint
+    from mcorekit.train import checkpoint, checkpoint_writer
 
     _save(tmp_path / "reference", ours=True)
     real_write, real_sync, go_on, synced = filesystem_async._write_item, torch.cuda.synchronize, threading.Event(), []
@@ -396,7 +396,7 @@ def test_a_background_save_holds_the_tensors_of_when_it_was_scheduled(model_para
     monkeypatch.setattr(filesystem_async, "_write_item", held)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: (synced.append(1), real_sync(*args))[1])
     if staged_on == "host":
-        monkeypatch.setattr(checkpoint, "room_on_gpu", lambda nbytes, queue: False)
+        monkeypatch.setattr(checkpoint_writer, "room_on_gpu", lambda nbytes, queue: False)
     saver = checkpoint.Saver(tmp_path / "ckpts", keep_last=1, async_save=True)
     (tmp_path / "background").mkdir()
     state = _write(saver, tmp_path / "background", True, lambda: None, device="cuda")
@@ -416,7 +416,7 @@ def test_gpu_room_is_judged_against_the_steps_peak(monkeypatch: pytest.MonkeyPat
     copy's cached blocks (which it reuses)."""
     from types import SimpleNamespace
 
-    from mcorekit.train.checkpoint import room_on_gpu
+    from mcorekit.train.checkpoint_writer import room_on_gpu
 
     gib = 2**30
     memory = {"free": 40 * gib, "reserved": 55 * gib, "peak": 60 * gib}

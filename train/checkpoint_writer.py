@@ -1,0 +1,255 @@
+"""How a checkpoint's tensors reach the disk: Megatron-Core's torch_dist writer (save_strategy), fed one tensor at a
+time from the GPU for a save written now (stage_per_tensor), or on a thread of this process for a background save
+(WriterThread, in Megatron-Core's queue of async saves: background_writes), staged first on the GPU where it has room
+(room_on_gpu, snapshot_on_gpu) or in pinned host memory. train/checkpoint.Saver decides which, and when."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from mcorekit.outputs import WRITEBACK_BYTES, start_writeback, without_crc32
+
+
+@contextmanager
+def stage_per_tensor(request: Any, writeback: bool = True, after: Any = None) -> Iterator[Any]:
+    """A synchronous save's request with each tensor copied to host memory as the writer reaches it, instead of
+    Megatron-Core's staging of the whole checkpoint in pinned host memory first (which on one H200 took longer than
+    writing: pinning 37 GB of pages, then unpinning them at exit, 13 s after the save had ended). The copy of the next
+    tensor runs on a side stream while the writer writes this one (copied_ahead), so the disk is not left idle during
+    the copies. Host memory holds a few tensors per writer thread, not the checkpoint. Same files, same bytes.
+
+    With `writeback`, what the writer has written so far is handed to the kernel's writeback every WRITEBACK_BYTES
+    (between two tensors), so the disk writes while the next tensors are copied and serialized rather than at the
+    writer's closing fsync, as convert/'s writers do; a file that cannot be opened for the hint is written without.
+    On leaving the block every stager is closed (a write that failed half-way leaves one paused, holding its file
+    and the tensors it was given, until the garbage collector, which the writer disables, would find it). `after`:
+    see copied_ahead."""
+    stage = request.preload_fn  # partial(FileSystemWriterAsync.preload_tensors, write_buckets, non_blocking)
+    if stage is None:
+        yield request
+        return
+    buckets, stagers = stage.args[0], []
+
+    def one_at_a_time(file_name: str, tensors: list[Any]) -> Iterator[Any]:
+        fd, handed = -1, 0
+        copies = copied_ahead(tensors, after)
+        try:
+            for item, tensor in copies:
+                if writeback and fd < 0:
+                    try:  # the writer has opened (created) it before it asks for its first tensor
+                        fd = os.open(file_name, os.O_RDONLY)
+                    except OSError:
+                        pass
+                elif fd >= 0 and (size := os.fstat(fd).st_size) - handed >= WRITEBACK_BYTES:
+                    start_writeback(fd, handed, size - handed)
+                    handed = size
+                yield item, tensor
+        finally:
+            copies.close()
+            if fd >= 0:
+                os.close(fd)
+
+    def preload() -> list[Any]:
+        staged = [(file, key, (blobs, one_at_a_time(file, tensors))) for file, key, (blobs, tensors) in buckets]
+        stagers.extend(tensors for _, _, (_, tensors) in staged)
+        return staged
+
+    try:
+        yield request._replace(preload_fn=preload)
+    finally:
+        for stager in stagers:
+            stager.close()
+
+
+def copied_ahead(tensors: list[Any], after: Any = None) -> Iterator[Any]:
+    """(item, tensor in host memory) for each (item, tensor), in order. A GPU tensor's copy is started on a side
+    stream when the tensor before it is handed out, into pinned memory from torch's caching host allocator: the copy
+    engine copies tensor i+1 while the writer writes tensor i. Three blocks are alive at a time (the one being
+    written, the one being copied, the next one's), each rounded up to a power of two by the allocator, which keeps
+    them for later tensors and later saves (pinned once per size, not per save; handed back at exit, shutdown.py).
+    A tensor's layout is the GPU tensor's (empty_like), as `tensor.to("cpu")` gives. Host tensors are handed out as
+    they are. The first copy starts after everything queued on the GPU so far (the tensors' last writes, on any
+    stream), or, given the CUDA event `after`, once that has happened (a snapshot's copies, snapshot_on_gpu)."""
+    import torch
+
+    stream = None
+
+    def start(item: Any, tensor: Any) -> tuple[Any, Any, Any]:
+        nonlocal stream
+        if not tensor.is_cuda:
+            return item, tensor, None
+        if stream is None:
+            torch.cuda.set_device(tensor.device)  # a writer thread of its own starts on GPU 0 (a context there)
+            if after is None:
+                torch.cuda.synchronize()
+            stream = torch.cuda.Stream()
+            if after is not None:
+                stream.wait_event(after)
+        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return item, host, done
+
+    def finish(item: Any, host: Any, done: Any) -> tuple[Any, Any]:
+        if done is not None:
+            done.synchronize()
+        return item, host
+
+    ahead = None
+    for item, tensor in tensors:
+        started = start(item, tensor)
+        if ahead is not None:
+            yield finish(*ahead)
+        ahead = started
+    if ahead is not None:
+        yield finish(*ahead)
+
+
+@contextmanager
+def results_queue() -> Iterator[None]:
+    """Where Megatron-Core's writer hands a save's results back: a module-level queue that each save's writer keeps,
+    which Megatron-Core makes a multiprocessing Manager's queue (for a writer in a forked process; it spawns the
+    Manager's server process for it, and multiprocessing stops that at exit: 0.79 s of a finished run's exit on one
+    H200 at `9a56802`). Our writers are threads of this process, so an ordinary queue."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    before, filesystem_async._results_queue = filesystem_async._results_queue, queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = before
+
+
+def background_writes() -> Any:
+    """Megatron-Core's queue of background saves (one in flight: a save is finalized once every rank's writer is
+    done, checked with one all-reduce per poll), each save written by a WriterThread. `steps_peak`: the GPU memory
+    the steps reserved at most before the first save was staged (GpuRoom); `staged_on`: where the last save was
+    staged, "gpu" or "host"."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    class ThreadWrites(AsyncCallsQueue):
+        steps_peak: int | None = None
+        staged_on: str | None = None
+
+        def _get_async_caller(self) -> Any:
+            return WriterThread(self)
+
+    return ThreadWrites()
+
+
+def room_on_gpu(nbytes: int, queue: Any) -> bool:
+    """Whether a copy of `nbytes` fits on this GPU next to what the steps need at most: torch's peak reservation
+    before the first snapshot (later peaks include the snapshots' cached blocks, which the next snapshot reuses),
+    the memory outside torch's allocator (CUDA context, NCCL, cuBLAS workspaces) and a margin of 1/32 of the GPU,
+    at least 2 GiB. The copy's blocks stay in torch's cache once released, where the allocator takes them back if
+    a step ever needs more."""
+    import torch
+
+    if queue.steps_peak is None:
+        queue.steps_peak = torch.cuda.max_memory_reserved()
+    free, total = torch.cuda.mem_get_info()
+    outside = total - free - torch.cuda.memory_reserved()
+    return outside + queue.steps_peak + nbytes + max(2 << 30, total // 32) <= total
+
+
+def snapshot_on_gpu(buckets: list[Any]) -> tuple[list[Any], Any]:
+    """The write buckets with each GPU tensor replaced by a copy on the GPU (empty_like's layout, as clone keeps
+    it), queued on the current stream behind the steps that wrote the tensors, and the CUDA event after the copies.
+    The next step may change the tensors as soon as it is queued: the writer reads the copies. Host tensors are
+    kept as they are, as Megatron-Core's staging keeps them."""
+    import torch
+
+    copied = [(file, key, (blobs, [(item, t.clone() if t.is_cuda else t) for item, t in tensors]))
+              for file, key, (blobs, tensors) in buckets]
+    done = torch.cuda.Event()
+    done.record()
+    return copied, done
+
+
+def gpu_bytes(buckets: list[Any]) -> int:
+    return sum(t.numel() * t.element_size() for _, _, (_, tensors) in buckets for _, t in tensors if t.is_cuda)
+
+
+class WriterThread:
+    """Writes one background save on a thread of this process, where Megatron-Core's TemporalAsyncCaller forks a
+    process. Before training goes on, the save is staged: where the GPU has room for a copy of its GPU tensors
+    (room_on_gpu), that copy is made on the GPU (snapshot_on_gpu: a device-to-device copy, queued, nothing waited
+    for) and the thread copies each tensor to host memory as it writes it, as a synchronous save does
+    (stage_per_tensor); otherwise the whole save is staged in pinned host memory first (Megatron-Core's staging,
+    which the loop waits for). On one H200, 3B shape (36.6 GB), staging in pinned host memory blocked the loop
+    14.0 s the first time (2026-12-03, `0fb8253`; 25.6 s with a forked writer, which copies the pinned pages), and
+    handing back those pages at the end took 2.4 s.
+
+    The writes release the GIL. Megatron-Core's writer switches the garbage collector off while it writes (for the
+    whole process now; it switches it back on). The staged copy is released by close(), on the training thread:
+    the last reference dropped on the writer thread would hand the pinned blocks back there, with CUDA events
+    recorded on the stream the copies ran on, possibly while the training thread captures a CUDA graph on it. The
+    methods are those AsyncCallsQueue calls, each on every rank."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+        self.thread: threading.Thread | None = None
+        self.staged: Any = None
+
+    def schedule_async_call(self, request: Any) -> None:
+        if request.async_fn is None:
+            return
+        args, after, stage = list(request.async_fn_args), None, request.preload_fn
+        if stage is not None and (size := gpu_bytes(stage.args[0])) and room_on_gpu(size, self.queue):
+            self.staged, after = snapshot_on_gpu(stage.args[0])
+            request = request._replace(preload_fn=functools.partial(stage.func, self.staged, *stage.args[1:]))
+            self.queue.staged_on = "gpu"
+        elif stage is not None:  # the whole checkpoint into pinned host memory, before training goes on
+            args[1] = self.staged = stage()
+            request = request._replace(preload_fn=None)
+            self.queue.staged_on = "host"
+
+        def write() -> None:
+            with without_crc32(), stage_per_tensor(request, after=after) as staged:
+                if staged.preload_fn is not None:
+                    args[1] = staged.preload_fn()
+                request.async_fn(*args, **request.async_fn_kwargs)
+
+        self.thread = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller
+
+        alive = self.thread is not None and self.thread.is_alive()
+        if not no_dist:  # done only when done on every rank: Megatron-Core's all-reduce of the flags (self unused)
+            alive = not AsyncCaller.sync_all_async_calls(self, int(alive))
+        if alive and not blocking:
+            return False
+        self.close()
+        return True
+
+    def close(self, abort: bool = False) -> None:
+        if self.thread is not None:
+            self.thread.join()  # a failed write has put its exception in the results queue: finalize raises it
+            self.thread = None
+        self.staged = None
+
+
+def save_strategy() -> Any:
+    """Megatron-Core's torch_dist writer (the format every torch_dist reader loads). With data parallelism the
+    writing is spread over the data-parallel ranks (Megatron-LM's default fully parallel save): each rank writes
+    its share of the replicated tensors instead of DP rank 0 writing them all. One writer thread per rank: torch.save
+    holds the GIL while it copies and checksums, so more threads do not write faster (Megatron-LM's sync default)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    strategy = TorchDistSaveShardedStrategy()
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if group.size() > 1:
+        return FullyParallelSaveStrategyWrapper(strategy, group)
+    return strategy
