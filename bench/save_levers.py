@@ -103,7 +103,6 @@ def save_once(state: dict[str, Any], path: Path, lever: str, keep: bool = False)
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from mcorekit.outputs import without_crc32
     from mcorekit.train import checkpoint_writer as checkpoint
 
     crc, per_tensor, threads, writeback, ahead = LEVERS[lever]
