@@ -677,6 +677,24 @@ def async_run_headline(m: Measurement) -> str:
             f"{r['host_cache_s']:.1f} s")
 
 
+def async_save_table(m: Measurement) -> str:
+    """bench/async_save.py's own table, from its results.json."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from async_save import table as bench_table
+
+    return bench_table(m.results)
+
+
+def async_save_headline(m: Measurement) -> str:
+    def one(name: str, r: dict) -> str:
+        blocked = " and ".join(f"{s['blocking_s']:.1f}" for s in r["saves"])
+        cost = (r["step_s_in_flight"] / r["step_s_free"] - 1) * 100
+        return (f"staged on the {name}: the loop blocked {blocked} s, steps while it wrote {cost:+.1f}%, the process "
+                f"lived on {r['exit_after_final_save_s']:.1f} s after its end-of-run save")
+
+    return "; ".join(one(name, r) for name, r in m.results.items() if "error" not in r)
+
+
 def fp8_quant_table(m: Measurement) -> str:
     quant = [r for r in m.results if "eager_ms" in r]
     gemms = [r for r in m.results if "tflops" in r]
@@ -723,6 +741,7 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "pin_probe": (pin_probe_table, pin_probe_headline),
     "host_alloc_probe": (host_alloc_probe_table, host_alloc_probe_headline),
     "async_run": (async_run_table, async_run_headline),
+    "async_save": (async_save_table, async_save_headline),
 }
 
 

@@ -131,7 +131,7 @@ def results_queue() -> Iterator[None]:
 def background_writes() -> Any:
     """Megatron-Core's queue of background saves (one in flight: a save is finalized once every rank's writer is
     done, checked with one all-reduce per poll), each save written by a WriterThread. `steps_peak`: the GPU memory
-    the steps reserved at most before the first save was staged (GpuRoom); `staged_on`: where the last save was
+    the steps reserved at most before the first save was staged (room_on_gpu); `staged_on`: where the last save was
     staged, "gpu" or "host"."""
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -236,7 +236,7 @@ class WriterThread:
         if self.thread is not None:
             self.thread.join()  # a failed write has put its exception in the results queue: finalize raises it
             self.thread = None
-        self.staged = None
+        self.staged = None  # a GPU copy is free to reuse now: the thread waited for each of its copies to host
 
 
 def save_strategy() -> Any:
