@@ -101,14 +101,21 @@ def copied_ahead(tensors: list[Any], after: Any = None) -> Iterator[Any]:
             done.synchronize()
         return item, host
 
-    ahead = None
-    for item, tensor in tensors:
-        started = start(item, tensor)
+    ahead = None  # the copy started and not yet handed out
+    try:
+        for item, tensor in tensors:
+            started = start(item, tensor)
+            if ahead is not None:
+                ready, ahead = ahead, started
+                yield finish(*ready)
+            else:
+                ahead = started
         if ahead is not None:
-            yield finish(*ahead)
-        ahead = started
-    if ahead is not None:
-        yield finish(*ahead)
+            ready, ahead = ahead, None
+            yield finish(*ready)
+    finally:  # closed early (a failed write): the copy under way ends before its source may be reused
+        if ahead is not None and ahead[2] is not None:
+            ahead[2].synchronize()
 
 
 @contextmanager
