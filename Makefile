@@ -83,7 +83,8 @@ convert export data: setup
 # -v names each result as it ends: a call cut by its time limit still says which test failed (-q printed dots).
 GPU_PY ?= python3
 test-gpu:
-	cd tests && $(GPU_PY) -m pytest test_gpu_train.py test_gpu_convert.py -n 4 -v -rA --durations=10 $(PYTEST_ARGS)
+	cd tests && $(GPU_PY) -m pytest test_gpu_train.py test_gpu_convert.py test_checkpoint_writer.py -n 4 -v -rA --durations=10 \
+		$(PYTEST_ARGS)
 
 test-gpu-post:
 	cd tests && $(GPU_PY) -m pytest test_gpu_lora.py test_gpu_dpo.py test_gpu_grpo.py test_gpu_families.py -n 4 \
