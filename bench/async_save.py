@@ -8,7 +8,7 @@ Per staging, one fresh `mcorekit.train` process (start_save's worker: the real e
 finalized so the disk holds one) on start_save's async experiment file, `--steps` steps with an async save every
 `--every` steps and the end-of-run save (written at once). For each save: the loop's blocking part, where it was
 staged, seconds until finalized and GB/s, how long it first waited for the previous background write; the mean step
-time while a save was in flight (less its blocking part) against the steps without one; the end-of-run save and how
+time while a save was in flight (less its blocking part and its wait for the previous write) against the steps without one; the end-of-run save and how
 long the process lived on after it (and where: start_save.exit_phases); peak GPU memory (max_memory_allocated).
 The `host` run stages in host memory through a bench-only patch (room_on_gpu answering no). Prints a Markdown
 table and writes results.json after each run. --dry writes and validates the experiment file only.
@@ -62,8 +62,9 @@ def run(shape: str, staging: str, out: Path, steps: int, every: int) -> dict[str
     for e in (e for e in ckpts if e["event"] == "scheduled"):
         overlapped = in_flight_steps(got["events"], e["step"])
         flight |= overlapped
-        first = min(overlapped, default=None)  # it also carries the blocking part, reported on its own
-        busy += [step_s[k] - (e["blocking_s"] if k == first else 0.0) for k in overlapped if k in step_s]
+        # the first also carries the save's wait for the previous write and its blocking part, reported on their own
+        first, held = min(overlapped, default=None), e["blocking_s"] + e.get("waited_for_previous_s", 0.0)
+        busy += [step_s[k] - (held if k == first else 0.0) for k in overlapped if k in step_s]
         done = saved.get(e["step"], {})
         saves.append({"step": e["step"], "staged_on": e.get("staged_on"), "blocking_s": e["blocking_s"],
                       "waited_for_previous_s": e.get("waited_for_previous_s"), "seconds": done.get("seconds"),
@@ -94,7 +95,7 @@ def after_deletions(events: list[tuple[str, Any]], deleted: dict[int, float]) ->
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     names = list(results)
-    lines = ["| | " + " | ".join(f"staged on the {n}" for n in names) + " |", "|---|" + "---|" * len(names)]
+    lines = ["| | " + " | ".join(f"{n} run" for n in names) + " |", "|---|" + "---|" * len(names)]
 
     def row(label: str, get: Any) -> None:
         lines.append(f"| {label} | " + " | ".join(get(results[n]) for n in names) + " |")
@@ -104,11 +105,12 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             s = r.get("saves", [])
             return "" if i >= len(s) or s[i].get(key) is None else str(s[i][key])
         row(f"async save {i + 1}: step", lambda r: save(r, "step"))
+        row("  staged on", lambda r: save(r, "staged_on"))
         row("  loop blocked, s", lambda r: save(r, "blocking_s"))
         row("  of which waiting for the previous write, s", lambda r: save(r, "waited_for_previous_s"))
         row("  until finalized, s / GB/s", lambda r: f"{save(r, 'seconds')} / {save(r, 'gb_per_s')}")
     row("step s without a save in flight", lambda r: str(r.get("step_s_free", "")))
-    row("step s with one in flight (less the blocking part)", lambda r: str(r.get("step_s_in_flight", "")))
+    row("step s with one in flight (less the blocking part and the wait)", lambda r: str(r.get("step_s_in_flight", "")))
     row("end-of-run save, s (first waited for the previous write, s)",
         lambda r: f"{r.get('final_save_s', '')} ({r.get('final_waited_for_previous_s', '')})")
     row("process lived on after it, s", lambda r: str(r.get("exit_after_final_save_s", "")))

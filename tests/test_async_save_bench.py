@@ -50,10 +50,11 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         lines.append("mcorekit.train: checkpoint " + json.dumps(e))
 
     for n in range(1, 26):
-        step(n, {1: 8.0, 2: 3.0, 3: 4.0}.get(n, 2.0) + (blocking if n in (11, 21) else 0.0)
+        step(n, {1: 8.0, 2: 3.0, 3: 4.0}.get(n, 2.0) + (blocking if n in (11, 21) else 0.0) + (1.5 if n == 21 else 0.0)
              + (0.1 if n in (12, 22) else 0.0) + (9.0 if n in (13, 23) else 0.0))  # the deletion in 13's and 23's poll
-        if n in (10, 20):
-            checkpoint(event="scheduled", step=n, blocking_s=blocking, staged_on=staged, waited_for_previous_s=0.0)
+        if n in (10, 20):  # the second save first waited 1.5 s for the previous write (in step 21's time too)
+            checkpoint(event="scheduled", step=n, blocking_s=blocking, staged_on=staged,
+                       waited_for_previous_s=1.5 if n == 20 else 0.0)
         if n in (12, 22):
             checkpoint(event="saved", step=n - 2, seconds=20.0, gb=36.6, gb_per_s=1.83, waited_for_previous_s=0.0)
             lines.append(f"bench: deleted the saved checkpoint of step {n - 2} in 9.00 s")
@@ -82,5 +83,6 @@ def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pyte
         assert got["exit_after_final_save_s"] == pytest.approx(3.0 - 0.4, abs=0.3)  # less the bench's deletion
         assert got["peak_mem_gb"] == (107.0 if name == "gpu" else 70.0)
     table = capsys.readouterr().out
-    assert "| | staged on the gpu | staged on the host |" in table and "|   loop blocked, s | 0.3 | 14.0 |" in table
+    assert "| | gpu run | host run |" in table and "|   loop blocked, s | 0.3 | 14.0 |" in table
+    assert "|   staged on | gpu | host |" in table
     assert not list(tmp_path.glob("*-ckpt"))

@@ -377,13 +377,15 @@ def test_a_background_save_holds_the_tensors_of_when_it_was_scheduled(model_para
     hold the tensors as they were when the save was scheduled, whether it was staged on the GPU (a copy there; the
     thread copies each tensor to host memory as it writes it) or, with no room on the GPU, in pinned host memory.
     Staged on the GPU, scheduling waits for nothing on the GPU (no torch.cuda.synchronize on any thread before the
-    write goes on); staged in host memory it waits for the copies."""
+    write goes on; the copy is queued behind a second of GPU work here, which the writer's copies to host memory
+    must wait for); staged in host memory it waits for the copies."""
     import threading
 
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from mcorekit.train import checkpoint, checkpoint_writer
+    from mcorekit.train.step_graph import WARMUP_STEPS
 
     _save(tmp_path / "reference", ours=True)
     real_write, real_sync, go_on, synced = filesystem_async._write_item, torch.cuda.synchronize, threading.Event(), []
@@ -397,7 +399,13 @@ def test_a_background_save_holds_the_tensors_of_when_it_was_scheduled(model_para
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: (synced.append(1), real_sync(*args))[1])
     if staged_on == "host":
         monkeypatch.setattr(checkpoint_writer, "room_on_gpu", lambda nbytes, queue: False)
+    if staged_on == "gpu":  # the copy queued behind a second of GPU work: the writer's copies must wait for it
+        snapshot = checkpoint_writer.snapshot_on_gpu
+        monkeypatch.setattr(checkpoint_writer, "snapshot_on_gpu",
+                            lambda buckets: (torch.cuda._sleep(2_000_000_000), snapshot(buckets))[1])
     saver = checkpoint.Saver(tmp_path / "ckpts", keep_last=1, async_save=True)
+    for _ in range(WARMUP_STEPS + 2):  # as the loop polls before each step; the steps' peak is known after these
+        saver.poll()
     (tmp_path / "background").mkdir()
     state = _write(saver, tmp_path / "background", True, lambda: None, device="cuda")
     assert saver.queue.staged_on == staged_on and (synced == []) == (staged_on == "gpu")
@@ -410,22 +418,34 @@ def test_a_background_save_holds_the_tensors_of_when_it_was_scheduled(model_para
 
 
 def test_gpu_room_is_judged_against_the_steps_peak(monkeypatch: pytest.MonkeyPatch) -> None:
-    """room_on_gpu on a GPU of 100 GiB whose steps reserved at most 60 GiB, 5 GiB outside torch's allocator (the
-    GPU's memory figures mocked: no GPU here): a copy fits up to 100 - 60 - 5 - 3.125 (the margin, 1/32 of the
-    GPU) GiB. A later save is judged against the same 60 GiB, not against the peak that now includes the first
-    copy's cached blocks (which it reuses)."""
-    from types import SimpleNamespace
-
-    from mcorekit.train.checkpoint_writer import room_on_gpu
+    """room_on_gpu on a GPU of 100 GiB (its memory figures mocked: no GPU here), 5 GiB outside torch's allocator,
+    the margin 1/16 of the GPU (6.25 GiB). No room before the step graph's capture has run (the steps' peak is not
+    known before it). Steps that reserved 60 GiB at most leave room for a copy of 28.75 GiB, less what the save
+    holds beside the steps. A later save is judged against the largest reservation less the largest copy (a
+    released copy stays in torch's cache), which grows when the steps needed more while a copy was held."""
+    from mcorekit.train.checkpoint_writer import background_writes, room_on_gpu
+    from mcorekit.train.step_graph import WARMUP_STEPS
 
     gib = 2**30
-    memory = {"free": 40 * gib, "reserved": 55 * gib, "peak": 60 * gib}
+    memory = {"free": 40 * gib, "reserved": 55 * gib, "peak": 60 * gib, "allocated": 30 * gib}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (memory["free"], 100 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: memory["reserved"])
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: memory["peak"])
-    queue = SimpleNamespace(steps_peak=None)
-    assert room_on_gpu(31 * gib, queue) and not room_on_gpu(32 * gib, queue) and queue.steps_peak == 60 * gib
-    memory.update(free=9 * gib, reserved=86 * gib, peak=91 * gib)  # the first copy's 31 GiB, released, cached
-    assert room_on_gpu(31 * gib, queue) and not room_on_gpu(32 * gib, queue)
-    memory.update(free=4 * gib, reserved=86 * gib)  # 5 GiB more outside torch's allocator (say NCCL's buffers)
-    assert not room_on_gpu(31 * gib, queue) and room_on_gpu(26 * gib, queue)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: memory["allocated"])
+    queue = background_writes()
+    for _ in range(WARMUP_STEPS + 1):  # the eager warm-up steps and the capture
+        queue.between_steps()
+    assert not room_on_gpu(1 * gib, queue)
+    queue.between_steps()
+    assert queue.allocated_between_steps == 30 * gib
+    assert room_on_gpu(28 * gib, queue) and not room_on_gpu(29 * gib, queue)
+    memory["allocated"] += 3 * gib  # the save's own tensors beside the steps
+    assert room_on_gpu(25 * gib, queue) and not room_on_gpu(26 * gib, queue)
+    queue.copy_bytes = 28 * gib  # a copy of 28 GiB staged and released: cached, the peak 88 GiB
+    memory.update(free=12 * gib, reserved=83 * gib, peak=88 * gib, allocated=30 * gib)
+    assert room_on_gpu(28 * gib, queue) and not room_on_gpu(29 * gib, queue)
+    memory["peak"] = 95 * gib  # the steps reached 67 GiB while that copy was held
+    assert room_on_gpu(21 * gib, queue) and not room_on_gpu(22 * gib, queue) and queue.steps_peak == 67 * gib
+    memory["free"] = 7 * gib  # 5 GiB more outside torch's allocator (a new NCCL communicator, say)
+    assert room_on_gpu(16 * gib, queue) and not room_on_gpu(17 * gib, queue)

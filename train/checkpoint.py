@@ -157,8 +157,9 @@ class Saver:
             staged.execute_sync()
 
     def poll(self) -> None:
-        """Between steps: finish a background save that is complete everywhere (never blocks)."""
+        """Before each step: finish a background save that is complete everywhere (never blocks)."""
         if self.queue is not None:
+            self.queue.between_steps()
             self.queue.maybe_finalize_async_calls(blocking=False)
 
     def wait(self) -> None:

@@ -65,9 +65,25 @@ def stage_per_tensor(request: Any, writeback: bool = True, after: Any = None) ->
             stager.close()
 
 
+COPY_STREAMS: dict[Any, Any] = {}
+
+
+def copy_stream(device: Any) -> Any:
+    """This process's stream for the copies to host memory on `device`, made once, at high priority. torch hands
+    out its streams from pools of 32 in turn: a stream made for every save would sooner or later be the one training
+    runs on (train/step_graph's capture stream, default priority), and the copies would queue behind the steps (on
+    one H200, 64 copies of 64 MB took 5.3 s behind training work against 0.17 s on a stream of their own) or break
+    a graph capture under way."""
+    import torch
+
+    if device not in COPY_STREAMS:
+        COPY_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    return COPY_STREAMS[device]
+
+
 def copied_ahead(tensors: list[Any], after: Any = None) -> Iterator[Any]:
     """(item, tensor in host memory) for each (item, tensor), in order. A GPU tensor's copy is started on a side
-    stream when the tensor before it is handed out, into pinned memory from torch's caching host allocator: the copy
+    stream (copy_stream) when the tensor before it is handed out, into pinned memory from torch's caching host allocator: the copy
     engine copies tensor i+1 while the writer writes tensor i. Three blocks are alive at a time (the one being
     written, the one being copied, the next one's), each rounded up to a power of two by the allocator, which keeps
     them for later tensors and later saves (pinned once per size, not per save; handed back at exit, shutdown.py).
@@ -86,7 +102,7 @@ def copied_ahead(tensors: list[Any], after: Any = None) -> Iterator[Any]:
             torch.cuda.set_device(tensor.device)  # a writer thread of its own starts on GPU 0 (a context there)
             if after is None:
                 torch.cuda.synchronize()
-            stream = torch.cuda.Stream()
+            stream = copy_stream(tensor.device)
             if after is not None:
                 stream.wait_event(after)
         host = torch.empty_like(tensor, device="cpu", pin_memory=True)
@@ -137,45 +153,68 @@ def results_queue() -> Iterator[None]:
 
 def background_writes() -> Any:
     """Megatron-Core's queue of background saves (one in flight: a save is finalized once every rank's writer is
-    done, checked with one all-reduce per poll), each save written by a WriterThread. `steps_peak`: the GPU memory
-    the steps reserved at most before the first save was staged (room_on_gpu); `staged_on`: where the last save was
-    staged, "gpu" or "host"."""
+    done, checked with one all-reduce per poll), each save written by a WriterThread; between_steps() is called
+    before every step. It keeps what room_on_gpu judges by, and where the last save was staged ("gpu", "host")."""
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     class ThreadWrites(AsyncCallsQueue):
-        steps_peak: int | None = None
+        steps_run = 0  # by this process
+        steps_peak = 0  # the most GPU memory the steps have reserved, as far as it is known (room_on_gpu)
+        copy_bytes = 0  # the largest copy staged on the GPU so far
+        allocated_between_steps = 0
         staged_on: str | None = None
 
         def _get_async_caller(self) -> Any:
             return WriterThread(self)
 
+        def between_steps(self) -> None:
+            import torch
+
+            self.steps_run += 1
+            if torch.cuda.is_available():
+                self.allocated_between_steps = torch.cuda.memory_allocated()
+
     return ThreadWrites()
 
 
 def room_on_gpu(nbytes: int, queue: Any) -> bool:
-    """Whether a copy of `nbytes` fits on this GPU next to what the steps need at most: torch's peak reservation
-    before the first snapshot (later peaks include the snapshots' cached blocks, which the next snapshot reuses),
-    the memory outside torch's allocator (CUDA context, NCCL, cuBLAS workspaces) and a margin of 1/32 of the GPU,
-    at least 2 GiB. The copy's blocks stay in torch's cache once released, where the allocator takes them back if
-    a step ever needs more."""
+    """Whether a copy of `nbytes` fits on this GPU beside the steps for as long as it is written: once this process
+    has run the step graph's capture (the steps' peak is known then), if the memory outside torch's allocator
+    (CUDA context, NCCL, cuBLAS workspaces), the steps' peak reservation, what the save holds beside the steps
+    (memory allocated since the last step began: FP8 weights dequantized for the checkpoint, say), the copy and a
+    margin of 1/16 of the GPU (at least 2 GiB; a validation pass or a new communicator may come meanwhile) fit.
+    The peak is the largest reservation seen less the largest copy (a copy released stays in torch's cache, where a
+    step may take it back; snapshot_on_gpu refuses a copy that had to flush the cache to fit)."""
     import torch
 
-    if queue.steps_peak is None:
-        queue.steps_peak = torch.cuda.max_memory_reserved()
+    from mcorekit.train.step_graph import WARMUP_STEPS
+
+    if queue.steps_run <= WARMUP_STEPS + 1:
+        return False
+    queue.steps_peak = max(queue.steps_peak, torch.cuda.max_memory_reserved() - queue.copy_bytes)
     free, total = torch.cuda.mem_get_info()
     outside = total - free - torch.cuda.memory_reserved()
-    return outside + queue.steps_peak + nbytes + max(2 << 30, total // 32) <= total
+    beside = max(0, torch.cuda.memory_allocated() - queue.allocated_between_steps)
+    return outside + queue.steps_peak + beside + nbytes + max(2 << 30, total // 16) <= total
 
 
-def snapshot_on_gpu(buckets: list[Any]) -> tuple[list[Any], Any]:
+def snapshot_on_gpu(buckets: list[Any]) -> tuple[list[Any], Any] | None:
     """The write buckets with each GPU tensor replaced by a copy on the GPU (empty_like's layout, as clone keeps
     it), queued on the current stream behind the steps that wrote the tensors, and the CUDA event after the copies.
     The next step may change the tensors as soon as it is queued: the writer reads the copies. Host tensors are
-    kept as they are, as Megatron-Core's staging keeps them."""
+    kept as they are, as Megatron-Core's staging keeps them. None, the copies dropped, when the allocator ran out of
+    memory or had to hand back its cached blocks to find it (the steps would have to allocate theirs again beside
+    the copy)."""
     import torch
 
-    copied = [(file, key, (blobs, [(item, t.clone() if t.is_cuda else t) for item, t in tensors]))
-              for file, key, (blobs, tensors) in buckets]
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    try:
+        copied = [(file, key, (blobs, [(item, t.clone() if t.is_cuda else t) for item, t in tensors]))
+                  for file, key, (blobs, tensors) in buckets]
+    except torch.OutOfMemoryError:
+        return None
+    if torch.cuda.memory_stats().get("num_alloc_retries", 0) > retries:
+        return None
     done = torch.cuda.Event()
     done.record()
     return copied, done
@@ -209,11 +248,13 @@ class WriterThread:
     def schedule_async_call(self, request: Any) -> None:
         if request.async_fn is None:
             return
-        args, after, stage = list(request.async_fn_args), None, request.preload_fn
+        args, after, stage, copy = list(request.async_fn_args), None, request.preload_fn, None
         if stage is not None and (size := gpu_bytes(stage.args[0])) and room_on_gpu(size, self.queue):
-            self.staged, after = snapshot_on_gpu(stage.args[0])
+            copy = snapshot_on_gpu(stage.args[0])
+        if copy is not None:
+            self.staged, after = copy
             request = request._replace(preload_fn=functools.partial(stage.func, self.staged, *stage.args[1:]))
-            self.queue.staged_on = "gpu"
+            self.queue.staged_on, self.queue.copy_bytes = "gpu", max(self.queue.copy_bytes, size)
         elif stage is not None:  # the whole checkpoint into pinned host memory, before training goes on
             args[1] = self.staged = stage()
             request = request._replace(preload_fn=None)
