@@ -234,6 +234,9 @@ def test_signal_save_resume_reproduces_losses(tmp_path: Path, async_save: bool) 
 
         from mcorekit.train.checkpoint import iter_dir
 
+        # staged on the GPU, as step 4's: a process stages there once its step graph is captured (after 3 steps)
+        assert staged(tmp_path / "interrupted") == [(4, "gpu"), (8, "gpu")]
+
         shutil.copytree(iter_dir(ckpts, 8), iter_dir(tmp_path / "from8" / "checkpoints", 8))
         (tmp_path / "from8" / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("8")
         from8 = run(tmp_path, "from8", cfg)
@@ -241,11 +244,20 @@ def test_signal_save_resume_reproduces_losses(tmp_path: Path, async_save: bool) 
         for a, b in zip(from8, full[8:]):
             assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a, b)
     resumed = run(tmp_path, "interrupted", cfg)  # same run folder: finds its checkpoint by itself
+    if async_save:  # resumed at 10: the save at 12, the process's second step, in pinned host memory
+        assert staged(tmp_path / "interrupted") == [(12, "host"), (16, "gpu")]
     after = [x for x in resumed if x["step"] > 10]
     assert [x["step"] for x in after] == list(range(11, 21))
     print("resume losses:", [round(x["loss"], 5) for x in after], "uninterrupted:", [round(x["loss"], 5) for x in full[10:]])
     for a, b in zip(after, full[10:]):
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a, b)
+
+
+def staged(run_dir: Path) -> list[tuple[int, str]]:
+    """(step, where it was staged) of each background save the run's last process scheduled."""
+    lines = (run_dir / "stdout.txt").read_text().splitlines()
+    events = [json.loads(x.split(" ", 2)[2]) for x in lines if x.startswith("mcorekit.train: checkpoint ")]
+    return [(e["step"], e["staged_on"]) for e in events if e["event"] == "scheduled"]
 
 
 def convert_random(tmp: Path, hf_cfg: Any) -> Any:
