@@ -1,17 +1,19 @@
-"""What an asynchronous checkpoint save costs a training run on one GPU, with its copy staged on the GPU (the default
-where the GPU has room: train/checkpoint_writer.room_on_gpu) next to staged in pinned host memory (Megatron-Core's staging,
-the fallback), in one command on one machine.
+"""What an asynchronous checkpoint save costs a training run on one GPU, with its copy staged on the GPU (the
+default where the GPU has room: train/checkpoint_writer.room_on_gpu) next to staged in pinned host memory
+(Megatron-Core's staging, the fallback), in one command on one machine.
 
     python bench/async_save.py [--shape 3b] [--steps 25] [--every 10] [--staging gpu,host] [--out DIR] [--dry]
 
 Per staging, one fresh `mcorekit.train` process (start_save's worker: the real entry, each checkpoint deleted once
 finalized so the disk holds one) on start_save's async experiment file, `--steps` steps with an async save every
 `--every` steps and the end-of-run save (written at once). For each save: the loop's blocking part, where it was
-staged, seconds until finalized and GB/s, how long it first waited for the previous background write; the mean step
-time while a save was in flight (less its blocking part and its wait for the previous write) against the steps without one; the end-of-run save and how
-long the process lived on after it (and where: start_save.exit_phases); peak GPU memory (max_memory_allocated).
-The `host` run stages in host memory through a bench-only patch (room_on_gpu answering no). Prints a Markdown
-table and writes results.json after each run. --dry writes and validates the experiment file only.
+staged, seconds until finalized and GB/s, how long it first waited for the previous background write; the mean
+step time while a save was in flight (less its blocking part and its wait) against the steps without one; the
+end-of-run save, its wait, and how long the process lived on after it (and where: start_save.exit_phases); peak GPU
+memory (max_memory_allocated). The bench's deletions of finalized checkpoints are taken out of the steps and waits
+that hold them (deletions). The `host` run stages in host memory through a bench-only patch (room_on_gpu answering
+no). Prints a Markdown table and writes results.json after each run. --dry writes and validates the experiment
+file only.
 """
 
 from __future__ import annotations
@@ -52,44 +54,57 @@ def run(shape: str, staging: str, out: Path, steps: int, every: int) -> dict[str
     shutil.rmtree(ckpt, ignore_errors=True)
     if code:
         return {"error": log[-1500:]}
+    return summary(shape, log, run_dir, steps, ended)
+
+
+def summary(shape: str, log: str, run_dir: Path, steps: int, ended: float) -> dict[str, Any]:
+    """The figures of one run from its output (`log`), its metrics.jsonl and the time its process ended."""
     got = parse(log)
     ckpts = [e for kind, e in got["events"] if kind == "checkpoint"]
     saved = {e["step"]: e for e in ckpts if e["event"] == "saved"}
     step_s = step_seconds(run_dir, SHAPES[shape]["mbs"] * 8 * 2048)
-    for n, seconds in after_deletions(got["events"], got["saved_delete_s"]).items():
-        step_s[n] -= seconds  # the bench's deletion of a finalized checkpoint is no cost of the save
+    deleted = deletions(got["events"], got["saved_delete_s"], steps)
+    for (kind, n), seconds in deleted.items():
+        if kind == "step":
+            step_s[n] -= seconds
     saves, busy, flight = [], [], set()
     for e in (e for e in ckpts if e["event"] == "scheduled"):
         overlapped = in_flight_steps(got["events"], e["step"])
         flight |= overlapped
-        # the first also carries the save's wait for the previous write and its blocking part, reported on their own
+        # the first also carries the save's wait for the previous write (and the bench's deletion in it) and its
+        # blocking part, reported on their own
         first, held = min(overlapped, default=None), e["blocking_s"] + e.get("waited_for_previous_s", 0.0)
+        waited = e.get("waited_for_previous_s", 0.0) - deleted.get(("scheduled", e["step"]), 0.0)
         busy += [step_s[k] - (held if k == first else 0.0) for k in overlapped if k in step_s]
         done = saved.get(e["step"], {})
         saves.append({"step": e["step"], "staged_on": e.get("staged_on"), "blocking_s": e["blocking_s"],
-                      "waited_for_previous_s": e.get("waited_for_previous_s"), "seconds": done.get("seconds"),
+                      "waited_for_previous_s": round(waited, 2), "seconds": done.get("seconds"),
                       "gb_per_s": done.get("gb_per_s")})
     free = [v for k, v in step_s.items() if k not in flight and k > WARM_STEPS + 1 and k < steps]
     final = saved[steps]
     final_end = final["end"] + got["saved_delete_s"].get(steps, 0.0)  # the bench's deletion is not the run's exit
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"mem_gb"' in x]
     return {"saves": saves, "gb": final["gb"], "step_s_free": round(statistics.mean(free), 3) if free else None,
-            "step_s_in_flight": round(statistics.mean(busy), 3) if busy else None,
-            "final_save_s": final["seconds"], "final_waited_for_previous_s": final.get("waited_for_previous_s"),
+            "step_s_in_flight": round(statistics.mean(busy), 3) if busy else None, "final_save_s": final["seconds"],
+            "final_waited_for_previous_s": round(final.get("waited_for_previous_s", 0.0)
+                                                 - deleted.get(("saved", steps), 0.0), 2),
             "exit_after_final_save_s": round(ended - final_end, 2),
             "exit_phases": exit_phases(got["events"], final_end, ended),
             "peak_mem_gb": round(max(r["mem_gb"] for r in rows), 1) if rows else None}
 
 
-def after_deletions(events: list[tuple[str, Any]], deleted: dict[int, float]) -> dict[int, float]:
-    """{step: seconds of the bench's deletion it carries}: a save is finalized (and the bench deletes it) in the
-    loop's poll before a step, inside that step's time."""
+def deletions(events: list[tuple[str, Any]], deleted: dict[int, float], steps: int) -> dict[tuple[str, int], float]:
+    """The bench deletes each checkpoint once finalized, which is no cost of a save. A save is finalized in the
+    loop's poll before a step (the deletion then is in that step's time) or while a later save waits for its write
+    (in that save's wait). {("step", n) or ("scheduled", n) or ("saved", steps): the deletion's seconds in it}."""
     out, pending = {}, 0.0
     for kind, e in events:
-        if kind == "checkpoint" and e["event"] == "saved":
+        if kind == "checkpoint" and e["event"] == "saved" and e["step"] != steps:
             pending += deleted.get(e["step"], 0.0)
-        elif kind == "step" and pending:
-            out[e], pending = pending, 0.0
+        elif pending and kind == "step":
+            out["step", e], pending = pending, 0.0
+        elif pending and kind == "checkpoint" and (e["event"] == "scheduled" or e["step"] == steps):
+            out[e["event"], e["step"]], pending = pending, 0.0
     return out
 
 
@@ -107,7 +122,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         row(f"async save {i + 1}: step", lambda r: save(r, "step"))
         row("  staged on", lambda r: save(r, "staged_on"))
         row("  loop blocked, s", lambda r: save(r, "blocking_s"))
-        row("  of which waiting for the previous write, s", lambda r: save(r, "waited_for_previous_s"))
+        row("  first waited for the previous write, s", lambda r: save(r, "waited_for_previous_s"))
         row("  until finalized, s / GB/s", lambda r: f"{save(r, 'seconds')} / {save(r, 'gb_per_s')}")
     row("step s without a save in flight", lambda r: str(r.get("step_s_free", "")))
     row("step s with one in flight (less the blocking part and the wait)", lambda r: str(r.get("step_s_in_flight", "")))

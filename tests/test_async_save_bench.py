@@ -31,13 +31,16 @@ def test_dry_run_writes_a_valid_config(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
-    """Stands in for the bench's worker: two async saves (steps 10, 20) and the end-of-run save at 25; staged on the
-    GPU unless the worker carries the bench's host-staging patch."""
+    """Stands in for the bench's worker (--steps 25 --every 8): async saves at steps 8, 16 and 24, the end-of-run
+    save at 25; staged on the GPU unless the worker carries the bench's host-staging patch. The save of step 8 is
+    finalized in the poll before step 11 (its deletion, 9 s, in that step), the save of 16 while the save of 24
+    waits for it (the deletion in that wait), the save of 24 while the end-of-run save waits for it (likewise)."""
     worker = cmd[cmd.index("-c") + 1]
     host = worker.startswith(async_save.HOST_STAGING) and "finalize_then_delete" in worker
     run_dir = Path(cmd[cmd.index("--run-dir") + 1])
     cfg = yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())
     assert not Path(cfg["checkpoint"]["dir"]).exists()  # a fresh start
+    assert (cfg["schedule"]["train_iters"], cfg["checkpoint"]["save_interval"]) == (25, 8)
     tokens, staged = cfg["schedule"]["global_batch_size"] * 2048, "host" if host else "gpu"
     blocking = 14.0 if host else 0.3
     lines, rows = [], []
@@ -47,19 +50,29 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         lines.append(f"step {n}/25 loss 10")
 
     def checkpoint(**e: Any) -> None:
-        lines.append("mcorekit.train: checkpoint " + json.dumps(e))
+        lines.append("mcorekit.train: checkpoint " + json.dumps({"gb": 36.6, "gb_per_s": 1.5, **e}))
 
+    def saved(n: int, **e: Any) -> None:
+        checkpoint(event="saved", step=n, seconds=20.0, **e)
+        lines.append(f"bench: deleted the saved checkpoint of step {n} in 9.00 s")
+
+    # 25: the save of 24 waited 4 s for the write of 16, and 9 s for the deletion of its checkpoint
+    step_s = {1: 8.0, 2: 3.0, 3: 4.0, 9: 2.0 + blocking, 11: 2.0 + 9.0, 17: 2.0 + blocking,
+              25: 2.0 + 4.0 + 9.0 + blocking}
     for n in range(1, 26):
-        step(n, {1: 8.0, 2: 3.0, 3: 4.0}.get(n, 2.0) + (blocking if n in (11, 21) else 0.0) + (1.5 if n == 21 else 0.0)
-             + (0.1 if n in (12, 22) else 0.0) + (9.0 if n in (13, 23) else 0.0))  # the deletion in 13's and 23's poll
-        if n in (10, 20):  # the second save first waited 1.5 s for the previous write (in step 21's time too)
+        if n == 11:
+            saved(8, waited_for_previous_s=0.0)
+        step(n, step_s.get(n, 2.0))
+        if n in (8, 16, 24):
+            if n == 24:
+                saved(16, waited_for_previous_s=0.0)
             checkpoint(event="scheduled", step=n, blocking_s=blocking, staged_on=staged,
-                       waited_for_previous_s=1.5 if n == 20 else 0.0)
-        if n in (12, 22):
-            checkpoint(event="saved", step=n - 2, seconds=20.0, gb=36.6, gb_per_s=1.83, waited_for_previous_s=0.0)
-            lines.append(f"bench: deleted the saved checkpoint of step {n - 2} in 9.00 s")
+                       waited_for_previous_s=9.0 + 4.0 if n == 24 else 0.0)
+    saved(24, waited_for_previous_s=13.0)
     end = time.time() - 3.0
-    checkpoint(event="saved", step=25, seconds=18.0, gb=36.6, gb_per_s=2.0, waited_for_previous_s=5.5, end=end)
+    lines.pop()  # the end-of-run save's line comes first, then the bench deletes that checkpoint
+    checkpoint(event="saved", step=25, seconds=18.0, waited_for_previous_s=9.0 + 5.5, end=end)
+    lines.append("bench: deleted the saved checkpoint of step 24 in 9.00 s")
     lines.append("bench: deleted the saved checkpoint of step 25 in 0.40 s")
     lines.append("mcorekit.train: shutdown " + json.dumps({"trained": end + 0.6, "host_cache_released": end + 0.9,
                                                            "ranks_through": end + 0.9, "exit_handlers": end + 0.95}))
@@ -70,15 +83,15 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
 def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(start_save.subprocess, "run", fake_training)
-    assert async_save.main(["--out", str(tmp_path)]) == 0
+    assert async_save.main(["--out", str(tmp_path), "--every", "8"]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     assert list(r) == ["gpu", "host"]
     for name, blocking in (("gpu", 0.3), ("host", 14.0)):
         got = r[name]
-        assert [(s["step"], s["staged_on"], s["blocking_s"], s["seconds"]) for s in got["saves"]] == [
-            (10, name, blocking, 20.0), (20, name, blocking, 20.0)]
-        assert got["step_s_free"] == pytest.approx(2.0)  # steps 5-9, 13-19, 23-24
-        assert got["step_s_in_flight"] == pytest.approx((2.0 + 2.1) / 2)  # steps 11-12 and 21-22, less the blocking
+        assert [(s["step"], s["staged_on"], s["blocking_s"], s["waited_for_previous_s"]) for s in got["saves"]] == [
+            (8, name, blocking, 0.0), (16, name, blocking, 0.0), (24, name, blocking, 4.0)]  # less the deletion
+        assert got["step_s_free"] == pytest.approx(2.0)  # step 11 less the deletion of 8's checkpoint
+        assert got["step_s_in_flight"] == pytest.approx(2.0)  # 9-10, 17-24, 25 (less the blocking and the wait)
         assert (got["final_save_s"], got["final_waited_for_previous_s"]) == (18.0, 5.5)
         assert got["exit_after_final_save_s"] == pytest.approx(3.0 - 0.4, abs=0.3)  # less the bench's deletion
         assert got["peak_mem_gb"] == (107.0 if name == "gpu" else 70.0)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from single_rank import free_port
+
 from mcorekit.train.__main__ import default_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,14 +71,6 @@ def test_a_finished_run_runs_the_exit_handlers_then_leaves_at_once(tmp_path: Pat
     marks = json.loads(shutdown.removeprefix("mcorekit.train: shutdown "))
     assert list(marks) == ["trained", "host_cache_released", "ranks_through", "exit_handlers"]
     assert (tmp_path / "handler").read_text() == "ran"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 RANK = """
