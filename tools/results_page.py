@@ -695,6 +695,21 @@ def async_save_headline(m: Measurement) -> str:
     return "; ".join(one(name, r) for name, r in m.results.items() if "error" not in r)
 
 
+def writer_probe_table(m: Measurement) -> str:
+    def cell(v: Any) -> str:
+        return "" if v is None else str(v)
+
+    return table(["scenario", "writer GB/s", "step s (median)"],
+                 [[r["scenario"], cell(r.get("writer_gb_per_s")), cell(r.get("step_s"))] for r in m.results])
+
+
+def writer_probe_headline(m: Measurement) -> str:
+    r = {x["scenario"]: x for x in m.results}
+    return (f"writer beside GPU steps: {r['gpu-steps']['writer_gb_per_s']} GB/s copying from the GPU, "
+            f"{r['host-steps']['writer_gb_per_s']} GB/s from pinned host memory; steps {r['gpu-steps']['step_s']} s "
+            f"against {r['steps']['step_s']} s alone")
+
+
 def fp8_quant_table(m: Measurement) -> str:
     quant = [r for r in m.results if "eager_ms" in r]
     gemms = [r for r in m.results if "tflops" in r]
@@ -742,6 +757,7 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "host_alloc_probe": (host_alloc_probe_table, host_alloc_probe_headline),
     "async_run": (async_run_table, async_run_headline),
     "async_save": (async_save_table, async_save_headline),
+    "writer_probe": (writer_probe_table, writer_probe_headline),
 }
 
 
