@@ -77,9 +77,10 @@ convert export data: setup
 	$(MK) $@ $(ARGS)
 
 # On the GPU machine (where the GPU stack is staged, not .venv): the one-GPU suite in one call (-n 4 shares the one
-# GPU; 508 s for its 59 tests on one H200 at `397c5af`), the post-training and model-family tests (DPO, LoRA, GRPO, DeepSeek-V3/GPT-OSS;
-# one GPU, their two-GPU cases skip there), and the two-GPU suites (layouts, Megatron-FSDP). From tests/: run from the
-# repository root, its mcorekit/ folder would shadow the installed package. GPU_PY is that machine's python.
+# GPU; 508 s for its 59 tests on one H200 at `397c5af`), the post-training and model-family tests (DPO, LoRA, GRPO,
+# DeepSeek-V3/GPT-OSS; one GPU, their two-GPU cases skip there), and the two-GPU suites (layouts, Megatron-FSDP). From
+# tests/: run from the repository root, its mcorekit/ folder would shadow the installed package. GPU_PY is that
+# machine's python.
 # -v names each result as it ends: a call cut by its time limit still says which test failed (-q printed dots).
 GPU_PY ?= python3
 test-gpu:
