@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from start_save import (DEADLINE, SHAPES, WARM_STEPS, WORKER, bench_config, exit_phases, in_flight_steps, parse,
-                        step_seconds, train)
+from start_save import (DEADLINE, SHAPES, WARM_STEPS, WORKER, bench_config, checked, exit_phases, in_flight_steps,
+                        parse, step_seconds, train)
 
 HOST_STAGING = "from mcorekit.train import checkpoint_writer as w\nw.room_on_gpu = lambda nbytes, queue: False\n"
 
@@ -157,17 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.dry:
-        from mcorekit.config.experiment import load_experiment
-        from mcorekit.config.rules import Nodes, problems
-
         path = experiment(a.shape, out / f"{a.shape}-dry", out / f"{a.shape}-dry-ckpt", a.steps, a.every)
-        exp = load_experiment(path)
-        if bad := problems(exp, 1, Nodes(transformer_engine=True, gpus=False)):
-            print(f"{path}: {bad}", file=sys.stderr)
-            return 1
-        print(f"{path} ok ({exp.model.preset}, {exp.schedule.train_iters} steps, async_save="
-              f"{exp.checkpoint.async_save}, save_interval={exp.checkpoint.save_interval})")
-        return 0
+        return 0 if checked(path, a.shape) else 1
     DEADLINE[0] = time.time() + a.budget
     results: dict[str, dict[str, Any]] = {}
     for staging in stagings:

@@ -273,6 +273,20 @@ def measure(shape: str, out: Path, dd_gb: int, results: list[dict[str, Any]]) ->
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
+def checked(path: Path, label: str) -> bool:
+    """Whether the experiment file passes the project's loader and rules for one GPU (printed either way)."""
+    from mcorekit.config.experiment import load_experiment
+    from mcorekit.config.rules import Nodes, problems
+
+    exp = load_experiment(path)
+    if bad := problems(exp, 1, Nodes(transformer_engine=True, gpus=False)):
+        print(f"{label}: {path}: {bad}", file=sys.stderr)
+        return False
+    print(f"{label}: {path} ok ({exp.model.preset}, {exp.schedule.train_iters} steps, "
+          f"async_save={exp.checkpoint.async_save}, save_interval={exp.checkpoint.save_interval})")
+    return True
+
+
 def table(results: list[dict[str, Any]]) -> str:
     def cell(r: dict[str, Any], part: str, key: str, fmt: str = "{:.1f}") -> str:
         v = r.get(part, {}).get(key) if part else r.get(key)
@@ -342,18 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [s for s in shapes if s not in SHAPES]:
         p.error(f"unknown shape(s) {bad}: {', '.join(SHAPES)}")
     if a.dry:
-        from mcorekit.config.experiment import load_experiment
-        from mcorekit.config.rules import Nodes, problems
-
         for shape in shapes:
             for run in ("save", "async"):
-                path = bench_config(shape, run, out / f"{shape}-{run}", out / f"{shape}-ckpt")
-                exp = load_experiment(path)
-                if bad := problems(exp, 1, Nodes(transformer_engine=True, gpus=False)):
-                    print(f"{shape} {run}: {path}: {bad}", file=sys.stderr)
+                if not checked(bench_config(shape, run, out / f"{shape}-{run}", out / f"{shape}-ckpt"),
+                               f"{shape} {run}"):
                     return 1
-                print(f"{shape} {run}: {path} ok ({exp.model.preset}, {exp.schedule.train_iters} steps, "
-                      f"async_save={exp.checkpoint.async_save}, save_interval={exp.checkpoint.save_interval})")
         return 0
     DEADLINE[0] = time.time() + a.budget
     results: list[dict[str, Any]] = []
