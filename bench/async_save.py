@@ -12,8 +12,8 @@ step time while a save was in flight (less its blocking part and its wait) again
 end-of-run save, its wait, and how long the process lived on after it (and where: start_save.exit_phases); peak GPU
 memory (max_memory_allocated). The bench's deletions of finalized checkpoints are taken out of the steps and waits
 that hold them (deletions). The `host` run stages in host memory through a bench-only patch (room_on_gpu answering
-no). Prints a Markdown table and writes results.json after each run. --dry writes and validates the experiment
-file only.
+no); `gpu-nohint` stages on the GPU without the writer's writeback hints (WRITEBACK_BYTES out of reach). Prints a
+Markdown table and writes results.json after each run. --dry writes and validates the experiment file only.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ from start_save import (DEADLINE, SHAPES, WARM_STEPS, WORKER, bench_config, chec
                         parse, step_seconds, train)
 
 HOST_STAGING = "from mcorekit.train import checkpoint_writer as w\nw.room_on_gpu = lambda nbytes, queue: False\n"
+# bench-only patches before the worker: the run's staging, "gpu" being the defaults
+STAGINGS = {"gpu": "", "host": HOST_STAGING,
+            # staged on the GPU, the writer not handing what it wrote to the kernel's writeback as it goes
+            "gpu-nohint": "from mcorekit.train import checkpoint_writer as w\nw.WRITEBACK_BYTES = 1 << 62\n"}
 
 
 def experiment(shape: str, run_dir: Path, ckpt: Path, steps: int, every: int) -> Path:
@@ -47,7 +51,7 @@ def experiment(shape: str, run_dir: Path, ckpt: Path, steps: int, every: int) ->
 def run(shape: str, staging: str, out: Path, steps: int, every: int) -> dict[str, Any]:
     run_dir, ckpt = out / f"{shape}-{staging}", out / f"{shape}-{staging}-ckpt"
     config = experiment(shape, run_dir, ckpt, steps, every)
-    worker = (HOST_STAGING if staging == "host" else "") + WORKER
+    worker = STAGINGS[staging] + WORKER
     shutil.rmtree(ckpt, ignore_errors=True)  # a fresh start
     code, log, ended = train([sys.executable, "-c", worker, "--config", str(config), "--run-dir", str(run_dir)],
                              run_dir)
@@ -143,15 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="3b", choices=sorted(SHAPES))
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--every", type=int, default=10, help="an async save every this many steps")
-    p.add_argument("--staging", default="gpu,host", help="comma-separated, of gpu, host; in this order")
+    p.add_argument("--staging", default="gpu,host", help=f"comma-separated, of {', '.join(STAGINGS)}; in this order")
     p.add_argument("--out", default="/tmp/mcorekit-async-save")
     p.add_argument("--budget", type=float, default=540, help="seconds for the whole bench (a process still running "
                    "then is killed), so one GPU call always returns")
     p.add_argument("--dry", action="store_true", help="write and validate the experiment file, train nothing")
     a = p.parse_args(argv)
     stagings = a.staging.split(",")
-    if bad := [s for s in stagings if s not in ("gpu", "host")]:
-        p.error(f"unknown staging {bad}: gpu, host")
+    if bad := [s for s in stagings if s not in STAGINGS]:
+        p.error(f"unknown staging {bad}: {', '.join(STAGINGS)}")
     if not WARM_STEPS + 2 < a.every < a.steps:
         p.error(f"--every must lie between {WARM_STEPS + 2} and --steps: steady steps come first")
     out = Path(a.out)

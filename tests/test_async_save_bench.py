@@ -30,12 +30,16 @@ def test_dry_run_writes_a_valid_config(tmp_path: Path, capsys: pytest.CaptureFix
         async_save.main(["--dry", "--out", str(tmp_path), "--every", "3"])
 
 
+WORKERS: list[str] = []
+
+
 def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
     """Stands in for the bench's worker (--steps 25 --every 8): async saves at steps 8, 16 and 24, the end-of-run
     save at 25; staged on the GPU unless the worker carries the bench's host-staging patch. The save of step 8 is
     finalized in the poll before step 11 (its deletion, 9 s, in that step), the save of 16 while the save of 24
     waits for it (the deletion in that wait), the save of 24 while the end-of-run save waits for it (likewise)."""
     worker = cmd[cmd.index("-c") + 1]
+    WORKERS.append(worker)
     host = worker.startswith(async_save.HOST_STAGING) and "finalize_then_delete" in worker
     run_dir = Path(cmd[cmd.index("--run-dir") + 1])
     cfg = yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())
@@ -83,9 +87,12 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
 def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(start_save.subprocess, "run", fake_training)
-    assert async_save.main(["--out", str(tmp_path), "--every", "8"]) == 0
+    WORKERS.clear()
+    assert async_save.main(["--out", str(tmp_path), "--every", "8", "--staging", "gpu,host,gpu-nohint"]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
-    assert list(r) == ["gpu", "host"]
+    assert list(r) == ["gpu", "host", "gpu-nohint"] and r["gpu-nohint"]["saves"][0]["staged_on"] == "gpu"
+    assert [w.removesuffix(start_save.WORKER) for w in WORKERS] == ["", async_save.HOST_STAGING,
+                                                                    async_save.STAGINGS["gpu-nohint"]]
     for name, blocking in (("gpu", 0.3), ("host", 14.0)):
         got = r[name]
         assert [(s["step"], s["staged_on"], s["blocking_s"], s["waited_for_previous_s"]) for s in got["saves"]] == [
@@ -96,6 +103,6 @@ def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pyte
         assert got["exit_after_final_save_s"] == pytest.approx(3.0 - 0.4, abs=0.3)  # less the bench's deletion
         assert got["peak_mem_gb"] == (107.0 if name == "gpu" else 70.0)
     table = capsys.readouterr().out
-    assert "| | gpu run | host run |" in table and "|   loop blocked, s | 0.3 | 14.0 |" in table
-    assert "|   staged on | gpu | host |" in table
+    assert "| | gpu run | host run | gpu-nohint run |" in table and "|   loop blocked, s | 0.3 | 14.0 | 0.3 |" in table
+    assert "|   staged on | gpu | host | gpu |" in table
     assert not list(tmp_path.glob("*-ckpt"))
