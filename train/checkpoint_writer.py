@@ -230,9 +230,11 @@ class WriterThread:
     (room_on_gpu), that copy is made on the GPU (snapshot_on_gpu: a device-to-device copy, queued, nothing waited
     for) and the thread copies each tensor to host memory as it writes it, as a synchronous save does
     (stage_per_tensor); otherwise the whole save is staged in pinned host memory first (Megatron-Core's staging,
-    which the loop waits for). On one H200, 3B shape (36.6 GB), staging in pinned host memory blocked the loop
-    14.0 s the first time (2026-12-03, `0fb8253`; 25.6 s with a forked writer, which copies the pinned pages), and
-    handing back those pages at the end took 2.4 s.
+    which the loop waits for). On one H200, 3B shape (36.6 GB; 2026-12-03, `397c5af`, bench/async_save.py): staged
+    on the GPU the loop blocked 0.5-0.6 s per save and the process ended 0.63 s after its last save; staged in
+    pinned host memory 9.5 s the first time, 1.1 s later, and 3.5 s at the end (handing back the pinned pages;
+    14.0 s and 2.4 s at `0fb8253`, another machine). The GPU-staged write took longer beside the steps (43 against
+    33 s for the first save); why is not known.
 
     The writes release the GIL. Megatron-Core's writer switches the garbage collector off while it writes (for the
     whole process now; it switches it back on). The staged copy is released by close(), on the training thread:
