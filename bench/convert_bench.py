@@ -1,6 +1,6 @@
 """Conversion throughput and memory, next to the disk's own speed and a naive baseline, in one run.
 
-    .venv/bin/python bench/convert_bench.py [--layers 20] [--workdir /tmp/mcorekit-bench]
+    .venv/bin/python bench/convert_bench.py [--layers 20] [--workdir /tmp/mcorekit-bench] [--repeat 3] [--busy]
 
 1. generates a random Llama-shaped HF checkpoint (hidden 2048, GQA 16/8, FFN 5632, vocab 32768, bf16; 20 layers
    is 2.1 GB) in 5 safetensors shards;
@@ -11,7 +11,9 @@
    parallel (this one), both at once take as long as one after the other;
 3. runs, each in its own process (peak RSS is that process's): naive HF->HF (transformers from_pretrained +
    save_pretrained), mcorekit hf-to-mcore (torch_dist) and mcorekit mcore-to-hf;
-4. prints a Markdown table. Page cache is dropped before each step when the machine allows it.
+4. prints a Markdown table. Page cache is dropped before each step when the machine allows it. With --repeat N the
+   three steps run N rounds (one conversion of the same files took 3.8-5.8 s in one hour on this machine): each
+   step's median time and its range.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -122,6 +125,8 @@ def run(code: str, *args: str) -> tuple[float, float]:
 
 
 def steps(rows: list[tuple[str, float, float]], hf: Path, work: Path) -> None:
+    for out in ("naive", "mcore", "back"):  # a previous round's outputs
+        shutil.rmtree(work / out, ignore_errors=True)
     drop_caches()
     t, rss = run(NAIVE, str(hf), str(work / "naive"))
     rows.append(("naive: transformers from_pretrained + save_pretrained (HF -> HF)", t, rss))
@@ -138,6 +143,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=20)
     ap.add_argument("--workdir", default="/tmp/mcorekit-bench")
     ap.add_argument("--busy", action="store_true", help="run the steps (not the dd) next to a process that keeps one core busy")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the three steps; the table gives each step's median "
+                    "time (and its range), x naive from the medians, the largest peak RSS")
     a = ap.parse_args()
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     work = fresh_dir(a.workdir)
@@ -159,10 +166,12 @@ def main() -> None:
     (work / "ddfile2").unlink()
     os.sync()
     time.sleep(2)  # the filesystem discards the deleted blocks (mount -o discard) before the next step starts
-    rows = []
+    rounds: list[list[tuple[str, float, float]]] = []
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if a.busy else None
     try:
-        steps(rows, hf, work)
+        for _ in range(a.repeat):
+            rounds.append([])
+            steps(rounds[-1], hf, work)
     finally:
         if busy:
             busy.kill()
@@ -172,10 +181,17 @@ def main() -> None:
           f"{'one core kept busy by another process' if a.busy else 'no other load started'} (load average before: {load})")
     print(f"disk (dd, O_DIRECT): write {gb / w:.2f} GB/s, read {gb / r:.2f} GB/s; reading and writing the checkpoint's "
           f"size at once {both:.2f} s ({gb / both:.2f} GB/s of conversion; one after the other {w + r:.2f} s)\n")
+    rows = [(name, statistics.median(r[i][1] for r in rounds), max(r[i][2] for r in rounds),
+             [r[i][1] for r in rounds]) for i, (name, _, _) in enumerate(rounds[0])]
     print("| step | time (s) | GB/s | x naive | vs disk (read+write at once) | peak RSS (GB) | RSS / largest shard |")
     print("|---|---|---|---|---|---|---|")
-    for name, t, rss in rows:
-        print(f"| {name} | {t:.1f} | {gb / t:.2f} | {rows[0][1] / t:.2f} | {both / t * 100:.0f}% | {rss:.2f} | {rss / largest:.1f}x |")
+    for name, t, rss, times in rows:
+        spread = f" ({min(times):.1f}-{max(times):.1f})" if len(times) > 1 else ""
+        print(f"| {name} | {t:.1f}{spread} | {gb / t:.2f} | {rows[0][1] / t:.2f} | {both / t * 100:.0f}% | {rss:.2f} | "
+              f"{rss / largest:.1f}x |")
+    if len(rounds) > 1:
+        print(f"\n{len(rounds)} rounds, each step's time the median (range); each round: "
+              + "; ".join(", ".join(f"{t:.1f}" for _, t, _ in r) for r in rounds))
     shutil.rmtree(work, ignore_errors=True)
 
 
