@@ -143,8 +143,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=20)
     ap.add_argument("--workdir", default="/tmp/mcorekit-bench")
     ap.add_argument("--busy", action="store_true", help="run the steps (not the dd) next to a process that keeps one core busy")
-    ap.add_argument("--repeat", type=int, default=1, help="rounds of the three steps; the table gives each step's median "
-                    "time (and its range), x naive from the medians, the largest peak RSS")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the three steps; the table gives each step's "
+                    "median time (and its range), x naive from the medians, the largest peak RSS")
     a = ap.parse_args()
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     work = fresh_dir(a.workdir)

@@ -59,7 +59,8 @@ LEVERS = {  # name: (CRC-32s, staged per tensor, writer threads, writeback every
 
 
 def copied_when_asked(tensors: list[Any]) -> Iterator[Any]:
-    """The no-ahead lever's stand-in for checkpoint_writer.copied_ahead: each tensor copied when the writer asks for it."""
+    """The no-ahead lever's stand-in for checkpoint_writer.copied_ahead: each tensor copied when the writer asks for
+    it."""
     for item, tensor in tensors:
         yield item, tensor.to("cpu")
 

@@ -98,12 +98,13 @@ def prepare_training_process(env: dict[str, str] | None = None) -> None:
 def use_registered_pinning(env: dict[str, str] | None = None) -> str:
     """Pinned host memory from malloc + cudaHostRegister on 8 threads instead of cudaHostAlloc (torch's caching host
     allocator options, added to the allocator settings the environment has). An async save without room for its
-    copy on the GPU stages the whole checkpoint in pinned memory at its first save, which blocks the loop: for 36 GB on one H200 (2026-12-03,
-    bench/host_alloc_probe.py) 22.0 s with cudaHostAlloc, 5.1 s with this (3.4 s with 16 threads), and pinning on
-    another thread slowed the GPU steps launched meanwhile 94x with cudaHostAlloc (it holds CUDA's lock), 4% with
-    this. In a 3B run the first async save blocked 14.0 s (23-26 s before; its writer a thread, not a fork, which
-    would copy these pages: train/checkpoint_writer.WriterThread) and the staging was handed back at the end in 2.4 s
-    (6.1-9.6 s). Settings that already name pinned_use_cuda_host_register are left as they are. Returns them."""
+    copy on the GPU stages the whole checkpoint in pinned memory at its first save, which blocks the loop: for 36 GB
+    on one H200 (2026-12-03, bench/host_alloc_probe.py) 22.0 s with cudaHostAlloc, 5.1 s with this (3.4 s with 16
+    threads), and pinning on another thread slowed the GPU steps launched meanwhile 94x with cudaHostAlloc (it holds
+    CUDA's lock), 4% with this. In a 3B run the first async save blocked 14.0 s (23-26 s before; its writer a thread,
+    not a fork, which would copy these pages: train/checkpoint_writer.WriterThread) and the staging was handed back at
+    the end in 2.4 s (6.1-9.6 s). Settings that already name pinned_use_cuda_host_register are left as they are. Returns
+    them."""
     env = os.environ if env is None else env
     name = next((n for n in ALLOC_CONFS if n in env), ALLOC_CONFS[0])  # set, even to nothing, is what torch reads
     conf = env.get(name, "")

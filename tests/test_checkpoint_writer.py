@@ -280,10 +280,10 @@ def staging_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_background_save_is_written_by_a_thread(model_parallel: None, staging_on_cpu: None, tmp_path: Path) -> None:
-    """With async_save a save is written by a thread of this process (train/checkpoint_writer.WriterThread; Megatron-Core's
-    own caller forks a process) and finalized once written (.metadata, then the finalize functions): the same files
-    as a save written at once, without CRC-32s as those (the thread keeps the setting of the save that scheduled
-    it). A save the loop waits for is written at once. No process is started, and Megatron-Core's module-level
+    """With async_save a save is written by a thread of this process (train/checkpoint_writer.WriterThread;
+    Megatron-Core's own caller forks a process) and finalized once written (.metadata, then the finalize functions): the
+    same files as a save written at once, without CRC-32s as those (the thread keeps the setting of the save that
+    scheduled it). A save the loop waits for is written at once. No process is started, and Megatron-Core's module-level
     results queue is left as it was (it would be a multiprocessing Manager, whose server process it spawns)."""
     import multiprocessing
 

@@ -661,12 +661,14 @@ def host_alloc_probe_headline(m: Measurement) -> str:
 def async_run_table(m: Measurement) -> str:
     r = m.results
     rows = [["async save: the loop blocked", f"{r['async_blocking_s']:.2f} s"],
-            ["async save: begun to finalized", f"{r['async_save_s']:.1f} s ({r['async_save_gb_per_s']:.2f} GB/s, {r['ckpt_gb']:.1f} GB)"],
+            ["async save: begun to finalized",
+             f"{r['async_save_s']:.1f} s ({r['async_save_gb_per_s']:.2f} GB/s, {r['ckpt_gb']:.1f} GB)"],
             ["step without a save (steps " + ", ".join(map(str, r["steps_free"])) + ")", f"{r['step_s_free']:.3f} s"],
             ["step while the thread writes (steps " + ", ".join(map(str, r["steps_in_flight"])) + ")",
              f"{r['step_s_in_flight']:.3f} s ({(r['step_s_in_flight'] / r['step_s_free'] - 1) * 100:+.1f}%)"],
             ["end-of-run save", f"{r['final_save_s']:.1f} s ({r['final_save_gb_per_s']:.2f} GB/s)"],
-            ["then: pinned memory handed back / exit handlers", f"{r['host_cache_s']:.2f} s / {r['exit_handlers_s']:.2f} s"]]
+            ["then: pinned memory handed back / exit handlers",
+             f"{r['host_cache_s']:.2f} s / {r['exit_handlers_s']:.2f} s"]]
     return table(["3B shape, one run", "measured"], rows)
 
 
@@ -679,7 +681,9 @@ def async_run_headline(m: Measurement) -> str:
 
 def async_save_table(m: Measurement) -> str:
     """bench/async_save.py's own table, from its results.json."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
     from async_save import table as bench_table
 
     return bench_table(m.results)

@@ -83,13 +83,13 @@ def copy_stream(device: Any) -> Any:
 
 def copied_ahead(tensors: list[Any], after: Any = None) -> Iterator[Any]:
     """(item, tensor in host memory) for each (item, tensor), in order. A GPU tensor's copy is started on a side
-    stream (copy_stream) when the tensor before it is handed out, into pinned memory from torch's caching host allocator: the copy
-    engine copies tensor i+1 while the writer writes tensor i. Three blocks are alive at a time (the one being
-    written, the one being copied, the next one's), each rounded up to a power of two by the allocator, which keeps
-    them for later tensors and later saves (pinned once per size, not per save; handed back at exit, shutdown.py).
-    A tensor's layout is the GPU tensor's (empty_like), as `tensor.to("cpu")` gives. Host tensors are handed out as
-    they are. The first copy starts after everything queued on the GPU so far (the tensors' last writes, on any
-    stream), or, given the CUDA event `after`, once that has happened (a snapshot's copies, snapshot_on_gpu)."""
+    stream (copy_stream) when the tensor before it is handed out, into pinned memory from torch's caching host
+    allocator: the copy engine copies tensor i+1 while the writer writes tensor i. Three blocks are alive at a time (the
+    one being written, the one being copied, the next one's), each rounded up to a power of two by the allocator, which
+    keeps them for later tensors and later saves (pinned once per size, not per save; handed back at exit, shutdown.py).
+    A tensor's layout is the GPU tensor's (empty_like), as `tensor.to("cpu")` gives. Host tensors are handed out as they
+    are. The first copy starts after everything queued on the GPU so far (the tensors' last writes, on any stream), or,
+    given the CUDA event `after`, once that has happened (a snapshot's copies, snapshot_on_gpu)."""
     import torch
 
     stream = None
