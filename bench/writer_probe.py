@@ -1,16 +1,19 @@
-"""Why a background checkpoint write staged on the GPU runs slower beside training steps than one staged in host memory
-(docs/train.md, 2026-12-03: 0.84 against 1.11 GB/s on one H200): torch only, one process, the parts apart.
+"""Why a background checkpoint write staged on the GPU ran slower beside training steps than one staged in host memory
+(docs/train.md: 0.84 against 1.11 GB/s on one H200 on 2026-12-03): one process, torch and mcorekit's writer parts
+(no Megatron-Core), the parts apart.
 
-    python bench/writer_probe.py [--gb 8] [--out /tmp/writer-probe] [--scenarios all]
+    [CUDA_DEVICE_MAX_CONNECTIONS=1] python bench/writer_probe.py [--gb 8] [--out /tmp/writer-probe] [--scenarios all]
 
 A writer thread writes --gb of tensors (128 MB each) to files with torch.save and fsyncs them, as a checkpoint
 writer does, while the main thread either rests or runs "steps" (bf16 matmuls on the GPU, each step ended by a
 `.item()`, as a training step ends with its loss; `sync` ends each with torch.cuda.synchronize instead). The
-writer takes its tensors either from pinned host memory staged before (`host`) or from the GPU, each copied to
-pinned memory on a high-priority side stream one tensor ahead of the writer (`gpu`, what
-train/checkpoint_writer.copied_ahead does); `copy` copies without writing. Reported per scenario: the writer's
-GB/s and the steps' seconds (against the steps alone). Host memory is pinned through cudaHostRegister, as in
-training (runtime/env.use_registered_pinning). CPU only: a smoke run with tiny sizes and no copies.
+writer takes its tensors either from pinned host memory staged before (`host`) or from the GPU, copied to pinned
+memory on the writer's high-priority side stream by train/checkpoint_writer.copied_ahead: one tensor ahead of the
+writer (`gpu`, a synchronous save's copies) or AHEAD_BYTES ahead (`gpu-window`, a background save's); `copy`
+copies without writing. Run it with CUDA_DEVICE_MAX_CONNECTIONS=1, as the launcher's jobs run, and without: with
+one connection a copy waits for the step queued before it. Reported per scenario: the writer's GB/s and the steps'
+seconds (against the steps alone). Host memory is pinned through cudaHostRegister, as in training
+(runtime/env.use_registered_pinning). CPU only: a smoke run with tiny sizes and no copies.
 """
 
 from __future__ import annotations
@@ -35,30 +38,10 @@ SCENARIOS = {  # name: (tensors from, main thread, write)
     "gpu-idle": ("gpu", None, True),
     "gpu-steps": ("gpu", "item", True),
     "gpu-steps-sync": ("gpu", "sync", True),
+    "gpu-window-steps": ("gpu-window", "item", True),
     "copy-steps": ("gpu", "item", False),
+    "copy-window-steps": ("gpu-window", "item", False),
 }
-
-
-def from_gpu(tensors: list[Any], stream: Any) -> Iterator[Any]:
-    """Each tensor in pinned host memory, copied one ahead of the consumer on `stream`."""
-    def start(t: Any) -> tuple[Any, Any]:
-        host = torch.empty_like(t, device="cpu", pin_memory=True)
-        with torch.cuda.stream(stream):
-            host.copy_(t, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return host, done
-
-    ahead = None
-    for t in tensors:
-        started = start(t)
-        if ahead is not None:
-            ahead[1].synchronize()
-            yield ahead[0]
-        ahead = started
-    if ahead is not None:
-        ahead[1].synchronize()
-        yield ahead[0]
 
 
 def writer(tensors: Iterator[Any], out: Path, write: bool, result: dict[str, float]) -> None:
@@ -102,10 +85,11 @@ def run(name: str, gpu_tensors: list[Any], host_tensors: list[Any], out: Path, s
         return {"scenario": name, "step_s": round(statistics.median(times), 4)}
     if source == "host":
         tensors: Iterator[Any] = iter(host_tensors)
-    elif torch.cuda.is_available():
-        tensors = from_gpu(gpu_tensors, torch.cuda.Stream(priority=-1))
     else:
-        tensors = iter(gpu_tensors)
+        from mcorekit.train.checkpoint_writer import AHEAD_BYTES, copied_ahead
+
+        window = AHEAD_BYTES if source == "gpu-window" else 0
+        tensors = (t for _, t in copied_ahead(((None, t) for t in gpu_tensors), ahead_bytes=window))
     result: dict[str, float] = {}
     thread = threading.Thread(target=writer, args=(tensors, folder, write, result))
     thread.start()
