@@ -8,11 +8,10 @@ A writer thread writes --gb of tensors (128 MB each) to files with torch.save an
 writer does, while the main thread either rests or runs "steps" (bf16 matmuls on the GPU, each step ended by a
 `.item()`, as a training step ends with its loss; `sync` ends each with torch.cuda.synchronize instead). The
 writer takes its tensors either from pinned host memory staged before (`host`) or from the GPU, copied to pinned
-memory on the writer's high-priority side stream by train/checkpoint_writer.copied_ahead: one tensor ahead of the
-writer (`gpu`, a synchronous save's copies) or AHEAD_BYTES ahead (`gpu-window`, a background save's); `copy`
-copies without writing. Run it with CUDA_DEVICE_MAX_CONNECTIONS=1, as the launcher's jobs run, and without: with
-one connection a copy waits for the step queued before it. Reported per scenario: the writer's GB/s and the steps'
-seconds (against the steps alone). Host memory is pinned through cudaHostRegister, as in training
+memory on the writer's high-priority side stream one tensor ahead of the writer by
+train/checkpoint_writer.copied_ahead (`gpu`); `copy` copies without writing. Run it with
+CUDA_DEVICE_MAX_CONNECTIONS=1, as the launcher's jobs run, and without: with one connection a copy waits for the
+step queued before it. Reported per scenario: the writer's GB/s and the steps' seconds (against the steps alone). Host memory is pinned through cudaHostRegister, as in training
 (runtime/env.use_registered_pinning). CPU only: a smoke run with tiny sizes and no copies.
 """
 
@@ -38,9 +37,7 @@ SCENARIOS = {  # name: (tensors from, main thread, write)
     "gpu-idle": ("gpu", None, True),
     "gpu-steps": ("gpu", "item", True),
     "gpu-steps-sync": ("gpu", "sync", True),
-    "gpu-window-steps": ("gpu-window", "item", True),
     "copy-steps": ("gpu", "item", False),
-    "copy-window-steps": ("gpu-window", "item", False),
 }
 
 
@@ -86,10 +83,9 @@ def run(name: str, gpu_tensors: list[Any], host_tensors: list[Any], out: Path, s
     if source == "host":
         tensors: Iterator[Any] = iter(host_tensors)
     else:
-        from mcorekit.train.checkpoint_writer import AHEAD_BYTES, copied_ahead
+        from mcorekit.train.checkpoint_writer import copied_ahead
 
-        window = AHEAD_BYTES if source == "gpu-window" else 0
-        tensors = (t for _, t in copied_ahead(((None, t) for t in gpu_tensors), ahead_bytes=window))
+        tensors = (t for _, t in copied_ahead([(None, t) for t in gpu_tensors]))
     result: dict[str, float] = {}
     thread = threading.Thread(target=writer, args=(tensors, folder, write, result))
     thread.start()

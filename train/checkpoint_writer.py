@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections import deque
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -27,9 +26,8 @@ def stage_per_tensor(request: Any, writeback: bool = True, after: Any = None) ->
     (between two tensors), so the disk writes while the next tensors are copied and serialized rather than at the
     writer's closing fsync, as convert/'s writers do; a file that cannot be opened for the hint is written without.
     On leaving the block every stager is closed (a write that failed half-way leaves one paused, holding its file
-    and the tensors it was given, until the garbage collector, which the writer disables, would find it). `after`
-    (a background save's snapshot, whose copies run beside training steps): see copied_ahead; its copies are kept
-    AHEAD_BYTES ahead of the writer instead of one tensor."""
+    and the tensors it was given, until the garbage collector, which the writer disables, would find it). `after`:
+    see copied_ahead."""
     stage = request.preload_fn  # partial(FileSystemWriterAsync.preload_tensors, write_buckets, non_blocking)
     if stage is None:
         yield request
@@ -38,7 +36,7 @@ def stage_per_tensor(request: Any, writeback: bool = True, after: Any = None) ->
 
     def one_at_a_time(file_name: str, tensors: list[Any]) -> Iterator[Any]:
         fd, handed = -1, 0
-        copies = copied_ahead(tensors, after, AHEAD_BYTES if after is not None else 0)
+        copies = copied_ahead(tensors, after)
         try:
             for item, tensor in copies:
                 if writeback and fd < 0:
@@ -83,34 +81,23 @@ def copy_stream(device: Any) -> Any:
     return COPY_STREAMS[device]
 
 
-# Bytes of copies a background save keeps under way ahead of its writer. With CUDA_DEVICE_MAX_CONNECTIONS=1 (what the
-# launcher exports, for Megatron's TP/SP overlap) every stream feeds one hardware queue: a copy started during a step
-# runs after the kernels queued before it, at the step's end. One tensor ahead, the copies then ran at 1.5 GB/s beside
-# 0.43 s steps on one H200 (46 GB/s with 8 connections; bench/writer_probe.py, 2026-12-03), and a GPU-staged save wrote
-# at 1.0-1.2 GB/s where one staged in host memory wrote at 1.3-1.8 (bench/async_save.py). Copies started together wait
-# for the step's end once: about AHEAD_BYTES per step, 2 GB/s beside 2 s steps.
-AHEAD_BYTES = 4 << 30
-
-
-def copied_ahead(tensors: Any, after: Any = None, ahead_bytes: int = 0) -> Iterator[Any]:
+def copied_ahead(tensors: list[Any], after: Any = None) -> Iterator[Any]:
     """(item, tensor in host memory) for each (item, tensor), in order. A GPU tensor's copy is started on a side
-    stream (copy_stream), into pinned memory from torch's caching host allocator, before the tensor ahead of it is
-    handed out: the copy engine copies while the writer writes. Copies are started until those behind the next one
-    to hand out hold `ahead_bytes` (at least one tensor). The allocator rounds each block up to a power of two and
-    keeps it for later tensors and later saves (pinned once per size, not per save; handed back at exit,
-    shutdown.py). A tensor's layout is the GPU tensor's (empty_like), as `tensor.to("cpu")` gives. Host tensors are
-    handed out as they are. The first copy starts after everything queued on the GPU so far (the tensors' last
-    writes, on any stream), or, given the CUDA event `after`, once that has happened (a snapshot's copies,
-    snapshot_on_gpu)."""
+    stream (copy_stream) when the tensor before it is handed out, into pinned memory from torch's caching host
+    allocator: the copy engine copies tensor i+1 while the writer writes tensor i. Three blocks are alive at a time (the
+    one being written, the one being copied, the next one's), each rounded up to a power of two by the allocator, which
+    keeps them for later tensors and later saves (pinned once per size, not per save; handed back at exit, shutdown.py).
+    A tensor's layout is the GPU tensor's (empty_like), as `tensor.to("cpu")` gives. Host tensors are handed out as they
+    are. The first copy starts after everything queued on the GPU so far (the tensors' last writes, on any stream), or,
+    given the CUDA event `after`, once that has happened (a snapshot's copies, snapshot_on_gpu)."""
     import torch
 
     stream = None
 
-    def start(item: Any, tensor: Any) -> tuple[Any, Any, Any, int]:
+    def start(item: Any, tensor: Any) -> tuple[Any, Any, Any]:
         nonlocal stream
-        nbytes = tensor.numel() * tensor.element_size()
         if not tensor.is_cuda:
-            return item, tensor, None, nbytes
+            return item, tensor, None
         if stream is None:
             torch.cuda.set_device(tensor.device)  # a writer thread of its own starts on GPU 0 (a context there)
             if after is None:
@@ -123,30 +110,28 @@ def copied_ahead(tensors: Any, after: Any = None, ahead_bytes: int = 0) -> Itera
             host.copy_(tensor, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        return item, host, done, nbytes
+        return item, host, done
 
-    def finish(item: Any, host: Any, done: Any, nbytes: int) -> tuple[Any, Any]:
+    def finish(item: Any, host: Any, done: Any) -> tuple[Any, Any]:
         if done is not None:
             done.synchronize()
         return item, host
 
-    started: deque[tuple[Any, Any, Any, int]] = deque()  # copies started, not yet handed out
-    behind = 0  # bytes of those after the first
+    ahead = None  # the copy started and not yet handed out
     try:
         for item, tensor in tensors:
-            started.append(start(item, tensor))
-            if len(started) > 1:
-                behind += started[-1][3]
-            while len(started) > 1 and behind >= ahead_bytes:
-                ready = started.popleft()
-                behind -= started[0][3]
+            started = start(item, tensor)
+            if ahead is not None:
+                ready, ahead = ahead, started
                 yield finish(*ready)
-        while started:
-            yield finish(*started.popleft())
-    finally:  # closed early (a failed write): the copies under way end before their sources may be reused
-        for _, _, done, _ in started:
-            if done is not None:
-                done.synchronize()
+            else:
+                ahead = started
+        if ahead is not None:
+            ready, ahead = ahead, None
+            yield finish(*ready)
+    finally:  # closed early (a failed write): the copy under way ends before its source may be reused
+        if ahead is not None and ahead[2] is not None:
+            ahead[2].synchronize()
 
 
 @contextmanager
