@@ -29,9 +29,6 @@ defaults for the shape and --run):
   fp8-attn (--run fp8-delayed, -tensorwise or -mxfp8) attention in FP8 too: TE's FP8 fused attention (cuDNN),
            Megatron-Core's fp8_dot_product_attention, the FP8 recipe's fp8_dpa. Without it attention runs in bf16
            under FP8 training.
-  dp-ws    cuDNN's attention backward with its dP workspace allowed to hold the whole shape
-           (CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT; below it, 256 MiB by default, cuDNN accumulates dQ in fp32
-           instead); bench/attention_probe.py measures it on attention alone
 Levers combine with '+'. Tokens/s is the median over logged intervals after the first; one process per lever. Each
 process starts with an empty torch.compile cache and torch's dynamo log on (TORCH_LOGS=dynamo), so the table also
 gives its cold start (process start to the end of step 1) and the seconds torch.compile spent in it.
@@ -47,15 +44,12 @@ from pathlib import Path
 from results import compile_env, compile_summary, finish, metrics_summary, run_training, startup_marks, timed
 from train_bench import SHAPES, hf_run, write_config
 
-LEVERS = {"base", "eager", "gaf", "te-act", "ce-plain", "sync", "sort", "router", "fp8-attn", "dp-ws"}
+LEVERS = {"base", "eager", "gaf", "te-act", "ce-plain", "sync", "sort", "router", "fp8-attn"}
 FP8_ATTN_RUNS = ("fp8-delayed", "fp8-tensorwise", "fp8-mxfp8")  # Megatron-Core's block-scaling recipe has no fp8_dpa
 
 # Run in the training process before mcorekit.train's main: patches that switch a lever on (no config key yet), for
 # the levers named by `levers` (a set).
 PATCHES = r"""
-import os
-if "dp-ws" in levers:  # read by cuDNN's frontend when TE builds the attention graphs, after this
-    os.environ["CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT"] = str(64 << 30)
 import mcorekit.config.megatron as margs
 import mcorekit.models.grouped_mm_experts as gmm
 import mcorekit.models.megatron as mm

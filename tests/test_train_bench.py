@@ -72,7 +72,7 @@ def test_a_killed_bench_takes_its_training_process_with_it(tmp_path: Path) -> No
 
 
 LEVER_CHECK = r"""
-import json, os, sys
+import json, sys
 sys.path.insert(0, sys.argv[2])
 from levers import PATCHES
 levers = set(sys.argv[1].split("+"))
@@ -96,16 +96,14 @@ print("RESULT " + json.dumps({k: kw.get(k) for k in ("gradient_accumulation_fusi
       "bias_activation_fusion", "cross_entropy_loss_fusion", "fp8_dot_product_attention")}
       | {"config_te_act": config.use_te_activation_func, "spec": got,
          "te_act_passed": "use_te_activation_func" in calls[0],
-         "restored": gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec is recorder,
-         "dp_workspace": os.environ.get("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT")}))
+         "restored": gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec is recorder}))
 """
 
 
 @pytest.mark.parametrize("lever, expected", [
     ("base", {"gradient_accumulation_fusion": False, "use_te_activation_func": None, "bias_activation_fusion": True,
               "cross_entropy_loss_fusion": True, "fp8_dot_product_attention": None, "config_te_act": False,
-              "te_act_passed": False, "dp_workspace": None}),
-    ("dp-ws", {"gradient_accumulation_fusion": False, "dp_workspace": str(64 << 30)}),
+              "te_act_passed": False}),
     ("fp8-attn", {"gradient_accumulation_fusion": False, "fp8_dot_product_attention": True, "te_act_passed": False}),
     ("gaf+te-act+ce-plain", {"gradient_accumulation_fusion": True, "use_te_activation_func": True,
                              "bias_activation_fusion": False, "cross_entropy_loss_fusion": False, "config_te_act": True,
