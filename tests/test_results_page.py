@@ -180,3 +180,22 @@ def test_levers_and_step_profile_read_the_committed_dense_3b_runs() -> None:
     assert page.step_profile_headline(profile) == ("GPU busy 99% of a 2113 ms step: GEMM 65%, attention 16%, "
                                                    "other 15%, memory copy/set 3%")
     assert "| GPU idle (waiting for the host) | 18.3 | 0.9% |" in page.step_profile_table(profile)
+
+
+def test_attention_and_writer_probes_read_their_committed_runs() -> None:
+    """attention_probe's kernel columns come from the profiled kernels (the call columns include TE's host time),
+    and writer_probe's rows are told apart by CUDA_DEVICE_MAX_CONNECTIONS where they give it."""
+    page = generator()
+    attn = page.Measurement(DATA / "attention-probe-1gpu-2026-12-03")
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+            for line in page.attention_probe_table(attn).splitlines()[2:]}
+    assert rows["te-sbhd"][:4] == ["0.966", "1.411", "0.356 (579)", "0.995 (518)"]
+    assert rows["torch-flash"][2:4] == ["0.685 (301)", "1.823 (283)"] and rows["torch-flash"][-1] == "1.1e-03"
+    assert page.attention_probe_headline(attn) == ("TE (cuDNN): forward kernel 0.36 ms, backward kernel 0.99 ms; "
+                                                   "FlashAttention-2 (torch) 0.69 and 1.82 ms")
+    probe = page.Measurement(DATA / "writer-probe-connections-1gpu-2026-12-03")
+    assert "| copy-steps | 1 | 1.53 | 0.4311 |" in page.writer_probe_table(probe)
+    assert "| steps | 8 |  | 0.4296 |" in page.writer_probe_table(probe)  # no writer: an empty cell
+    headline = page.writer_probe_headline(probe)
+    assert headline.startswith("1 CUDA connection(s): the writer copying from the GPU one tensor ahead 0.605 GB/s")
+    assert "8 CUDA connection(s): " in headline and headline.endswith("the copies alone 45.761 GB/s")

@@ -703,15 +703,64 @@ def writer_probe_table(m: Measurement) -> str:
     def cell(v: Any) -> str:
         return "" if v is None else str(v)
 
-    return table(["scenario", "writer GB/s", "step s (median)"],
-                 [[r["scenario"], cell(r.get("writer_gb_per_s")), cell(r.get("step_s"))] for r in m.results])
+    by_connections = any("connections" in r for r in m.results)
+    header = ["scenario", *(["CUDA_DEVICE_MAX_CONNECTIONS"] if by_connections else []), "writer GB/s",
+              "step s (median)"]
+    return table(header, [[r["scenario"], *([cell(r.get("connections"))] if by_connections else []),
+                           cell(r.get("writer_gb_per_s")), cell(r.get("step_s"))] for r in m.results])
+
+
+WRITER_PROBE_WORDS = {"gpu-steps": "the writer copying from the GPU one tensor ahead",
+                      "gpu-window-steps": "the writer copying from the GPU 4 GiB ahead",
+                      "host-steps": "the writer from pinned host memory", "copy-steps": "the copies alone",
+                      "copy-window-steps": "the copies alone, 4 GiB ahead"}
 
 
 def writer_probe_headline(m: Measurement) -> str:
-    r = {x["scenario"]: x for x in m.results}
-    return (f"writer beside GPU steps: {r['gpu-steps']['writer_gb_per_s']} GB/s copying from the GPU, "
-            f"{r['host-steps']['writer_gb_per_s']} GB/s from pinned host memory; steps {r['gpu-steps']['step_s']} s "
-            f"against {r['steps']['step_s']} s alone")
+    """Beside the GPU steps, per CUDA_DEVICE_MAX_CONNECTIONS where the rows give it."""
+    parts = []
+    for connections in dict.fromkeys(r.get("connections") for r in m.results):
+        rows = {r["scenario"]: r for r in m.results if r.get("connections") == connections}
+        said = ", ".join(f"{words} {rows[name]['writer_gb_per_s']} GB/s" for name, words in WRITER_PROBE_WORDS.items()
+                         if name in rows)
+        where = f"{connections} CUDA connection(s)" if connections else "beside GPU steps"
+        parts.append(f"{where}: {said}")
+    return "; ".join(parts)
+
+
+def attention_probe_kernel_ms(r: dict, direction: str) -> float | None:
+    """The longest forward (fprop, flash_fwd) or backward (bprop, flash_bwd) kernel of one iteration, ms."""
+    marks = ("fprop", "flash_fwd") if direction == "fwd" else ("bprop", "flash_bwd")
+    return next((ms for name, ms in r.get("kernels", []) if any(mark in name for mark in marks)), None)
+
+
+def attention_probe_table(m: Measurement) -> str:
+    def kernel(r: dict, direction: str) -> str:
+        ms = attention_probe_kernel_ms(r, direction)
+        call_ms, tflops = r[f"{direction}_ms"], r[f"{direction}_tflops"]
+        return "" if ms is None else f"{ms:.3f} ({tflops * call_ms / ms:.0f})"
+
+    rows = []
+    for r in m.results:
+        if "error" in r:
+            rows.append([r["variant"], "failed", "", "", "", "", "", ""])
+            continue
+        rows.append([r["variant"], f"{r['fwd_ms']:.3f}", f"{r['bwd_ms']:.3f}", kernel(r, "fwd"), kernel(r, "bwd"),
+                     f"{r['peak_gb']:.2f}", f"{r['dq_rel_diff']:.1e}", f"{r['out_rel_diff']:.1e}"])
+    return table(["variant", "forward ms (call)", "backward ms (call)", "forward kernel ms (TFLOP/s)",
+                  "backward kernel ms (TFLOP/s)", "peak GB", "dq vs te-sbhd", "output vs te-sbhd"], rows)
+
+
+def attention_probe_headline(m: Measurement) -> str:
+    rows = {r["variant"]: r for r in m.results if "error" not in r}
+    ref = rows["te-sbhd"]
+    out = (f"TE (cuDNN): forward kernel {attention_probe_kernel_ms(ref, 'fwd'):.2f} ms, backward kernel "
+           f"{attention_probe_kernel_ms(ref, 'bwd'):.2f} ms")
+    if "torch-flash" in rows:
+        fa = rows["torch-flash"]
+        out += (f"; FlashAttention-2 (torch) {attention_probe_kernel_ms(fa, 'fwd'):.2f} and "
+                f"{attention_probe_kernel_ms(fa, 'bwd'):.2f} ms")
+    return out
 
 
 def fp8_quant_table(m: Measurement) -> str:
@@ -762,6 +811,7 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "async_run": (async_run_table, async_run_headline),
     "async_save": (async_save_table, async_save_headline),
     "writer_probe": (writer_probe_table, writer_probe_headline),
+    "attention_probe": (attention_probe_table, attention_probe_headline),
 }
 
 
