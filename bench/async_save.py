@@ -12,8 +12,10 @@ step time while a save was in flight (less its blocking part and its wait) again
 end-of-run save, its wait, and how long the process lived on after it (and where: start_save.exit_phases); peak GPU
 memory (max_memory_allocated). The bench's deletions of finalized checkpoints are taken out of the steps and waits
 that hold them (deletions). The `host` run stages in host memory through a bench-only patch (room_on_gpu answering
-no); `gpu-nohint` stages on the GPU without the writer's writeback hints (WRITEBACK_BYTES out of reach). Prints a
-Markdown table and writes results.json after each run. --dry writes and validates the experiment file only.
+no); `gpu-nohint` stages on the GPU without the writer's writeback hints (WRITEBACK_BYTES out of reach);
+`gpu-8conn` stages on the GPU with CUDA_DEVICE_MAX_CONNECTIONS=8 instead of 1 (with one, the writer's copies wait
+for the step queued before them: bench/writer_probe.py). Prints a Markdown table and writes results.json after each
+run. --dry writes and validates the experiment file only.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ HOST_STAGING = "from mcorekit.train import checkpoint_writer as w\nw.room_on_gpu
 # bench-only patches before the worker: the run's staging, "gpu" being the defaults
 STAGINGS = {"gpu": "", "host": HOST_STAGING,
             # staged on the GPU, the writer not handing what it wrote to the kernel's writeback as it goes
-            "gpu-nohint": "from mcorekit.train import checkpoint_writer as w\nw.WRITEBACK_BYTES = 1 << 62\n"}
+            "gpu-nohint": "from mcorekit.train import checkpoint_writer as w\nw.WRITEBACK_BYTES = 1 << 62\n",
+            # staged on the GPU, CUDA's default of 8 hardware queues instead of the 1 that jobs are given (read when
+            # the CUDA context is made, after this)
+            "gpu-8conn": "import os\nos.environ['CUDA_DEVICE_MAX_CONNECTIONS'] = '8'\n"}
 
 
 def experiment(shape: str, run_dir: Path, ckpt: Path, steps: int, every: int) -> Path:

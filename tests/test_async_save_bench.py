@@ -106,3 +106,15 @@ def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pyte
     assert "| | gpu run | host run | gpu-nohint run |" in table and "|   loop blocked, s | 0.3 | 14.0 | 0.3 |" in table
     assert "|   staged on | gpu | host | gpu |" in table
     assert not list(tmp_path.glob("*-ckpt"))
+
+
+def test_the_8conn_staging_gives_the_training_process_eight_cuda_connections() -> None:
+    """The gpu-8conn patch runs in the training process before CUDA starts, in an environment that says 1."""
+    import os
+    import subprocess
+    import sys
+
+    code = async_save.STAGINGS["gpu-8conn"] + "import os; print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'])"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "8"
