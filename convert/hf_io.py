@@ -7,7 +7,6 @@ any tensor is allocated, so a header claiming more bytes than the file holds fai
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mcorekit.convert.direct_io import ALIGN, open_direct, pwrite_all, pwrite_around_cache
 from mcorekit.convert.files import model_file, read_json, read_flat
 from mcorekit.errors import ConversionError
 from mcorekit.outputs import start_writeback
@@ -187,13 +187,16 @@ class HFReader:
 
 class _Shard:
     """One safetensors file written as its tensors arrive: each tensor's bytes go straight to their place behind
-    a header area reserved at the start (no shard-sized buffer); at close the header goes into that area, padded
-    with spaces as the format allows. A header that outgrew the area moves the data behind it once."""
+    a header area reserved at the start (no shard-sized buffer), around the page cache where the file system allows
+    it (convert/direct_io.py); at close the header goes into that area, padded with spaces as the format allows. A
+    header that outgrew the area moves the data behind it once."""
 
     def __init__(self, file: Path, reserved: int) -> None:
         self.file = file
-        self.reserved = reserved  # header area, a multiple of 8
+        self.reserved = reserved  # header area, a multiple of ALIGN: the data starts on the block grid
         self.fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.direct_fd = open_direct(file)
+        self.direct = self.direct_fd >= 0  # until the file system turns a direct write down
         self.entries: dict[str, dict[str, Any]] = {}
         self.end = 0  # bytes of tensor data placed so far
 
@@ -206,10 +209,14 @@ class _Shard:
         return self.reserved + self.end - nbytes
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
-        """The tensor's bytes at the offset place() gave it (any thread, in any order), then handed to the kernel's
-        writeback, so the disk writes while the next tensors are made."""
+        """The tensor's bytes at the offset place() gave it (any thread, in any order): its whole blocks around the
+        page cache, or, where that is refused, through it and then handed to the kernel's writeback, so the disk
+        writes while the next tensors are made."""
         data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
-        _pwrite_all(self.fd, data, offset)
+        if self.direct and len(data) >= WRITEBACK_MIN_BYTES:
+            self.direct = pwrite_around_cache(self.direct_fd, self.fd, data, offset)
+            return
+        pwrite_all(self.fd, data, offset)
         if len(data) >= WRITEBACK_MIN_BYTES:
             start_writeback(self.fd, offset, len(data))
 
@@ -220,32 +227,24 @@ class _Shard:
         if len(header) > room:
             room = -(-len(header) // 8) * 8  # the data then starts 8-byte aligned, as safetensors writes it
             self._move_data(8 + room)
-        _pwrite_all(self.fd, memoryview(struct.pack("<Q", room) + header + b" " * (room - len(header))), 0)
+        pwrite_all(self.fd, memoryview(struct.pack("<Q", room) + header + b" " * (room - len(header))), 0)
         os.fsync(self.fd)
-        fd, self.fd = self.fd, -1
-        os.close(fd)
+        self.abandon()
 
     def _move_data(self, start: int) -> None:
         """The data from the reserved area's end to `start` (later), last block first: the ranges may overlap."""
         block = 64 * 1024**2
         for at in range(max(self.end - 1, 0) // block * block, -1, -block):
             chunk = os.pread(self.fd, min(block, self.end - at), self.reserved + at)
-            _pwrite_all(self.fd, memoryview(chunk), start + at)
+            pwrite_all(self.fd, memoryview(chunk), start + at)
 
     def abandon(self) -> None:
-        if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """All of `data` at `offset`: a full disk can make pwrite write part of it (then 0 bytes) without raising."""
-    done = 0
-    while done < len(data):
-        n = os.pwrite(fd, data[done:], offset + done)
-        if n == 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        done += n
+        """Its descriptors closed."""
+        for name in ("direct_fd", "fd"):
+            fd = getattr(self, name)
+            setattr(self, name, -1)
+            if fd >= 0:
+                os.close(fd)
 
 
 class HFWriter:
@@ -275,7 +274,7 @@ class HFWriter:
         self._queued_bytes = 0
         self._names: set[str] = set()
         # room for the header: one entry (~120 bytes) per 2 KiB of shard holds every tensor of 256 KB and more
-        self.header_bytes = min(max(max_shard_bytes // 2048, 4096), 4 * 1024**2) // 8 * 8
+        self.header_bytes = min(max(max_shard_bytes // 2048, ALIGN), 4 * 1024**2) // ALIGN * ALIGN
 
     def __enter__(self) -> HFWriter:
         return self

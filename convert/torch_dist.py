@@ -60,9 +60,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from mcorekit.convert import distcp
+from mcorekit.convert.direct_io import DirectFile
 from mcorekit.convert.files import model_file, read_json, write_failure
 from mcorekit.errors import ConversionError
-from mcorekit.outputs import WRITEBACK_BYTES, start_writeback, without_crc32
+from mcorekit.outputs import without_crc32
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
@@ -190,23 +191,6 @@ class StreamingSavePlanner(SavePlanner):
         return tensor.contiguous()
 
 
-class _WritebackFile(io.FileIO):
-    """A file that hands what was written to the kernel's writeback every WRITEBACK_BYTES (mcorekit.outputs.start_writeback),
-    so the disk writes while chunks are still being read and serialized."""
-
-    def __init__(self, path: Any, mode: str) -> None:
-        super().__init__(path, mode)
-        self._written = self._handed = 0
-
-    def write(self, b: Any) -> int:
-        n = super().write(b)
-        self._written += n or 0
-        if self._written - self._handed >= WRITEBACK_BYTES:
-            start_writeback(self.fileno(), self._handed, self._written - self._handed)
-            self._handed = self._written
-        return n
-
-
 ITEM_ALIGN = 64  # every stored item starts at a multiple of this in its .distcp file
 
 
@@ -232,14 +216,14 @@ class _AligningStream(io.BufferedWriter):
         return pos
 
 
-class _WritebackFS(FileSystem):
+class _DirectFS(FileSystem):
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with _AligningStream(_WritebackFile(path, mode)) as stream:
+        with _AligningStream(DirectFile(path, mode)) as stream:
             yield stream
 
 
@@ -250,7 +234,7 @@ class _CountingWriter(FileSystemWriter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fs = _WritebackFS()
+        self.fs = _DirectFS()
 
     def finish(self, metadata: Metadata, results: list[Any]) -> None:
         self.written = sum(len(r) for r in results)
