@@ -6,8 +6,8 @@ GB/s; perf showed 28% of an mcore-to-hf in the kernel's copy into the page cache
 O_DIRECT wants the file offset, the length and the memory aligned (ALIGN). So data goes through a page-aligned
 buffer per thread, DIRECT_CHUNK at a time, and the partial blocks at either end of a write go through an ordinary
 descriptor of the same file: no block is written both ways, and the closing fsync covers both. Where the file
-system refuses O_DIRECT (tmpfs, some FUSE and network file systems) everything goes through the page cache, as
-before."""
+system refuses O_DIRECT (tmpfs, some FUSE file systems), and on NFS and SMB, where a direct write is a synchronous
+round trip to the server, everything goes through the page cache, as before."""
 
 from __future__ import annotations
 
@@ -24,12 +24,38 @@ from mcorekit.outputs import WRITEBACK_BYTES, start_writeback
 ALIGN = 4096  # file offsets, lengths and memory of direct writes: the largest logical block size in use
 DIRECT_CHUNK = 16 * 1024**2  # bytes per direct write, and the size of each thread's aligned buffer
 
+# file systems written through the page cache although they take O_DIRECT: each direct write waits for the server
+PAGE_CACHE_FILE_SYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "9p"})
+
 _local = threading.local()
+
+
+def file_system(path: str | Path, mountinfo: str | None = None) -> str:
+    """The type of the file system that holds `path` (the longest mount point above it in /proc/self/mountinfo, or
+    in `mountinfo`), '' where that cannot be told."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return ""
+    target, best, kind = os.path.realpath(path), "", ""
+    for line in mountinfo.splitlines():
+        mount_fields, _, fs_fields = line.partition(" - ")
+        fields = mount_fields.split()
+        if len(fields) < 5 or not fs_fields:
+            continue
+        mount = fields[4].replace("\\040", " ")  # the kernel writes a space in a path as \040
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fs_fields.split()[0]
+    return kind
 
 
 def open_direct(path: str | Path) -> int:
     """A write-only descriptor of the existing file `path` that bypasses the page cache, or -1 where the file system
-    refuses O_DIRECT."""
+    refuses O_DIRECT or is one of PAGE_CACHE_FILE_SYSTEMS."""
+    if file_system(path) in PAGE_CACHE_FILE_SYSTEMS:
+        return -1
     try:
         return os.open(path, os.O_WRONLY | os.O_DIRECT)
     except (OSError, AttributeError):  # EINVAL on tmpfs; AttributeError: no O_DIRECT on this OS

@@ -165,3 +165,27 @@ def test_direct_file_takes_writes_through_a_buffered_writer(disk_dir: Path) -> N
     with open(path, "rb") as f:
         assert f.read(10) == b"x" * 10
         assert torch.equal(torch.load(f, weights_only=True), tensor)
+
+
+MOUNTINFO = """\
+22 1 252:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+40 22 0:35 / /home rw,relatime shared:20 - nfs4 filer:/home rw,vers=4.2
+41 40 0:36 / /home/scratch\\040space rw,relatime shared:21 - lustre 10.0.0.1@o2ib:/fs rw
+42 22 0:37 / /dev/shm rw,nosuid shared:3 - tmpfs tmpfs rw
+"""
+
+
+@pytest.mark.parametrize("path, kind", [("/", "ext4"), ("/work/x", "ext4"), ("/home/me/ckpt", "nfs4"),
+                                        ("/home/scratch space/run", "lustre"), ("/home/scratchy", "nfs4"),
+                                        ("/dev/shm/f", "tmpfs")])
+def test_file_system_is_the_longest_mount_above_the_path(path: str, kind: str) -> None:
+    from mcorekit.convert.direct_io import file_system
+
+    assert file_system(path, MOUNTINFO) == kind
+
+
+def test_nfs_is_written_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NFS a direct write waits for the server: open_direct says no there, though the file system would take it."""
+    (tmp_path / "f").touch()
+    monkeypatch.setattr(direct_io, "file_system", lambda path: "nfs4")
+    assert open_direct(tmp_path / "f") == -1
