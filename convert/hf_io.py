@@ -214,7 +214,8 @@ class _Shard:
         writes while the next tensors are made."""
         data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
         if self.direct and len(data) >= WRITEBACK_MIN_BYTES:
-            self.direct = pwrite_around_cache(self.direct_fd, self.fd, data, offset)
+            if not pwrite_around_cache(self.direct_fd, self.fd, data, offset):
+                self.direct = False  # never back to True: another thread may have been turned down meanwhile
             return
         pwrite_all(self.fd, data, offset)
         if len(data) >= WRITEBACK_MIN_BYTES:

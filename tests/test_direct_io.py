@@ -1,41 +1,46 @@
-"""convert/direct_io.py: writes around the page cache give the same bytes as plain writes, on this machine's ext4
-(which takes O_DIRECT: the tests check that the direct descriptor carried the whole blocks) and where the file
-system refuses it, at open or at a write (simulated: EINVAL, as tmpfs and some network file systems answer)."""
+"""convert/direct_io.py: writes around the page cache give the same bytes as plain writes, on a file system that
+takes O_DIRECT (the tests check that a descriptor opened with it carried the whole blocks; skipped where pytest's
+temporary folder refuses it) and where the file system refuses it, at open or at a write (simulated: EINVAL, as
+file systems without O_DIRECT answer)."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import io
 import os
 import random
 import threading
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from mcorekit.convert import direct_io
 from mcorekit.convert.direct_io import ALIGN, DirectFile, open_direct, pwrite_around_cache
 
-HERE = Path(__file__).resolve().parent  # a disk file system, unlike a tmpfs /tmp on some machines
-
 
 @pytest.fixture
-def disk_dir(tmp_path: Path) -> Iterator[Path]:
-    """A folder on a file system that takes O_DIRECT (pytest's tmp_path where it does, else next to the tests)."""
+def disk_dir(tmp_path: Path) -> Path:
+    """pytest's temporary folder, where its file system takes O_DIRECT."""
     probe = tmp_path / "probe"
     probe.touch()
     fd = open_direct(probe)
-    if fd >= 0:
-        os.close(fd)
-        yield tmp_path
-        return
-    import tempfile
+    if fd < 0:
+        pytest.skip(f"{tmp_path}: its file system does not take O_DIRECT (or is written through the page cache)")
+    os.close(fd)
+    return tmp_path
 
-    folder = Path(tempfile.mkdtemp(dir=HERE))
-    yield folder
-    import shutil
 
-    shutil.rmtree(folder)
+def refusing_direct_writes(monkeypatch: pytest.MonkeyPatch, direct: int) -> None:
+    """os.pwrite answers EINVAL for the direct descriptor, as a file system without O_DIRECT for these writes does."""
+    real = os.pwrite
+
+    def refuse(fd: int, data, offset: int) -> int:
+        if fd == direct:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", refuse)
 
 
 class DirectBytes:
@@ -74,7 +79,7 @@ def test_pwrite_around_cache_writes_whole_blocks_directly_from_two_threads_in_an
     path = disk_dir / "f"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     direct = open_direct(path)
-    assert direct >= 0
+    assert fcntl.fcntl(direct, fcntl.F_GETFL) & os.O_DIRECT
     parts = pieces(0)
     random.Random(1).shuffle(parts)
     taken: list[bool] = []
@@ -102,19 +107,31 @@ def test_a_refused_direct_write_goes_through_the_page_cache(disk_dir: Path, monk
     path = disk_dir / "f"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     direct = open_direct(path)
-    real = os.pwrite
-
-    def refuse_direct(f: int, data, offset: int) -> int:
-        if f == direct:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real(f, data, offset)
-
-    monkeypatch.setattr(direct_io.os, "pwrite", refuse_direct)
+    refusing_direct_writes(monkeypatch, direct)
     data = random.Random(2).randbytes(5 * ALIGN + 77)
     assert pwrite_around_cache(direct, fd, memoryview(data), 100) is False
     os.close(direct)
     os.close(fd)
     assert path.read_bytes() == b"\0" * 100 + data
+
+
+def test_a_short_direct_write_off_the_block_grid_ends_the_direct_path(disk_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A direct write that takes part of its bytes, not a whole number of blocks: the rest through the page cache."""
+    path = disk_dir / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    direct = open_direct(path)
+    real = os.pwrite
+
+    def short(f: int, data, offset: int) -> int:  # the direct descriptor takes 5000 bytes (the test puts them there)
+        return real(fd, data[:5000], offset) if f == direct else real(f, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", short)
+    data = random.Random(4).randbytes(6 * ALIGN)
+    assert pwrite_around_cache(direct, fd, memoryview(data), 0) is False
+    os.close(direct)
+    os.close(fd)
+    assert path.read_bytes() == data
 
 
 @pytest.mark.parametrize("how", ["direct", "refused at open", "refused at a write"])
@@ -127,14 +144,7 @@ def test_direct_file_holds_what_was_written_and_tells_where(disk_dir: Path, monk
     with DirectFile(path) as f:
         direct = f._direct
         if how == "refused at a write":
-            counting = os.pwrite
-
-            def refuse(fd: int, data, offset: int) -> int:
-                if fd == direct:
-                    raise OSError(errno.EINVAL, "Invalid argument")
-                return counting(fd, data, offset)
-
-            monkeypatch.setattr(direct_io.os, "pwrite", refuse)
+            refusing_direct_writes(monkeypatch, direct)
         for _, data in parts:
             told.append(f.tell())
             assert f.write(data) == len(data)
@@ -148,10 +158,28 @@ def test_direct_file_holds_what_was_written_and_tells_where(disk_dir: Path, monk
         assert spy.by_fd[direct] == len(want) // ALIGN * ALIGN  # all but the last partial block
 
 
+def test_a_failed_direct_write_is_raised_as_it_is_and_the_file_closed(disk_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk under DirectFile: the OSError with its errno reaches the caller (not a BufferError from closing
+    the buffer a traceback still holds), and the file counts as closed."""
+    real = os.pwrite
+    f = DirectFile(disk_dir / "full.distcp")
+    direct = f._direct
+
+    def full(fd: int, data, offset: int) -> int:
+        if fd == direct:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", full)
+    with pytest.raises(OSError) as failed:
+        with io.BufferedWriter(f) as stream:
+            stream.write(bytes(direct_io.DIRECT_CHUNK + 1))
+    assert failed.value.errno == errno.ENOSPC and f.closed
+
+
 def test_direct_file_takes_writes_through_a_buffered_writer(disk_dir: Path) -> None:
     """As DCP's stream wraps it (torch_dist._AligningStream is a BufferedWriter): small writes gathered, tell() right."""
-    import io
-
     import torch
 
     path = disk_dir / "t.pt"
@@ -167,21 +195,31 @@ def test_direct_file_takes_writes_through_a_buffered_writer(disk_dir: Path) -> N
         assert torch.equal(torch.load(f, weights_only=True), tensor)
 
 
-MOUNTINFO = """\
+MOUNTINFO = b"""\
 22 1 252:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
 40 22 0:35 / /home rw,relatime shared:20 - nfs4 filer:/home rw,vers=4.2
 41 40 0:36 / /home/scratch\\040space rw,relatime shared:21 - lustre 10.0.0.1@o2ib:/fs rw
 42 22 0:37 / /dev/shm rw,nosuid shared:3 - tmpfs tmpfs rw
+43 22 0:38 / /mnt/a\\134b rw,relatime shared:4 - nfs filer:/ab rw
+44 22 0:39 / /media/m\xfcller rw,relatime shared:5 - vfat /dev/sdb1 rw
 """
 
 
 @pytest.mark.parametrize("path, kind", [("/", "ext4"), ("/work/x", "ext4"), ("/home/me/ckpt", "nfs4"),
                                         ("/home/scratch space/run", "lustre"), ("/home/scratchy", "nfs4"),
-                                        ("/dev/shm/f", "tmpfs")])
+                                        ("/dev/shm/f", "tmpfs"), ("/mnt/a\\b/ckpt", "nfs"),
+                                        (os.fsdecode(b"/media/m\xfcller/x"), "vfat")])
 def test_file_system_is_the_longest_mount_above_the_path(path: str, kind: str) -> None:
     from mcorekit.convert.direct_io import file_system
 
     assert file_system(path, MOUNTINFO) == kind
+
+
+def test_an_unreadable_mount_table_leaves_the_direct_path_to_be_tried() -> None:
+    from mcorekit.convert.direct_io import file_system
+
+    assert file_system("/x", b"\xff\xfe garbage without fields\n") == ""
+    assert file_system("/x", 42) == ""  # not even bytes: no exception escapes
 
 
 def test_nfs_is_written_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
