@@ -31,13 +31,14 @@ def disk_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def refusing_direct_writes(monkeypatch: pytest.MonkeyPatch, direct: int) -> None:
-    """os.pwrite answers EINVAL for the direct descriptor, as a file system without O_DIRECT for these writes does."""
+def refusing_direct_writes(monkeypatch: pytest.MonkeyPatch, direct: int, code: int = errno.EINVAL) -> None:
+    """os.pwrite fails with `code` for the direct descriptor: EINVAL as a file system without O_DIRECT for these
+    writes answers, ENOSPC as a full disk does."""
     real = os.pwrite
 
     def refuse(fd: int, data, offset: int) -> int:
         if fd == direct:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(code, os.strerror(code))
         return real(fd, data, offset)
 
     monkeypatch.setattr(direct_io.os, "pwrite", refuse)
@@ -162,16 +163,8 @@ def test_a_failed_direct_write_is_raised_as_it_is_and_the_file_closed(disk_dir: 
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A full disk under DirectFile: the OSError with its errno reaches the caller (not a BufferError from closing
     the buffer a traceback still holds), and the file counts as closed."""
-    real = os.pwrite
     f = DirectFile(disk_dir / "full.distcp")
-    direct = f._direct
-
-    def full(fd: int, data, offset: int) -> int:
-        if fd == direct:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data, offset)
-
-    monkeypatch.setattr(direct_io.os, "pwrite", full)
+    refusing_direct_writes(monkeypatch, f._direct, errno.ENOSPC)
     with pytest.raises(OSError) as failed:
         with io.BufferedWriter(f) as stream:
             stream.write(bytes(direct_io.DIRECT_CHUNK + 1))
