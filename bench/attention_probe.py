@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         print(json.dumps(result), flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    print("| variant | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | peak GB | dq rel. diff |\n|---|---|---|---|---|---|---|")
+    print("| variant | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | peak GB | dq rel. diff |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['variant']} | failed: {r['error'].strip().splitlines()[-1][:80]} | | | | | |")

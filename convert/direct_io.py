@@ -6,8 +6,8 @@ GB/s; perf showed 28% of an mcore-to-hf in the kernel's copy into the page cache
 O_DIRECT wants the file offset, the length and the memory aligned (ALIGN). So data goes through a page-aligned
 buffer per thread, DIRECT_CHUNK at a time, and the partial blocks at either end of a write go through an ordinary
 descriptor of the same file: no block is written both ways, and the closing fsync covers both. Where the file
-system refuses O_DIRECT (some FUSE file systems, tmpfs before Linux 6.6), and on NFS and SMB, where a direct write is a synchronous
-round trip to the server, everything goes through the page cache, as before."""
+system refuses O_DIRECT (some FUSE file systems, tmpfs before Linux 6.6), and on NFS and SMB, where a direct write
+is a synchronous round trip to the server, everything goes through the page cache, as before."""
 
 from __future__ import annotations
 
@@ -131,9 +131,9 @@ def pwrite_around_cache(direct_fd: int, fd: int, data: memoryview, offset: int) 
 
 class DirectFile(io.RawIOBase):
     """A new file written front to back (a torch.save stream, a .distcp file) from one thread: whole DIRECT_CHUNKs
-    around the page cache as they fill its own aligned buffer, the last partial chunk at close, then fsync. Where the file system refuses O_DIRECT, an
-    ordinary file whose written bytes are handed to the kernel's writeback every WRITEBACK_BYTES. tell() is the
-    bytes written so far; it cannot seek."""
+    around the page cache as they fill its own aligned buffer, the last partial chunk at close, then fsync. Where
+    the file system refuses O_DIRECT, an ordinary file whose written bytes are handed to the kernel's writeback
+    every WRITEBACK_BYTES. tell() is the bytes written so far; it cannot seek."""
 
     def __init__(self, path: str | Path, mode: str = "wb") -> None:
         super().__init__()

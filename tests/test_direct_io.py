@@ -172,7 +172,8 @@ def test_a_failed_direct_write_is_raised_as_it_is_and_the_file_closed(disk_dir: 
 
 
 def test_direct_file_takes_writes_through_a_buffered_writer(disk_dir: Path) -> None:
-    """As DCP's stream wraps it (torch_dist._AligningStream is a BufferedWriter): small writes gathered, tell() right."""
+    """As DCP's stream wraps it (torch_dist._AligningStream is a BufferedWriter): small writes gathered, tell()
+    right."""
     import torch
 
     path = disk_dir / "t.pt"
