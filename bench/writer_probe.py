@@ -11,8 +11,9 @@ writer takes its tensors either from pinned host memory staged before (`host`) o
 memory on the writer's high-priority side stream one tensor ahead of the writer by
 train/checkpoint_writer.copied_ahead (`gpu`); `copy` copies without writing. Run it with
 CUDA_DEVICE_MAX_CONNECTIONS=1, as the launcher's jobs run, and without: with one connection a copy waits for the
-step queued before it. Reported per scenario: the writer's GB/s and the steps' seconds (against the steps alone). Host memory is pinned through cudaHostRegister, as in training
-(runtime/env.use_registered_pinning). CPU only: a smoke run with tiny sizes and no copies.
+step queued before it. Reported per scenario: the writer's GB/s and the steps' seconds (against the steps alone).
+Host memory is pinned through cudaHostRegister, as in training (runtime/env.use_registered_pinning). CPU only: a
+smoke run with tiny sizes and no copies.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 WRITER_THREADS = 2  # HFWriter's background writers (see there)
-WRITEBACK_MIN_BYTES = 1024**2  # smaller tensors are left to the shard's fsync: a hint per tensor would cost more
+WRITEBACK_MIN_BYTES = 1024**2  # smaller tensors go through the page cache, left to the shard's fsync: a direct
+# write or a hint per tensor would cost more than it saves
 ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
