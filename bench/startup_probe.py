@@ -1,7 +1,10 @@
 """Where the "checks" phase of start-up goes: CUDA's initialisation and Megatron-Core/TE's imports, alone, one after
 the other, and overlapped (CUDA initialised on a thread while the main thread imports). One fresh process each.
 
-    python bench/startup_probe.py [--repeats 2]
+    python bench/startup_probe.py [--repeats 2] [--cases imports,overlapped]
+
+The bytecode is as the environment has it: with PYTHONDONTWRITEBYTECODE set and packages installed without their
+.pyc files (uv's default, pip --no-compile), every process compiles each module it imports.
 """
 
 from __future__ import annotations
@@ -30,10 +33,14 @@ TIMED = "import time; _t = time.perf_counter(); {body}; print('SECONDS', time.pe
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated, of " + ", ".join(CASES))
     a = p.parse_args()
-    rows = {}
+    if bad := [c for c in a.cases.split(",") if c not in CASES]:
+        p.error(f"unknown cases {bad}")
+    rows: dict[str, list[float]] = {}
     for r in range(a.repeats):
-        for name, body in CASES.items():
+        for name in a.cases.split(","):
+            body = CASES[name]
             out = subprocess.run([sys.executable, "-c", TIMED.format(body=body)], capture_output=True, text=True)
             line = [x for x in out.stdout.splitlines() if x.startswith("SECONDS")]
             rows.setdefault(name, []).append(float(line[0].split()[1]) if line else float("nan"))

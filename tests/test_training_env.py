@@ -2,7 +2,9 @@
 where torch.compile's cache goes (use_compile_cache: a persistent per-user folder unless the environment names one,
 so later and requeued jobs load compiled kernels instead of compiling; set before Megatron-Core is imported, whose
 import makes torch write its own default), and pinned host memory through cudaHostRegister (use_registered_pinning:
-an async save's first staging 22 s -> 5 s on one H200). Both training entries call it first."""
+an async save's first staging 22 s -> 5 s on one H200), and where Python keeps the bytecode it compiles when the
+packages have none and may not get it beside them (use_bytecode_cache: 14.2 s of imports -> 5.9 s on one H200). Both
+training entries call it first."""
 
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mcorekit.runtime.env import COMPILE_CACHE, REGISTERED_PINNING, use_compile_cache, use_registered_pinning
+import pytest
+
+from mcorekit.runtime import env as runtime_env
+from mcorekit.runtime.env import (COMPILE_CACHE, REGISTERED_PINNING, compiles_on_import, use_bytecode_cache,
+                                  use_compile_cache, use_registered_pinning)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "llama-tiny.yaml"
@@ -103,3 +109,87 @@ def test_both_training_entries_set_it_before_megatron_is_imported(tmp_path: Path
         alloc_conf, got = proc.stdout.strip().splitlines()[-2:]
         assert (Path(got) == want) == (entry != "none"), (entry, got)
         assert (alloc_conf == REGISTERED_PINNING) == (entry != "none"), (entry, alloc_conf)
+
+
+# a module that Python warns about when it compiles it (an invalid escape), and only then: read from bytecode it is
+# silent, so the warning tells a compile from a cache hit
+WARNS_WHEN_COMPILED = 'PATTERN = "\\d+"\n'
+
+
+def fake_package(root: Path, name: str = "heavypkg") -> Path:
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text(WARNS_WHEN_COMPILED)
+    return root / name
+
+
+def test_a_package_without_bytecode_is_compiled_on_import_where_none_may_be_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_package(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert compiles_on_import("heavypkg")
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # Python writes it beside the source itself
+    assert not compiles_on_import("heavypkg")
+    (tmp_path / "heavypkg").chmod(0o555)  # ... unless it cannot
+    try:
+        assert compiles_on_import("heavypkg") == (os.geteuid() != 0)
+    finally:
+        (tmp_path / "heavypkg").chmod(0o755)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    import py_compile
+    import warnings
+
+    with warnings.catch_warnings():  # the invalid escape, on purpose
+        warnings.simplefilter("ignore")
+        py_compile.compile(str(tmp_path / "heavypkg" / "__init__.py"), doraise=True)  # bytecode there: nothing to do
+    assert not compiles_on_import("heavypkg")
+    assert not compiles_on_import("no_such_package") and not compiles_on_import("no_such.child")
+
+
+BYTECODE_RUN = """
+import sys, warnings
+warnings.simplefilter("always")
+from mcorekit.runtime import env
+env.BYTECODE_PACKAGES = ("heavypkg",)
+print("folder", env.use_bytecode_cache())
+import heavypkg
+"""
+
+
+def test_bytecode_is_cached_for_the_next_process(tmp_path: Path) -> None:
+    """Under PYTHONDONTWRITEBYTECODE, a package without bytecode: the first process compiles it (Python warns) and
+    writes the bytecode under the cache folder, mirrored by source path; the next reads it (no warning). A process
+    whose environment names a folder already keeps it."""
+    fake_package(tmp_path / "site")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "XDG_CACHE_HOME")}
+    env.update(PYTHONDONTWRITEBYTECODE="1", HOME=str(tmp_path / "home"),
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")]))
+    folder = tmp_path / "home" / ".cache" / "mcorekit" / "pycache"
+    runs = [subprocess.run([sys.executable, "-c", BYTECODE_RUN], capture_output=True, text=True, env=env,
+                           timeout=120) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert f"folder {folder}" in run.stdout
+    assert "SyntaxWarning" in runs[0].stderr and "SyntaxWarning" not in runs[1].stderr
+    source = (tmp_path / "site" / "heavypkg" / "__init__.py").resolve()
+    assert list((folder / source.parent.relative_to("/")).glob("__init__.*.pyc"))
+    assert not (tmp_path / "site" / "heavypkg" / "__pycache__").exists()  # nothing written into the install
+    named = subprocess.run([sys.executable, "-c", BYTECODE_RUN], capture_output=True, text=True, timeout=120,
+                           env={**env, "PYTHONPYCACHEPREFIX": str(tmp_path / "theirs")})
+    assert "folder None" in named.stdout and list((tmp_path / "theirs").rglob("__init__.*.pyc")) == []
+
+
+def test_the_bytecode_cache_is_left_alone_where_it_is_not_needed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(runtime_env, "BYTECODE_PACKAGES", ("no_such_package",))
+    env = {"HOME": str(tmp_path)}
+    assert use_bytecode_cache(env) is None and env == {"HOME": str(tmp_path)} and sys.pycache_prefix is None
+    fake_package(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(runtime_env, "BYTECODE_PACKAGES", ("heavypkg",))
+    assert use_bytecode_cache({}) is None and sys.pycache_prefix is None  # no home folder known
+    (tmp_path / ".cache").write_text("not a folder")
+    assert use_bytecode_cache(env) is None and sys.pycache_prefix is None and sys.dont_write_bytecode

@@ -1,0 +1,129 @@
+"""Start-up to the end of step 1 through the real entry (`python -m mcorekit.train`), by the state of the two caches a
+process finds: the bytecode of torch, Megatron-Core and TE (runtime/env.use_bytecode_cache) and torch.compile's
+kernels (runtime/env.use_compile_cache). One fresh process per case, in this order, stopped (its process group
+killed) once it prints its `mcorekit.train: startup` line at the end of step 1: nothing is saved.
+
+    python bench/cold_start.py [--shape 3b] [--out DIR] [--dry]
+
+  first         both caches empty: a user's first run
+  warm          both caches as `first` left them: every later or requeued run
+  no-bytecode   torch.compile's cache warm, the bytecode cache out of use (PYTHONPYCACHEPREFIX naming an empty
+                folder that is not written: where the environment sets PYTHONDONTWRITEBYTECODE and the packages have
+                no bytecode, every import compiles, as before use_bytecode_cache)
+  warm-again    as `warm`, for the spread between two equal processes
+
+The caches live under --out (XDG_CACHE_HOME), never the user's. The shape is start_save's (3b: the llama-3b preset,
+seq 2048, micro-batch 4 x 8). Prints a Markdown table and writes results.json (with whether the environment writes
+bytecode and whether torch was installed with it). --dry writes the experiment file only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from results import die_with_parent, finish, fresh_dir, single_gpu_env, startup_marks
+from start_save import bench_config, checked, phases
+
+CASES = ("first", "warm", "no-bytecode", "warm-again")
+TIMEOUT_S = 300.0
+
+
+def case_env(case: str, out: Path) -> dict[str, str]:
+    env = {k: v for k, v in single_gpu_env(29597).items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPYCACHEPREFIX")}
+    env["XDG_CACHE_HOME"] = str(out / "cache")
+    if case == "no-bytecode":
+        empty = fresh_dir(out / "no-bytecode-prefix")
+        env["PYTHONPYCACHEPREFIX"] = str(empty)  # named by the environment: use_bytecode_cache leaves it alone
+    return env
+
+
+def until_step1(cmd: list[str], env: dict[str, str], log: Path) -> tuple[dict[str, float], str]:
+    """Run `cmd` until its startup line, then kill its process group (also after TIMEOUT_S without it); (the startup
+    marks, the output so far)."""
+    lines: list[str] = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                          start_new_session=True, preexec_fn=die_with_parent) as p:
+        assert p.stdout is not None
+
+        def stop() -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+
+        timer = threading.Timer(TIMEOUT_S, stop)
+        timer.start()
+        try:
+            for line in p.stdout:
+                lines.append(line)
+                if line.startswith("mcorekit.train: startup "):
+                    break
+        finally:
+            timer.cancel()
+            stop()
+            p.wait()
+    out = "".join(lines)
+    log.write_text(out)
+    return startup_marks(out), out
+
+
+def bytecode_facts() -> dict[str, Any]:
+    spec = importlib.util.find_spec("torch")
+    origin = spec.origin if spec and spec.origin else ""
+    return {"PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE", ""),
+            "torch_installed_with_bytecode": bool(origin) and Path(importlib.util.cache_from_source(origin)).exists()}
+
+
+def run(case: str, config: Path, out: Path) -> dict[str, Any]:
+    run_dir = out / case
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "mcorekit.train", "--config", str(config), "--run-dir", str(run_dir)]
+    start = time.time()
+    marks, log = until_step1(cmd, case_env(case, out), run_dir / "log.txt")
+    if "step1" not in marks:
+        return {"case": case, "error": log[-1500:]}
+    return {"case": case, "step1_s": marks["step1"], "phases": phases(marks), "wall_s": round(time.time() - start, 1)}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = ["| case | start to the end of step 1, s | imports | checks | dist init | model | optimizer | step 1 |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['case']} | failed | | | | | | |")
+            continue
+        p = r["phases"]
+        rows.append(f"| {r['case']} | {r['step1_s']:.2f} | " + " | ".join(
+            f"{p.get(k, 0):.2f}" for k in ("imports", "checks", "dist_init", "model", "optimizer", "step1")) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="3b")
+    p.add_argument("--out", default="/tmp/mcorekit-cold-start")
+    p.add_argument("--dry", action="store_true", help="write and validate the experiment file, train nothing")
+    a = p.parse_args(argv)
+    out = fresh_dir(a.out)
+    config = bench_config(a.shape, "save", out / "config", out / "ckpt")
+    if a.dry:
+        return 0 if checked(config, "cold start") else 1
+    results: list[dict[str, Any]] = [{"case": "environment", **bytecode_facts()}]
+    print(json.dumps(results[0]), flush=True)
+    for case in CASES:
+        results.append(run(case, config, out))
+        print(json.dumps(results[-1]), flush=True)
+    return finish(results, out, lambda rs: table([r for r in rs if r["case"] != "environment"]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""bench/cold_start.py on a CPU: each case's process is stopped, with what it started, at its startup line; each case
+gets the caches it names (under --out, never the user's); the table and results.json. The training process is a
+stand-in here (no GPU); the GPU run is recorded in docs/results."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+import cold_start  # noqa: E402
+
+STARTUP = {"imports": 1.5, "checks": 6.0, "dist_init": 6.1, "model": 6.6, "optimizer": 7.0, "resume": 7.1,
+           "step1": 11.0}
+
+
+def test_the_process_and_its_children_are_stopped_at_the_startup_line(tmp_path: Path) -> None:
+    child_pid = tmp_path / "child.pid"
+    script = (
+        "import json, subprocess, sys, time\n"
+        f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(child_pid)!r}, 'w').write(str(c.pid))\n"
+        "print('loading', flush=True)\n"
+        f"print('mcorekit.train: startup ' + json.dumps({STARTUP!r}), flush=True)\n"
+        "time.sleep(600)\n")
+    start = time.time()
+    marks, out = cold_start.until_step1([sys.executable, "-c", script], dict(os.environ), tmp_path / "log.txt")
+    assert marks == STARTUP and time.time() - start < 60
+    assert (tmp_path / "log.txt").read_text() == out and out.startswith("loading\n")
+    pid = int(child_pid.read_text())
+    for _ in range(100):  # the grandchild went with the group (a zombie until its parent's reaper runs)
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"process {pid} still running")
+
+
+def test_a_process_that_ends_without_the_line_is_an_error(tmp_path: Path) -> None:
+    marks, out = cold_start.until_step1([sys.executable, "-c", "print('mcorekit.train: error: no GPU')"],
+                                        dict(os.environ), tmp_path / "log.txt")
+    assert marks == {} and "no GPU" in out
+
+
+def test_each_case_gets_its_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict[str, str]] = []
+
+    def fake(cmd: list[str], env: dict[str, str], log: Path) -> tuple[dict[str, float], str]:
+        assert cmd[1:3] == ["-m", "mcorekit.train"] and Path(cmd[cmd.index("--config") + 1]).is_file()
+        seen.append(env)
+        log.write_text("output")
+        return ({} if len(seen) == 3 else STARTUP), "Traceback: CUDA out of memory"
+
+    monkeypatch.setattr(cold_start, "until_step1", fake)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/users/own")
+    out = tmp_path / "out"
+    assert cold_start.main(["--out", str(out)]) == 1  # a case failed
+    assert len(seen) == len(cold_start.CASES) == 4
+    for case, env in zip(cold_start.CASES, seen):
+        assert env["XDG_CACHE_HOME"] == str(out / "cache") and "TORCHINDUCTOR_CACHE_DIR" not in env
+        assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1"
+        assert ("PYTHONPYCACHEPREFIX" in env) == (case == "no-bytecode")
+    assert seen[2]["PYTHONPYCACHEPREFIX"] == str(out / "no-bytecode-prefix")
+    got: list[dict[str, Any]] = json.loads((out / "results.json").read_text())
+    assert got[0]["case"] == "environment" and set(got[0]) == {"case", "PYTHONDONTWRITEBYTECODE",
+                                                              "torch_installed_with_bytecode"}
+    assert got[1]["phases"] == {"imports": 1.5, "checks": 4.5, "dist_init": 0.1, "model": 0.5, "optimizer": 0.4,
+                                "resume": 0.1, "step1": 3.9}
+    assert got[3] == {"case": "no-bytecode", "error": "Traceback: CUDA out of memory"}
+    table = cold_start.table(got[1:])
+    assert "| first | 11.00 | 1.50 | 4.50 | 0.10 | 0.50 | 0.40 | 3.90 |" in table and "| no-bytecode | failed |" in table
+
+
+def test_dry_run_checks_the_experiment_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cold_start.main(["--dry", "--out", str(tmp_path)]) == 0
+    assert "cold start: " in capsys.readouterr().out
+
+
+def test_a_silent_process_is_stopped_after_the_time_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cold_start, "TIMEOUT_S", 1.0)
+    start = time.time()
+    marks, _ = cold_start.until_step1([sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ),
+                                      tmp_path / "log.txt")
+    assert marks == {} and time.time() - start < 30
