@@ -95,15 +95,15 @@ def run(case: str, config: Path, out: Path) -> dict[str, Any]:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| case | start to the end of step 1, s | imports | checks | dist init | model | optimizer | step 1 |",
-            "|---|---|---|---|---|---|---|---|"]
+    keys = ("imports", "checks", "dist_init", "model", "optimizer", "resume", "step1")
+    rows = ["| case | start to the end of step 1, s | " + " | ".join(k.replace("_", " ") for k in keys) + " |",
+            "|---" * (len(keys) + 2) + "|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['case']} | failed | | | | | | |")
+            rows.append(f"| {r['case']} | failed |" + " |" * len(keys))
             continue
         p = r["phases"]
-        rows.append(f"| {r['case']} | {r['step1_s']:.2f} | " + " | ".join(
-            f"{p.get(k, 0):.2f}" for k in ("imports", "checks", "dist_init", "model", "optimizer", "step1")) + " |")
+        rows.append(f"| {r['case']} | {r['step1_s']:.2f} | " + " | ".join(f"{p.get(k, 0):.2f}" for k in keys) + " |")
     return "\n".join(rows)
 
 

@@ -78,7 +78,8 @@ def test_each_case_gets_its_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPat
                                 "resume": 0.1, "step1": 3.9}
     assert got[3] == {"case": "no-bytecode", "error": "Traceback: CUDA out of memory"}
     table = cold_start.table(got[1:])
-    assert "| first | 11.00 | 1.50 | 4.50 | 0.10 | 0.50 | 0.40 | 3.90 |" in table and "| no-bytecode | failed |" in table
+    assert "| first | 11.00 | 1.50 | 4.50 | 0.10 | 0.50 | 0.40 | 0.10 | 3.90 |" in table
+    assert "| no-bytecode | failed | | | | | | | |" in table and table.splitlines()[1] == "|---" * 9 + "|"
 
 
 def test_dry_run_checks_the_experiment_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -199,3 +199,12 @@ def test_attention_and_writer_probes_read_their_committed_runs() -> None:
     headline = page.writer_probe_headline(probe)
     assert headline.startswith("1 CUDA connection(s): the writer copying from the GPU one tensor ahead 0.605 GB/s")
     assert "8 CUDA connection(s): " in headline and headline.endswith("the copies alone 45.761 GB/s")
+
+
+def test_cold_start_reads_its_committed_run() -> None:
+    page = generator()
+    run = page.Measurement(DATA / "cold-start-1gpu-2026-12-03")
+    assert "| no-bytecode | 27.59 | 4.56 | 16.58 | 0.02 | 0.37 | 0.33 | 0.27 | 5.46 |" in page.cold_start_table(run)
+    assert page.cold_start_headline(run) == (
+        "start to the end of step 1: the first run (both caches empty) 42.5 s, later runs 13.4 and 14.6 s; without "
+        "the bytecode cache 27.6 s (PYTHONDONTWRITEBYTECODE=1, torch installed without bytecode)")

@@ -689,6 +689,26 @@ def async_save_table(m: Measurement) -> str:
     return bench_table(m.results)
 
 
+def cold_start_table(m: Measurement) -> str:
+    """bench/cold_start.py's own table, from its results.json (its first row, the environment, left out)."""
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from cold_start import table as bench_table
+
+    return bench_table([r for r in m.results if r["case"] != "environment"])
+
+
+def cold_start_headline(m: Measurement) -> str:
+    by = {r["case"]: r.get("step1_s") for r in m.results}
+    env = next(r for r in m.results if r["case"] == "environment")
+    later = " and ".join(f"{by[c]:.1f}" for c in ("warm", "warm-again") if by.get(c))
+    return (f"start to the end of step 1: the first run (both caches empty) {by['first']:.1f} s, later runs {later} s; "
+            f"without the bytecode cache {by['no-bytecode']:.1f} s (PYTHONDONTWRITEBYTECODE="
+            f"{env['PYTHONDONTWRITEBYTECODE'] or 'unset'}, torch installed "
+            f"{'with' if env['torch_installed_with_bytecode'] else 'without'} bytecode)")
+
+
 def async_save_headline(m: Measurement) -> str:
     def one(name: str, r: dict) -> str:
         blocked = " and ".join(f"{s['blocking_s']:.1f}" for s in r["saves"])
@@ -810,6 +830,7 @@ KINDS: dict[str, tuple[Callable[[Measurement], str], Callable[[Measurement], str
     "host_alloc_probe": (host_alloc_probe_table, host_alloc_probe_headline),
     "async_run": (async_run_table, async_run_headline),
     "async_save": (async_save_table, async_save_headline),
+    "cold_start": (cold_start_table, cold_start_headline),
     "writer_probe": (writer_probe_table, writer_probe_headline),
     "attention_probe": (attention_probe_table, attention_probe_headline),
 }
