@@ -1,5 +1,5 @@
 """Start-up to the end of step 1 through the real entry (`python -m mcorekit.train`), by the state of the two caches a
-process finds: the bytecode of torch, Megatron-Core and TE (runtime/env.use_bytecode_cache) and torch.compile's
+process finds: the bytecode of torch, Megatron-Core and TE (mcorekit/caches.use_bytecode_cache) and torch.compile's
 kernels (runtime/env.use_compile_cache). One fresh process per case, in this order, stopped (its process group
 killed) once it prints its `mcorekit.train: startup` line at the end of step 1: nothing is saved.
 

@@ -113,7 +113,7 @@ class CliPayload:
 
     def __call__(self) -> int:
         from mcorekit.cli import main
-        from mcorekit.runtime.env import use_bytecode_cache
+        from mcorekit.caches import use_bytecode_cache
 
         use_bytecode_cache()  # before the command imports torch (see there)
         code = main(self.argv)

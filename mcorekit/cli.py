@@ -78,7 +78,7 @@ def version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # this process is the `mcorekit` command: torch & co. from cached bytecode where they have none
-        from mcorekit.runtime.env import use_bytecode_cache
+        from mcorekit.caches import use_bytecode_cache
 
         use_bytecode_cache()
     argv = sys.argv[1:] if argv is None else argv

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mcorekit.caches import use_bytecode_cache, user_cache
+
 COMPILE_CACHE = "TORCHINDUCTOR_CACHE_DIR"
-# the packages whose imports make most of a process's start (torch, Megatron-Core and TE: 14 s without bytecode)
-BYTECODE_PACKAGES = ("torch", "transformers", "megatron.core", "transformer_engine")
 # torch's CUDA allocators take their settings from the first of these that is set (both set: the first wins, seen
 # on one H200 with torch 2.11, 2026-12-03)
 ALLOC_CONFS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -95,62 +93,9 @@ def init_process_group(backend: str, timeout_s: int = 300) -> DistEnv:
 
 def prepare_training_process(env: dict[str, str] | None = None) -> None:
     """What a training process sets in its environment before torch and Megatron-Core are imported."""
-    use_bytecode_cache(env)
+    use_bytecode_cache(env, children=True)
     use_compile_cache(env)
     use_registered_pinning(env)
-
-
-def user_cache(env: dict[str, str], name: str) -> Path | None:
-    """$XDG_CACHE_HOME/mcorekit/<name> (~/.cache/...), created; None where no home folder is known or the folder
-    cannot be created and written."""
-    base = env.get("XDG_CACHE_HOME") or (env.get("HOME") and str(Path(env["HOME"]) / ".cache"))
-    if not base:
-        return None
-    folder = Path(base) / "mcorekit" / name
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    return folder if os.access(folder, os.W_OK | os.X_OK) else None
-
-
-def compiles_on_import(package: str) -> bool:
-    """Whether importing `package` compiles its modules from source: its __init__ has no bytecode beside it, and this
-    process may not write it there (PYTHONDONTWRITEBYTECODE, or a folder it cannot write). Installs without .pyc
-    files are uv's default and pip's --no-compile; containers often set PYTHONDONTWRITEBYTECODE."""
-    try:
-        spec = importlib.util.find_spec(package)  # imports its parents only (megatron: a namespace)
-    except (ImportError, ValueError):
-        return False
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return False
-    cached = Path(importlib.util.cache_from_source(spec.origin))
-    if cached.exists():
-        return False
-    folder = cached.parent if cached.parent.exists() else cached.parent.parent
-    return sys.dont_write_bytecode or not os.access(folder, os.W_OK | os.X_OK)
-
-
-def use_bytecode_cache(env: dict[str, str] | None = None) -> Path | None:
-    """Where Python keeps the bytecode of the modules it compiles, when torch, transformers, Megatron-Core or TE would
-    otherwise be compiled from source by every process: $XDG_CACHE_HOME/mcorekit/pycache (~/.cache/...), written
-    even under PYTHONDONTWRITEBYTECODE (it keeps bytecode out of the installed packages; this folder is ours). On one
-    H200 (2026-12-03, bench/startup_probe.py, packages installed by uv, PYTHONDONTWRITEBYTECODE=1) importing torch,
-    TE and Megatron-Core took 14.2 s each time; with the cache 18.0 s once, then 5.9 s. Python checks each cached
-    file against its source's size and time, so a changed install is compiled again. Left alone: a process that
-    already names a folder (PYTHONPYCACHEPREFIX), has the bytecode, or can write it beside the sources. Sets
-    sys.pycache_prefix and, for the processes this one starts (torch's compile workers), PYTHONPYCACHEPREFIX in
-    `env` (os.environ); returns the folder, else None."""
-    env = os.environ if env is None else env
-    if sys.pycache_prefix or not any(compiles_on_import(p) for p in BYTECODE_PACKAGES):
-        return None
-    folder = user_cache(env, "pycache")
-    if folder is None:
-        return None
-    sys.pycache_prefix = str(folder)
-    sys.dont_write_bytecode = False
-    env["PYTHONPYCACHEPREFIX"] = str(folder)
-    return folder
 
 
 def use_registered_pinning(env: dict[str, str] | None = None) -> str:

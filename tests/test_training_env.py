@@ -3,7 +3,7 @@ where torch.compile's cache goes (use_compile_cache: a persistent per-user folde
 so later and requeued jobs load compiled kernels instead of compiling; set before Megatron-Core is imported, whose
 import makes torch write its own default), and pinned host memory through cudaHostRegister (use_registered_pinning:
 an async save's first staging 22 s -> 5 s on one H200), and where Python keeps the bytecode it compiles when the
-packages have none and may not get it beside them (use_bytecode_cache: 14.2 s of imports -> 5.9 s on one H200). Both
+packages have none and may not get it beside them (mcorekit/caches.use_bytecode_cache: 14.2 s of imports -> 5.9 s on one H200). Both
 training entries call it first."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from mcorekit.runtime import env as runtime_env
-from mcorekit.runtime.env import (COMPILE_CACHE, REGISTERED_PINNING, compiles_on_import, use_bytecode_cache,
-                                  use_compile_cache, use_registered_pinning)
+from mcorekit import caches
+from mcorekit.caches import compiles_on_import, use_bytecode_cache
+from mcorekit.runtime.env import COMPILE_CACHE, REGISTERED_PINNING, use_compile_cache, use_registered_pinning
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "llama-tiny.yaml"
@@ -96,18 +96,27 @@ def test_both_training_entries_set_it_before_megatron_is_imported(tmp_path: Path
         "        pass\n"
         "from megatron.core import parallel_state\n"
         "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+        "print(sys.pycache_prefix)\n"
         "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n"
         "print(cache_dir())\n")
     env = {k: v for k, v in os.environ.items()
            if k not in (COMPILE_CACHE, "XDG_CACHE_HOME", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     env.update(HOME=str(tmp_path / "home"), CUDA_VISIBLE_DEVICES="", MCOREKIT_RUN_ROOT=str(tmp_path / "runs"))
     want = tmp_path / "home" / ".cache" / "mcorekit" / "torchinductor"
+    pycache = tmp_path / "home" / ".cache" / "mcorekit" / "pycache"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    compiled = any(subprocess.run([sys.executable, "-c", "import sys; from mcorekit.caches import "
+                                   f"compiles_on_import; sys.exit(0 if compiles_on_import({p!r}) else 1)"],
+                                  env=env, timeout=120).returncode == 0 for p in caches.BYTECODE_PACKAGES)
     for entry in ("main", "job", "none"):
         proc = subprocess.run([sys.executable, str(script), entry], capture_output=True, text=True, env=env,
                               timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        alloc_conf, got = proc.stdout.strip().splitlines()[-2:]
+        prefix, alloc_conf, got = proc.stdout.strip().splitlines()[-3:]
         assert (Path(got) == want) == (entry != "none"), (entry, got)
+        # this environment's torch, transformers, Megatron-Core have no bytecode and PYTHONDONTWRITEBYTECODE is set
+        assert prefix == (str(pycache) if entry != "none" and compiled else "None"), (entry, prefix)
         assert (alloc_conf == REGISTERED_PINNING) == (entry != "none"), (entry, alloc_conf)
 
 
@@ -131,11 +140,11 @@ def test_a_package_without_bytecode_is_compiled_on_import_where_none_may_be_writ
     assert compiles_on_import("heavypkg")
     monkeypatch.setattr(sys, "dont_write_bytecode", False)  # Python writes it beside the source itself
     assert not compiles_on_import("heavypkg")
-    (tmp_path / "heavypkg").chmod(0o555)  # ... unless it cannot
-    try:
-        assert compiles_on_import("heavypkg") == (os.geteuid() != 0)
-    finally:
-        (tmp_path / "heavypkg").chmod(0o755)
+    real_access = os.access  # ... unless it cannot (asked of the system: root may write anywhere, CI runs as root)
+    monkeypatch.setattr(caches.os, "access", lambda path, mode: False if "heavypkg" in str(path)
+                        else real_access(path, mode))
+    assert compiles_on_import("heavypkg")
+    monkeypatch.setattr(caches.os, "access", real_access)
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     import py_compile
     import warnings
@@ -145,12 +154,22 @@ def test_a_package_without_bytecode_is_compiled_on_import_where_none_may_be_writ
         py_compile.compile(str(tmp_path / "heavypkg" / "__init__.py"), doraise=True)  # bytecode there: nothing to do
     assert not compiles_on_import("heavypkg")
     assert not compiles_on_import("no_such_package") and not compiles_on_import("no_such.child")
+    (tmp_path / "brokenparent").mkdir()  # a parent whose import fails: no answer, not a crash of the entry
+    (tmp_path / "brokenparent" / "__init__.py").write_text("raise RuntimeError('no GPU here')\n")
+    (tmp_path / "brokenparent" / "child.py").write_text("")
+    assert not compiles_on_import("brokenparent.child")
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "zipped.zip", "w") as z:  # zipimport never writes bytecode: nothing to do
+        z.writestr("zippedpkg/__init__.py", "")
+    monkeypatch.syspath_prepend(str(tmp_path / "zipped.zip"))
+    assert not compiles_on_import("zippedpkg")
 
 
 BYTECODE_RUN = """
 import sys, warnings
 warnings.simplefilter("always")
-from mcorekit.runtime import env
+from mcorekit import caches as env
 env.BYTECODE_PACKAGES = ("heavypkg",)
 print("folder", env.use_bytecode_cache())
 import heavypkg
@@ -184,12 +203,64 @@ def test_the_bytecode_cache_is_left_alone_where_it_is_not_needed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
-    monkeypatch.setattr(runtime_env, "BYTECODE_PACKAGES", ("no_such_package",))
+    monkeypatch.setattr(caches, "BYTECODE_PACKAGES", ("no_such_package",))
     env = {"HOME": str(tmp_path)}
     assert use_bytecode_cache(env) is None and env == {"HOME": str(tmp_path)} and sys.pycache_prefix is None
     fake_package(tmp_path / "site")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setattr(runtime_env, "BYTECODE_PACKAGES", ("heavypkg",))
+    monkeypatch.setattr(caches, "BYTECODE_PACKAGES", ("heavypkg",))
     assert use_bytecode_cache({}) is None and sys.pycache_prefix is None  # no home folder known
     (tmp_path / ".cache").write_text("not a folder")
     assert use_bytecode_cache(env) is None and sys.pycache_prefix is None and sys.dont_write_bytecode
+
+
+CHILDREN_RUN = """
+import subprocess, sys, warnings
+from mcorekit import caches as env
+env.BYTECODE_PACKAGES = ("heavypkg",)
+print("folder", env.use_bytecode_cache(children=True))
+code = "import warnings; warnings.simplefilter('always'); import childpkg"
+sys.exit(subprocess.run([sys.executable, "-c", code]).returncode)
+"""
+
+
+def test_a_training_process_hands_the_cache_to_its_children(tmp_path: Path) -> None:
+    """With `children` (what prepare_training_process asks), a child process started by the training process (torch's
+    compile workers) reads and writes the same folder: the second child finds what the first compiled."""
+    site = tmp_path / "site"
+    fake_package(site)
+    fake_package(site, "childpkg")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "XDG_CACHE_HOME")}
+    env.update(PYTHONDONTWRITEBYTECODE="1", HOME=str(tmp_path / "home"),
+               PYTHONPATH=os.pathsep.join([str(site), env.get("PYTHONPATH", "")]))
+    runs = [subprocess.run([sys.executable, "-c", CHILDREN_RUN], capture_output=True, text=True, env=env,
+                           timeout=120) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert "SyntaxWarning" in runs[0].stderr and "SyntaxWarning" not in runs[1].stderr
+    folder = tmp_path / "home" / ".cache" / "mcorekit" / "pycache"
+    assert list((folder / (site / "childpkg").resolve().relative_to("/")).glob("__init__.*.pyc"))
+
+
+def test_the_mcorekit_command_uses_the_cache_for_itself_only(tmp_path: Path) -> None:
+    """`mcorekit` (main without argv) uses the folder but exports nothing: the jobs it submits get the environment as
+    the user has it. A process that inherits the folder (from a training process) writes to it."""
+    fake_package(tmp_path / "site")
+    code = ("import os, sys\n"
+            "from mcorekit import caches as env\n"
+            "env.BYTECODE_PACKAGES = ('heavypkg',)\n"
+            "from mcorekit.cli import main\n"
+            "sys.argv = ['mcorekit', '--version']\n"
+            "assert main() == 0\n"
+            "print('prefix', sys.pycache_prefix, 'exported', os.environ.get('PYTHONPYCACHEPREFIX'),\n"
+            "      'writes', not sys.dont_write_bytecode)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "XDG_CACHE_HOME")}
+    env.update(PYTHONDONTWRITEBYTECODE="1", HOME=str(tmp_path / "home"),
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")]))
+    folder = tmp_path / "home" / ".cache" / "mcorekit" / "pycache"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"prefix {folder} exported None writes True" in run.stdout
+    inherited = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                               env={**env, "PYTHONPYCACHEPREFIX": str(folder)})
+    assert f"prefix {folder} exported {folder} writes True" in inherited.stdout, inherited.stderr[-2000:]
