@@ -40,7 +40,8 @@ TIMEOUT_S = 300.0
 
 
 def case_env(case: str, out: Path) -> dict[str, str]:
-    env = {k: v for k, v in single_gpu_env(29597).items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPYCACHEPREFIX")}
+    env = {k: v for k, v in single_gpu_env(29597).items()
+           if k not in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPYCACHEPREFIX")}
     env["XDG_CACHE_HOME"] = str(out / "cache")
     if case == "no-bytecode":
         empty = fresh_dir(out / "no-bytecode-prefix")

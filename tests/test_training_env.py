@@ -3,8 +3,8 @@ where torch.compile's cache goes (use_compile_cache: a persistent per-user folde
 so later and requeued jobs load compiled kernels instead of compiling; set before Megatron-Core is imported, whose
 import makes torch write its own default), and pinned host memory through cudaHostRegister (use_registered_pinning:
 an async save's first staging 22 s -> 5 s on one H200), and where Python keeps the bytecode it compiles when the
-packages have none and may not get it beside them (mcorekit/caches.use_bytecode_cache: 14.2 s of imports -> 5.9 s on one H200). Both
-training entries call it first."""
+packages have none and may not get it beside them (mcorekit/caches.use_bytecode_cache: 14.2 s of imports -> 5.9 s
+on one H200). Both training entries call it first."""
 
 from __future__ import annotations
 
