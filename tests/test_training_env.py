@@ -106,9 +106,9 @@ def test_both_training_entries_set_it_before_megatron_is_imported(tmp_path: Path
     pycache = tmp_path / "home" / ".cache" / "mcorekit" / "pycache"
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.pop("PYTHONPYCACHEPREFIX", None)
-    compiled = any(subprocess.run([sys.executable, "-c", "import sys; from mcorekit.caches import "
-                                   f"compiles_on_import; sys.exit(0 if compiles_on_import({p!r}) else 1)"],
-                                  env=env, timeout=120).returncode == 0 for p in caches.BYTECODE_PACKAGES)
+    ask = ("import sys; from mcorekit.caches import BYTECODE_PACKAGES, compiles_on_import; "
+           "sys.exit(0 if any(compiles_on_import(p) for p in BYTECODE_PACKAGES) else 1)")
+    compiled = subprocess.run([sys.executable, "-c", ask], env=env, timeout=120).returncode == 0
     for entry in ("main", "job", "none"):
         proc = subprocess.run([sys.executable, str(script), entry], capture_output=True, text=True, env=env,
                               timeout=300)

@@ -23,6 +23,7 @@ tests/test_results_page.py fails when docs/results.md differs from what this scr
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -679,24 +680,22 @@ def async_run_headline(m: Measurement) -> str:
             f"{r['host_cache_s']:.1f} s")
 
 
-def async_save_table(m: Measurement) -> str:
-    """bench/async_save.py's own table, from its results.json."""
-    bench = str(Path(__file__).resolve().parent.parent / "bench")
+def bench_table(script: str) -> Callable[[Any], str]:
+    """The `table` function of bench/<script>.py, which renders its own results.json."""
+    bench = str(ROOT / "bench")
     if bench not in sys.path:
         sys.path.insert(0, bench)
-    from async_save import table as bench_table
+    return importlib.import_module(script).table
 
-    return bench_table(m.results)
+
+def async_save_table(m: Measurement) -> str:
+    """bench/async_save.py's own table, from its results.json."""
+    return bench_table("async_save")(m.results)
 
 
 def cold_start_table(m: Measurement) -> str:
     """bench/cold_start.py's own table, from its results.json (its first row, the environment, left out)."""
-    bench = str(Path(__file__).resolve().parent.parent / "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
-    from cold_start import table as bench_table
-
-    return bench_table([r for r in m.results if r["case"] != "environment"])
+    return bench_table("cold_start")([r for r in m.results if r["case"] != "environment"])
 
 
 def cold_start_headline(m: Measurement) -> str:
