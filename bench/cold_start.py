@@ -5,6 +5,8 @@ killed) once it prints its `mcorekit.train: startup` line at the end of step 1: 
 
     python bench/cold_start.py [--shape 3b] [--out DIR] [--dry]
 
+  first-serial  both caches empty, the background compile of a first run held off (the bench holds its lock): a
+                user's first run as it was before mcorekit/caches.precompile_in_background
   first         both caches empty: a user's first run
   warm          both caches as `first` left them: every later or requeued run
   no-bytecode   torch.compile's cache warm, the bytecode cache out of use (PYTHONPYCACHEPREFIX naming an empty
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -29,13 +32,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from results import die_with_parent, finish, fresh_dir, single_gpu_env, startup_marks
 from start_save import bench_config, checked, phases
 
-CASES = ("first", "warm", "no-bytecode", "warm-again")
+CASES = ("first-serial", "first", "warm", "no-bytecode", "warm-again")
 TIMEOUT_S = 300.0
 
 
@@ -84,12 +88,27 @@ def bytecode_facts() -> dict[str, Any]:
             "torch_installed_with_bytecode": bool(origin) and Path(importlib.util.cache_from_source(origin)).exists()}
 
 
+@contextlib.contextmanager
+def caches_for(case: str, out: Path) -> Iterator[None]:
+    """Empty caches for the first runs; for `first-serial` the background compile's lock held meanwhile."""
+    if not case.startswith("first"):
+        yield
+        return
+    pycache = fresh_dir(out / "cache") / "mcorekit" / "pycache"
+    pycache.mkdir(parents=True)
+    with open(pycache / "precompile.lock", "a") as lock:
+        if case == "first-serial":
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def run(case: str, config: Path, out: Path) -> dict[str, Any]:
     run_dir = out / case
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "mcorekit.train", "--config", str(config), "--run-dir", str(run_dir)]
     start = time.time()
-    marks, log = until_step1(cmd, case_env(case, out), run_dir / "log.txt")
+    with caches_for(case, out):
+        marks, log = until_step1(cmd, case_env(case, out), run_dir / "log.txt")
     if "step1" not in marks:
         return {"case": case, "error": log[-1500:]}
     return {"case": case, "step1_s": marks["step1"], "phases": phases(marks), "wall_s": round(time.time() - start, 1)}

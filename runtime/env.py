@@ -7,7 +7,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from mcorekit.caches import use_bytecode_cache, user_cache
+from mcorekit.caches import precompile_in_background, use_bytecode_cache, user_cache
 
 COMPILE_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 # torch's CUDA allocators take their settings from the first of these that is set (both set: the first wins, seen
@@ -93,7 +93,9 @@ def init_process_group(backend: str, timeout_s: int = 300) -> DistEnv:
 
 def prepare_training_process(env: dict[str, str] | None = None) -> None:
     """What a training process sets in its environment before torch and Megatron-Core are imported."""
-    use_bytecode_cache(env, children=True)
+    folder = use_bytecode_cache(env, children=True)
+    if folder is not None:
+        precompile_in_background(folder, env)
     use_compile_cache(env)
     use_registered_pinning(env)
 

@@ -1,9 +1,11 @@
 """bench/cold_start.py on a CPU: each case's process is stopped, with what it started, at its startup line; each case
-gets the caches it names (under --out, never the user's); the table and results.json. The training process is a
-stand-in here (no GPU); the GPU run is recorded in docs/results."""
+gets the caches it names (under --out, never the user's; the first runs empty ones, first-serial with the background
+compile's lock held); the table and results.json. The training process is a stand-in here (no GPU); the GPU run is
+recorded in docs/results."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
@@ -54,31 +56,43 @@ def test_a_process_that_ends_without_the_line_is_an_error(tmp_path: Path) -> Non
 
 def test_each_case_gets_its_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[dict[str, str]] = []
+    locked: list[bool] = []
+    out = tmp_path / "out"
+    pycache = out / "cache" / "mcorekit" / "pycache"
 
     def fake(cmd: list[str], env: dict[str, str], log: Path) -> tuple[dict[str, float], str]:
         assert cmd[1:3] == ["-m", "mcorekit.train"] and Path(cmd[cmd.index("--config") + 1]).is_file()
         seen.append(env)
+        if len(seen) <= 2:  # the first runs find the caches empty; first-serial finds the precompile's lock held
+            assert [p.name for p in (out / "cache").rglob("*")] == ["mcorekit", "pycache", "precompile.lock"]
+            with open(pycache / "precompile.lock") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked.append(False)
+                except OSError:
+                    locked.append(True)
+        (pycache / f"written-by-{len(seen)}").write_text("")
         log.write_text("output")
-        return ({} if len(seen) == 3 else STARTUP), "Traceback: CUDA out of memory"
+        return ({} if len(seen) == 4 else STARTUP), "Traceback: CUDA out of memory"
 
     monkeypatch.setattr(cold_start, "until_step1", fake)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/users/own")
-    out = tmp_path / "out"
     assert cold_start.main(["--out", str(out)]) == 1  # a case failed
-    assert len(seen) == len(cold_start.CASES) == 4
+    assert len(seen) == len(cold_start.CASES) == 5 and locked == [True, False]
+    assert sorted(p.name for p in pycache.glob("written-by-*")) == [f"written-by-{i}" for i in (2, 3, 4, 5)]
     for case, env in zip(cold_start.CASES, seen):
         assert env["XDG_CACHE_HOME"] == str(out / "cache") and "TORCHINDUCTOR_CACHE_DIR" not in env
         assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1"
         assert ("PYTHONPYCACHEPREFIX" in env) == (case == "no-bytecode")
-    assert seen[2]["PYTHONPYCACHEPREFIX"] == str(out / "no-bytecode-prefix")
+    assert seen[3]["PYTHONPYCACHEPREFIX"] == str(out / "no-bytecode-prefix")
     got: list[dict[str, Any]] = json.loads((out / "results.json").read_text())
     assert got[0]["case"] == "environment" and set(got[0]) == {"case", "PYTHONDONTWRITEBYTECODE",
                                                               "torch_installed_with_bytecode"}
     assert got[1]["phases"] == {"imports": 1.5, "checks": 4.5, "dist_init": 0.1, "model": 0.5, "optimizer": 0.4,
                                 "resume": 0.1, "step1": 3.9}
-    assert got[3] == {"case": "no-bytecode", "error": "Traceback: CUDA out of memory"}
+    assert got[4] == {"case": "no-bytecode", "error": "Traceback: CUDA out of memory"}
     table = cold_start.table(got[1:])
-    assert "| first | 11.00 | 1.50 | 4.50 | 0.10 | 0.50 | 0.40 | 0.10 | 3.90 |" in table
+    assert "| first-serial | 11.00 | 1.50 | 4.50 | 0.10 | 0.50 | 0.40 | 0.10 | 3.90 |" in table
     assert "| no-bytecode | failed | | | | | | | |" in table and table.splitlines()[1] == "|---" * 9 + "|"
 
 

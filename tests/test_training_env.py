@@ -264,3 +264,71 @@ def test_the_mcorekit_command_uses_the_cache_for_itself_only(tmp_path: Path) -> 
     inherited = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                                env={**env, "PYTHONPYCACHEPREFIX": str(folder)})
     assert f"prefix {folder} exported {folder} writes True" in inherited.stdout, inherited.stderr[-2000:]
+
+
+def test_a_first_training_process_compiles_the_packages_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the cache lacks the heavy packages' bytecode, one low-priority child compiles them, what they pull in and
+    the standard library into it (the tests folders and the installed packages under the standard library's folder
+    left out), as Python itself would write them: an import in a process that may not write bytecode then reads
+    them (no compile warning). Nothing is started once the cache is current, while another process holds the lock,
+    or with fewer than MIN_CPUS_TO_PRECOMPILE CPUs."""
+    site, stdlib, folder = tmp_path / "site", tmp_path / "stdlib", tmp_path / "cache"
+    heavy = fake_package(site)
+    (heavy / "deep").mkdir()
+    (heavy / "deep" / "__init__.py").write_text(WARNS_WHEN_COMPILED)
+    (heavy / "tests").mkdir()
+    (heavy / "tests" / "test_it.py").write_text("")
+    fake_package(site, "pulledin")
+    (stdlib / "site-packages").mkdir(parents=True)
+    (stdlib / "textwrapish.py").write_text("")
+    (stdlib / "site-packages" / "installed.py").write_text("")
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(caches, "BYTECODE_PACKAGES", ("heavypkg",))
+    monkeypatch.setattr(caches, "ALSO_PRECOMPILED", ("pulledin", "not_installed"))
+    monkeypatch.setattr(caches.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib)})
+    monkeypatch.setattr(caches.os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setattr(sys, "pycache_prefix", str(folder))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+
+    def cached(source: Path) -> bool:
+        return caches.bytecode_is_current(str(source))
+
+    child = caches.precompile_in_background(folder, env)
+    assert child is not None and child.wait(timeout=120) == 0
+    assert cached(heavy / "__init__.py") and cached(heavy / "deep" / "__init__.py")
+    assert cached(site / "pulledin" / "__init__.py") and cached(stdlib / "textwrapish.py")
+    assert not cached(heavy / "tests" / "test_it.py") and not cached(stdlib / "site-packages" / "installed.py")
+    reader = subprocess.run([sys.executable, "-W", "always", "-c", "import heavypkg.deep, pulledin"],
+                            capture_output=True, text=True, timeout=120,
+                            env={**env, "PYTHONPATH": str(site), "PYTHONPYCACHEPREFIX": str(folder),
+                                 "PYTHONDONTWRITEBYTECODE": "1"})
+    assert reader.returncode == 0 and "SyntaxWarning" not in reader.stderr, reader.stderr[-2000:]
+    assert caches.precompile_in_background(folder, env) is None  # current: nothing to do
+
+    os.utime(heavy / "__init__.py", (1, 1))  # the package changed: the cache is stale again
+    assert not cached(heavy / "__init__.py")
+    import fcntl
+
+    with open(folder / "precompile.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process of the node is compiling
+        assert caches.precompile_in_background(folder, env) is None
+    monkeypatch.setattr(caches.os, "sched_getaffinity", lambda pid: set(range(3)))
+    assert caches.precompile_in_background(folder, env) is None
+    monkeypatch.setattr(caches.os, "sched_getaffinity", lambda pid: set(range(4)))
+    child = caches.precompile_in_background(folder, env)
+    assert child is not None and child.wait(timeout=120) == 0 and cached(heavy / "__init__.py")
+
+
+def test_a_training_process_starts_the_precompile_where_it_uses_the_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare_training_process hands the folder use_bytecode_cache chose to precompile_in_background (tested above),
+    and starts nothing where no folder is in use."""
+    from mcorekit.runtime import env as runtime_env
+
+    started: list[Path] = []
+    monkeypatch.setattr(runtime_env, "precompile_in_background", lambda folder, env: started.append(folder))
+    for folder in (tmp_path / "pycache", None):
+        monkeypatch.setattr(runtime_env, "use_bytecode_cache", lambda env, children, f=folder: f)
+        runtime_env.prepare_training_process({"HOME": str(tmp_path)})
+    assert started == [tmp_path / "pycache"]

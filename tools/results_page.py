@@ -702,7 +702,9 @@ def cold_start_headline(m: Measurement) -> str:
     by = {r["case"]: r.get("step1_s") for r in m.results}
     env = next(r for r in m.results if r["case"] == "environment")
     later = " and ".join(f"{by[c]:.1f}" for c in ("warm", "warm-again") if by.get(c))
-    return (f"start to the end of step 1: the first run (both caches empty) {by['first']:.1f} s, later runs {later} s; "
+    serial = f" ({by['first-serial']:.1f} s compiling on its own)" if by.get("first-serial") else ""
+    return (f"start to the end of step 1: the first run (both caches empty) {by['first']:.1f} s{serial}, later runs "
+            f"{later} s; "
             f"without the bytecode cache {by['no-bytecode']:.1f} s (PYTHONDONTWRITEBYTECODE="
             f"{env['PYTHONDONTWRITEBYTECODE'] or 'unset'}, torch installed "
             f"{'with' if env['torch_installed_with_bytecode'] else 'without'} bytecode)")
