@@ -3,7 +3,7 @@ process finds: the bytecode of torch, Megatron-Core and TE (mcorekit/caches.use_
 kernels (runtime/env.use_compile_cache). One fresh process per case, in this order, stopped (its process group
 killed) once it prints its `mcorekit.train: startup` line at the end of step 1: nothing is saved.
 
-    python bench/cold_start.py [--shape 3b] [--out DIR] [--dry]
+    python bench/cold_start.py [--shape 3b] [--out DIR] [--cold-disk] [--dry]
 
   first-serial  both caches empty, the background compile of a first run held off (the bench holds its lock): a
                 user's first run as it was before mcorekit/caches.precompile_in_background
@@ -16,7 +16,9 @@ killed) once it prints its `mcorekit.train: startup` line at the end of step 1: 
 
 The caches live under --out (XDG_CACHE_HOME), never the user's. The shape is start_save's (3b: the llama-3b preset,
 seq 2048, micro-batch 4 x 8). Prints a Markdown table and writes results.json (with whether the environment writes
-bytecode and whether torch was installed with it). --dry writes the experiment file only.
+bytecode and whether torch was installed with it). --cold-disk drops the installed packages' files (the folders
+holding torch, transformers, Megatron-Core and TE, and the standard library) from the page cache before each first
+run, as on a node that has not read them since the install. --dry writes the experiment file only.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Iterator
@@ -37,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from results import die_with_parent, finish, fresh_dir, single_gpu_env, startup_marks
-from start_save import bench_config, checked, phases
+from start_save import bench_config, checked, drop_page_cache, phases
 
 CASES = ("first-serial", "first", "warm", "no-bytecode", "warm-again")
 TIMEOUT_S = 300.0
@@ -88,12 +91,23 @@ def bytecode_facts() -> dict[str, Any]:
             "torch_installed_with_bytecode": bool(origin) and Path(importlib.util.cache_from_source(origin)).exists()}
 
 
+def install_folders() -> list[Path]:
+    """The folders holding the heavy packages (site-packages, or a --target folder) and the standard library."""
+    found = (importlib.util.find_spec(p) for p in ("torch", "transformers", "transformer_engine", "megatron"))
+    sites = {Path(s.origin).parent.parent for s in found if s is not None and s.origin}
+    return sorted(sites) + [Path(sysconfig.get_paths()["stdlib"])]
+
+
 @contextlib.contextmanager
-def caches_for(case: str, out: Path) -> Iterator[None]:
-    """Empty caches for the first runs; for `first-serial` the background compile's lock held meanwhile."""
+def caches_for(case: str, out: Path, cold_disk: bool) -> Iterator[None]:
+    """Empty caches for the first runs (with --cold-disk, the installs' files out of the page cache too); for
+    `first-serial` the background compile's lock held meanwhile."""
     if not case.startswith("first"):
         yield
         return
+    if cold_disk:
+        for folder in install_folders():
+            drop_page_cache(folder)
     pycache = fresh_dir(out / "cache") / "mcorekit" / "pycache"
     pycache.mkdir(parents=True)
     with open(pycache / "precompile.lock", "a") as lock:
@@ -102,12 +116,12 @@ def caches_for(case: str, out: Path) -> Iterator[None]:
         yield
 
 
-def run(case: str, config: Path, out: Path) -> dict[str, Any]:
+def run(case: str, config: Path, out: Path, cold_disk: bool = False) -> dict[str, Any]:
     run_dir = out / case
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "mcorekit.train", "--config", str(config), "--run-dir", str(run_dir)]
     start = time.time()
-    with caches_for(case, out):
+    with caches_for(case, out, cold_disk):
         marks, log = until_step1(cmd, case_env(case, out), run_dir / "log.txt")
     if "step1" not in marks:
         return {"case": case, "error": log[-1500:]}
@@ -131,16 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="3b")
     p.add_argument("--out", default="/tmp/mcorekit-cold-start")
+    p.add_argument("--cold-disk", action="store_true", help="the installs' files out of the page cache before the "
+                   "first runs")
     p.add_argument("--dry", action="store_true", help="write and validate the experiment file, train nothing")
     a = p.parse_args(argv)
     out = fresh_dir(a.out)
     config = bench_config(a.shape, "save", out / "config", out / "ckpt")
     if a.dry:
         return 0 if checked(config, "cold start") else 1
-    results: list[dict[str, Any]] = [{"case": "environment", **bytecode_facts()}]
+    results: list[dict[str, Any]] = [{"case": "environment", **bytecode_facts(), "cold_disk": a.cold_disk}]
     print(json.dumps(results[0]), flush=True)
     for case in CASES:
-        results.append(run(case, config, out))
+        results.append(run(case, config, out, a.cold_disk))
         print(json.dumps(results[-1]), flush=True)
     return finish(results, out, lambda rs: table([r for r in rs if r["case"] != "environment"]))
 

@@ -87,7 +87,8 @@ def test_each_case_gets_its_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert seen[3]["PYTHONPYCACHEPREFIX"] == str(out / "no-bytecode-prefix")
     got: list[dict[str, Any]] = json.loads((out / "results.json").read_text())
     assert got[0]["case"] == "environment" and set(got[0]) == {"case", "PYTHONDONTWRITEBYTECODE",
-                                                              "torch_installed_with_bytecode"}
+                                                              "torch_installed_with_bytecode", "cold_disk"}
+    assert got[0]["cold_disk"] is False
     assert got[1]["phases"] == {"imports": 1.5, "checks": 4.5, "dist_init": 0.1, "model": 0.5, "optimizer": 0.4,
                                 "resume": 0.1, "step1": 3.9}
     assert got[4] == {"case": "no-bytecode", "error": "Traceback: CUDA out of memory"}
@@ -107,3 +108,19 @@ def test_a_silent_process_is_stopped_after_the_time_limit(tmp_path: Path, monkey
     marks, _ = cold_start.until_step1([sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ),
                                       tmp_path / "log.txt")
     assert marks == {} and time.time() - start < 30
+
+
+def test_cold_disk_drops_the_installs_before_each_first_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cold-disk: before first-serial and first (not the later cases), every folder holding one of the packages and
+    the standard library leaves the page cache. The dropping itself is start_save.drop_page_cache (posix_fadvise)."""
+    runs: list[int] = []
+    dropped: list[tuple[int, Path]] = []
+    monkeypatch.setattr(cold_start, "until_step1", lambda cmd, env, log: (runs.append(1), (STARTUP, ""))[1])
+    monkeypatch.setattr(cold_start, "drop_page_cache", lambda folder: dropped.append((len(runs), folder)))
+    assert cold_start.main(["--out", str(tmp_path / "out"), "--cold-disk"]) == 0
+    folders = cold_start.install_folders()
+    import torch
+
+    assert Path(torch.__file__).parent.parent in folders and folders[-1] == Path(os.__file__).parent
+    assert dropped == [(0, f) for f in folders] + [(1, f) for f in folders] and len(runs) == 5
+    assert json.loads((tmp_path / "out" / "results.json").read_text())[0]["cold_disk"] is True

@@ -703,6 +703,8 @@ def cold_start_headline(m: Measurement) -> str:
     env = next(r for r in m.results if r["case"] == "environment")
     later = " and ".join(f"{by[c]:.1f}" for c in ("warm", "warm-again") if by.get(c))
     serial = f" ({by['first-serial']:.1f} s compiling on its own)" if by.get("first-serial") else ""
+    if env.get("cold_disk"):
+        serial += ", the installs' files out of the page cache before each"
     return (f"start to the end of step 1: the first run (both caches empty) {by['first']:.1f} s{serial}, later runs "
             f"{later} s; "
             f"without the bytecode cache {by['no-bytecode']:.1f} s (PYTHONDONTWRITEBYTECODE="
