@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from mcorekit.caches import LOCK_NAME, user_cache
 from results import die_with_parent, finish, fresh_dir, single_gpu_env, startup_marks
 from start_save import bench_config, checked, drop_page_cache, phases
 
@@ -108,9 +109,10 @@ def caches_for(case: str, out: Path, cold_disk: bool) -> Iterator[None]:
     if cold_disk:
         for folder in install_folders():
             drop_page_cache(folder)
-    pycache = fresh_dir(out / "cache") / "mcorekit" / "pycache"
-    pycache.mkdir(parents=True)
-    with open(pycache / "precompile.lock", "a") as lock:
+    fresh_dir(out / "cache")
+    pycache = user_cache({"XDG_CACHE_HOME": str(out / "cache")}, "pycache")  # the folder the run will use
+    assert pycache is not None
+    with open(pycache / LOCK_NAME, "a") as lock:
         if case == "first-serial":
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield

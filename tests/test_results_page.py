@@ -208,3 +208,9 @@ def test_cold_start_reads_its_committed_run() -> None:
     assert page.cold_start_headline(run) == (
         "start to the end of step 1: the first run (both caches empty) 42.5 s, later runs 13.4 and 14.6 s; without "
         "the bytecode cache 27.6 s (PYTHONDONTWRITEBYTECODE=1, torch installed without bytecode)")
+    cold = page.Measurement(DATA / "cold-start-1gpu-2026-12-03-cold-disk")  # first-serial and --cold-disk
+    assert "| first-serial | 34.62 | 5.45 | 13.08 |" in page.cold_start_table(cold)
+    assert page.cold_start_headline(cold).startswith(
+        "start to the end of step 1: the first run (both caches empty) 22.6 s (34.6 s compiling on its own), the "
+        "installs' files out of the page cache before each, later runs 11.0 and 9.8 s; without the bytecode cache "
+        "19.6 s")

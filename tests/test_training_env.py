@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -266,18 +267,19 @@ def test_the_mcorekit_command_uses_the_cache_for_itself_only(tmp_path: Path) -> 
     assert f"prefix {folder} exported {folder} writes True" in inherited.stdout, inherited.stderr[-2000:]
 
 
-def test_a_first_training_process_compiles_the_packages_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the cache lacks the heavy packages' bytecode, one low-priority child compiles them, what they pull in and
-    the standard library into it (the tests folders and the installed packages under the standard library's folder
-    left out), as Python itself would write them: an import in a process that may not write bytecode then reads
-    them (no compile warning). Nothing is started once the cache is current, while another process holds the lock,
-    or with fewer than MIN_CPUS_TO_PRECOMPILE CPUs."""
-    site, stdlib, folder = tmp_path / "site", tmp_path / "stdlib", tmp_path / "cache"
+@pytest.fixture
+def first_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """An install for precompile_in_background: a heavy package (a folder left out, tests, 300 modules so that the
+    child runs a while), one it pulls in, a standard library holding installed packages, an empty cache folder in
+    use; 4 CPUs. All under a folder named `tests`: only folders inside a package are left out."""
+    root = tmp_path / "tests"
+    site, stdlib, folder = root / "site", root / "stdlib", root / "cache"
     heavy = fake_package(site)
-    (heavy / "deep").mkdir()
-    (heavy / "deep" / "__init__.py").write_text(WARNS_WHEN_COMPILED)
-    (heavy / "tests").mkdir()
-    (heavy / "tests" / "test_it.py").write_text("")
+    for sub in ("deep", "tests", "skipped"):
+        (heavy / sub).mkdir()
+        (heavy / sub / "__init__.py").write_text(WARNS_WHEN_COMPILED)
+    for i in range(300):
+        (heavy / f"module{i}.py").write_text(f"VALUE = {i}\n")
     fake_package(site, "pulledin")
     (stdlib / "site-packages").mkdir(parents=True)
     (stdlib / "textwrapish.py").write_text("")
@@ -286,38 +288,121 @@ def test_a_first_training_process_compiles_the_packages_ahead(tmp_path: Path, mo
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(caches, "BYTECODE_PACKAGES", ("heavypkg",))
     monkeypatch.setattr(caches, "ALSO_PRECOMPILED", ("pulledin", "not_installed"))
+    monkeypatch.setattr(caches, "NOT_PRECOMPILED", {"heavypkg": ("skipped",), caches.STDLIB: ("site-packages",)})
     monkeypatch.setattr(caches.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib)})
     monkeypatch.setattr(caches.os, "sched_getaffinity", lambda pid: set(range(4)))
     monkeypatch.setattr(sys, "pycache_prefix", str(folder))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    return {"site": site, "heavy": heavy, "stdlib": stdlib, "folder": folder}
 
-    def cached(source: Path) -> bool:
-        return caches.bytecode_is_current(str(source))
 
+def child_env(**extra: str) -> dict[str, str]:
+    # SOURCE_DATE_EPOCH would make compileall write hash-checked bytecode, which the import below does not look for
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}, "SOURCE_DATE_EPOCH": "1", **extra}
+
+
+def cached(source: Path) -> bool:
+    return caches.bytecode_is_current(str(source))
+
+
+def lock_is_free(folder: Path) -> bool:
+    import fcntl
+
+    with open(folder / caches.LOCK_NAME) as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            return False
+
+
+def test_a_first_training_process_compiles_the_packages_ahead(first_run: dict[str, Path]) -> None:
+    """Where the cache lacks the heavy packages' bytecode, one child compiles them, what they pull in and the standard
+    library into it (test folders, the folders NOT_PRECOMPILED names and the installed packages under the standard
+    library's folder left out), as Python itself would write them: an import in a process that may not write
+    bytecode then reads them (no compile warning). The child holds the lock while it runs, and only the child."""
+    site, heavy, stdlib, folder = first_run["site"], first_run["heavy"], first_run["stdlib"], first_run["folder"]
+    env = child_env()
     child = caches.precompile_in_background(folder, env)
-    assert child is not None and child.wait(timeout=120) == 0
-    assert cached(heavy / "__init__.py") and cached(heavy / "deep" / "__init__.py")
+    assert child is not None and not lock_is_free(folder)
+    assert child.wait(timeout=120) == 0 and lock_is_free(folder)
+    assert cached(heavy / "__init__.py") and cached(heavy / "deep" / "__init__.py") and cached(heavy / "module299.py")
     assert cached(site / "pulledin" / "__init__.py") and cached(stdlib / "textwrapish.py")
-    assert not cached(heavy / "tests" / "test_it.py") and not cached(stdlib / "site-packages" / "installed.py")
+    assert not cached(heavy / "tests" / "__init__.py") and not cached(heavy / "skipped" / "__init__.py")
+    assert not cached(stdlib / "site-packages" / "installed.py")
     reader = subprocess.run([sys.executable, "-W", "always", "-c", "import heavypkg.deep, pulledin"],
                             capture_output=True, text=True, timeout=120,
                             env={**env, "PYTHONPATH": str(site), "PYTHONPYCACHEPREFIX": str(folder),
                                  "PYTHONDONTWRITEBYTECODE": "1"})
     assert reader.returncode == 0 and "SyntaxWarning" not in reader.stderr, reader.stderr[-2000:]
-    assert caches.precompile_in_background(folder, env) is None  # current: nothing to do
 
-    os.utime(heavy / "__init__.py", (1, 1))  # the package changed: the cache is stale again
-    assert not cached(heavy / "__init__.py")
+
+def test_no_precompile_where_it_is_not_needed_or_cannot_run(first_run: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing starts once the cache is current, while another process holds the lock, with fewer than
+    MIN_CPUS_TO_PRECOMPILE CPUs, or where the lock cannot be made (the folder gone); a changed package starts it
+    again."""
     import fcntl
 
-    with open(folder / "precompile.lock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # another process of the node is compiling
+    heavy, folder, env = first_run["heavy"], first_run["folder"], child_env()
+    child = caches.precompile_in_background(folder, env)
+    assert child is not None and child.wait(timeout=120) == 0
+    assert caches.precompile_in_background(folder, env) is None  # current: nothing to do
+    os.utime(heavy / "__init__.py", (1, 1))  # the package changed: the cache is stale again
+    assert not cached(heavy / "__init__.py")
+    with open(folder / caches.LOCK_NAME) as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process is compiling
         assert caches.precompile_in_background(folder, env) is None
+    assert caches.precompile_in_background(folder.parent / "gone", env) is None
     monkeypatch.setattr(caches.os, "sched_getaffinity", lambda pid: set(range(3)))
     assert caches.precompile_in_background(folder, env) is None
     monkeypatch.setattr(caches.os, "sched_getaffinity", lambda pid: set(range(4)))
     child = caches.precompile_in_background(folder, env)
     assert child is not None and child.wait(timeout=120) == 0 and cached(heavy / "__init__.py")
+
+
+PARENT_THAT_ENDS = """
+import os, sys, time
+from mcorekit import caches
+caches.BYTECODE_PACKAGES, caches.ALSO_PRECOMPILED = ("heavypkg",), ()
+caches.os.sched_getaffinity = lambda pid: set(range(4))
+caches.sysconfig.get_paths = lambda: {"stdlib": sys.argv[2]}
+sys.pycache_prefix = sys.argv[1]
+child = caches.precompile_in_background(caches.Path(sys.argv[1]))
+print(child.pid, flush=True)
+while not any(caches.Path(sys.argv[1]).rglob("slow*.pyc")):  # its workers are compiling
+    time.sleep(0.01)
+os._exit(0)
+"""
+
+
+def test_the_precompile_ends_with_its_process(first_run: dict[str, Path]) -> None:
+    """A training process that ends (even through os._exit) while the child's workers compile takes the child and its
+    workers with it."""
+    site, folder = first_run["site"], first_run["folder"]
+    for i in range(3000):  # long enough that the child is still compiling when its parent ends
+        (first_run["heavy"] / f"slow{i}.py").write_text("\n".join(f"def f{j}(): return {j}" for j in range(50)))
+    marker = str(first_run["stdlib"])  # in the command line of the child and of its forked workers
+
+    def ours() -> list[int]:
+        pids = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and marker in (proc / "cmdline").read_text() \
+                        and (proc / "stat").read_text().split()[2] != "Z":
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+        return pids
+
+    run = subprocess.run([sys.executable, "-c", PARENT_THAT_ENDS, str(folder), marker], capture_output=True,
+                         text=True, timeout=120, env=child_env(PYTHONPATH=str(site)))
+    assert run.returncode == 0 and run.stdout.strip().isdigit(), run.stderr[-2000:]
+    for _ in range(200):
+        if not ours():
+            break
+        time.sleep(0.05)
+    assert ours() == []
+    assert not cached(first_run["heavy"] / "slow2999.py")  # it was stopped, not finished
 
 
 def test_a_training_process_starts_the_precompile_where_it_uses_the_cache(
