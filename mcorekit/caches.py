@@ -162,6 +162,7 @@ def compile_trees(roots: list[tuple[str, tuple[str, ...]]], workers: int, optimi
     optimization level the parent's imports look for. Ends when `parent` does."""
     import compileall
     import functools
+    import multiprocessing
     import py_compile
     from concurrent.futures import ProcessPoolExecutor
 
@@ -170,7 +171,9 @@ def compile_trees(roots: list[tuple[str, tuple[str, ...]]], workers: int, optimi
     sources = [f for root, left_out in roots for f in python_sources(Path(root), left_out)]
     compile_one = functools.partial(compileall.compile_file, quiet=2, optimize=optimize,
                                     invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
-    with ProcessPoolExecutor(workers, initializer=end_with, initargs=(os.getpid(),)) as pool:
+    # forked (this process has no threads), so that each worker's parent is this process, which it ends with
+    fork = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, mp_context=fork, initializer=end_with, initargs=(os.getpid(),)) as pool:
         for _ in pool.map(compile_one, sources, chunksize=64):
             pass
 
