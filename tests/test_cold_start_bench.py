@@ -63,7 +63,7 @@ def test_each_case_gets_its_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     def fake(cmd: list[str], env: dict[str, str], log: Path) -> tuple[dict[str, float], str]:
         assert cmd[1:3] == ["-m", "mcorekit.train"] and Path(cmd[cmd.index("--config") + 1]).is_file()
         seen.append(env)
-        if len(seen) <= 2:  # the first runs find the caches empty; first-serial finds the precompile's lock held
+        if len(seen) <= 3:  # the first runs find the caches empty; first-serial finds the precompile's lock held
             assert [p.name for p in (out / "cache").rglob("*")] == ["mcorekit", "pycache", "precompile.lock"]
             with open(pycache / "precompile.lock") as lock:
                 try:
@@ -73,27 +73,27 @@ def test_each_case_gets_its_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPat
                     locked.append(True)
         (pycache / f"written-by-{len(seen)}").write_text("")
         log.write_text("output")
-        return ({} if len(seen) == 4 else STARTUP), "Traceback: CUDA out of memory"
+        return ({} if len(seen) == 5 else STARTUP), "Traceback: CUDA out of memory"
 
     monkeypatch.setattr(cold_start, "until_step1", fake)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/users/own")
     assert cold_start.main(["--out", str(out)]) == 1  # a case failed
-    assert len(seen) == len(cold_start.CASES) == 5 and locked == [True, False]
-    assert sorted(p.name for p in pycache.glob("written-by-*")) == [f"written-by-{i}" for i in (2, 3, 4, 5)]
+    assert len(seen) == len(cold_start.CASES) == 6 and locked == [False, True, False]
+    assert sorted(p.name for p in pycache.glob("written-by-*")) == [f"written-by-{i}" for i in (3, 4, 5, 6)]
     for case, env in zip(cold_start.CASES, seen):
         assert env["XDG_CACHE_HOME"] == str(out / "cache") and "TORCHINDUCTOR_CACHE_DIR" not in env
         assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1"
         assert ("PYTHONPYCACHEPREFIX" in env) == (case == "no-bytecode")
-    assert seen[3]["PYTHONPYCACHEPREFIX"] == str(out / "no-bytecode-prefix")
+    assert seen[4]["PYTHONPYCACHEPREFIX"] == str(out / "no-bytecode-prefix")
     got: list[dict[str, Any]] = json.loads((out / "results.json").read_text())
     assert got[0]["case"] == "environment" and set(got[0]) == {"case", "PYTHONDONTWRITEBYTECODE",
                                                               "torch_installed_with_bytecode", "cold_disk"}
     assert got[0]["cold_disk"] is False
     assert got[1]["phases"] == {"imports": 1.5, "checks": 4.5, "dist_init": 0.1, "model": 0.5, "optimizer": 0.4,
                                 "resume": 0.1, "step1": 3.9}
-    assert got[4] == {"case": "no-bytecode", "error": "Traceback: CUDA out of memory"}
+    assert got[5] == {"case": "no-bytecode", "error": "Traceback: CUDA out of memory"}
     table = cold_start.table(got[1:])
-    assert "| first-serial | 11.00 | 1.50 | 4.50 | 0.10 | 0.50 | 0.40 | 0.10 | 3.90 |" in table
+    assert "| first-machine | 11.00 | 1.50 | 4.50 | 0.10 | 0.50 | 0.40 | 0.10 | 3.90 |" in table
     assert "| no-bytecode | failed | | | | | | | |" in table and table.splitlines()[1] == "|---" * 9 + "|"
 
 
@@ -111,7 +111,7 @@ def test_a_silent_process_is_stopped_after_the_time_limit(tmp_path: Path, monkey
 
 
 def test_cold_disk_drops_the_installs_before_each_first_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--cold-disk: before first-serial and first (not the later cases), every folder holding one of the packages and
+    """--cold-disk: before each first run (not the later cases), every folder holding one of the packages and
     the standard library leaves the page cache. The dropping itself is start_save.drop_page_cache (posix_fadvise)."""
     runs: list[int] = []
     dropped: list[tuple[int, Path]] = []
@@ -122,5 +122,5 @@ def test_cold_disk_drops_the_installs_before_each_first_run(tmp_path: Path, monk
     import torch
 
     assert Path(torch.__file__).parent.parent in folders and folders[-1] == Path(os.__file__).parent
-    assert dropped == [(0, f) for f in folders] + [(1, f) for f in folders] and len(runs) == 5
+    assert dropped == [(i, f) for i in range(3) for f in folders] and len(runs) == 6
     assert json.loads((tmp_path / "out" / "results.json").read_text())[0]["cold_disk"] is True

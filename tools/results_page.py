@@ -703,11 +703,14 @@ def cold_start_headline(m: Measurement) -> str:
     env = next(r for r in m.results if r["case"] == "environment")
     later = " and ".join(f"{by[c]:.1f}" for c in ("warm", "warm-again") if by.get(c))
     serial = f" ({by['first-serial']:.1f} s compiling on its own)" if by.get("first-serial") else ""
+    if by.get("first-machine"):
+        serial += f", {by['first-machine']:.1f} s as the bench's first process on the machine"
     if env.get("cold_disk"):
         serial += ", the installs' files out of the page cache before each"
-    return (f"start to the end of step 1: the first run (both caches empty) {by['first']:.1f} s{serial}, later runs "
-            f"{later} s; "
-            f"without the bytecode cache {by['no-bytecode']:.1f} s (PYTHONDONTWRITEBYTECODE="
+    text = f"the first run (both caches empty) {by['first']:.1f} s{serial}"
+    text += f", later runs {later} s" if later else ""
+    text += f"; without the bytecode cache {by['no-bytecode']:.1f} s" if by.get("no-bytecode") else ""
+    return (f"start to the end of step 1: {text} (PYTHONDONTWRITEBYTECODE="
             f"{env['PYTHONDONTWRITEBYTECODE'] or 'unset'}, torch installed "
             f"{'with' if env['torch_installed_with_bytecode'] else 'without'} bytecode)")
 
