@@ -296,7 +296,7 @@ def first_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    # SOURCE_DATE_EPOCH would make compileall write hash-checked bytecode, which the import below does not look for
+    # with SOURCE_DATE_EPOCH set compileall writes hash-checked bytecode unless told otherwise: `cached` then fails
     return {**{k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}, "SOURCE_DATE_EPOCH": "1", **extra}
 
 
