@@ -17,7 +17,8 @@ killed) once it prints its `mcorekit.train: startup` line at the end of step 1: 
                 no bytecode, every import compiles, as before use_bytecode_cache)
   warm-again    as `warm`, for the spread between two equal processes
 
-The caches live under --out (XDG_CACHE_HOME), never the user's. The shape is start_save's (3b: the llama-3b preset,
+The caches live under --out (XDG_CACHE_HOME, and CUDA's and Triton's own: OTHER_CACHES), never the user's; each case
+reports their sizes after it. The shape is start_save's (3b: the llama-3b preset,
 seq 2048, micro-batch 4 x 8). Prints a Markdown table and writes results.json (with whether the environment writes
 bytecode and whether torch was installed with it). --cold-disk drops the installed packages' files (the folders
 holding torch, transformers, Megatron-Core and TE, and the standard library) from the page cache before each first
@@ -50,10 +51,17 @@ CASES = ("first-machine", "first-serial", "first", "warm", "no-bytecode", "warm-
 TIMEOUT_S = 300.0
 
 
+# caches a process keeps outside ours, each in a folder of its own under the bench's: the CUDA driver's cache of the
+# kernels it compiles from PTX (~/.nv/ComputeCache by default) and Triton's for kernels not compiled by inductor
+# (~/.triton/cache); inductor's own kernels follow TRITON_CACHE_DIR when it is set
+OTHER_CACHES = {"CUDA_CACHE_PATH": "cuda", "TRITON_CACHE_DIR": "triton"}
+
+
 def case_env(case: str, out: Path) -> dict[str, str]:
     env = {k: v for k, v in single_gpu_env(29597).items()
-           if k not in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPYCACHEPREFIX")}
+           if k not in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPYCACHEPREFIX", "CUDA_CACHE_DISABLE", *OTHER_CACHES)}
     env["XDG_CACHE_HOME"] = str(out / "cache")
+    env.update({var: str(out / "cache" / name) for var, name in OTHER_CACHES.items()})
     if case == "no-bytecode":
         empty = fresh_dir(out / "no-bytecode-prefix")
         env["PYTHONPYCACHEPREFIX"] = str(empty)  # named by the environment: use_bytecode_cache leaves it alone
@@ -130,7 +138,16 @@ def run(case: str, config: Path, out: Path, cold_disk: bool = False) -> dict[str
         marks, log = until_step1(cmd, case_env(case, out), run_dir / "log.txt")
     if "step1" not in marks:
         return {"case": case, "error": log[-1500:]}
-    return {"case": case, "step1_s": marks["step1"], "phases": phases(marks), "wall_s": round(time.time() - start, 1)}
+    return {"case": case, "step1_s": marks["step1"], "phases": phases(marks), "wall_s": round(time.time() - start, 1),
+            "cache_mb": cache_sizes(out / "cache")}
+
+
+def cache_sizes(cache: Path) -> dict[str, float]:
+    """MB in each cache folder after a case: the bytecode, torch.compile's, the CUDA driver's and Triton's."""
+    folders = {"bytecode": cache / "mcorekit" / "pycache", "torch_compile": cache / "mcorekit" / "torchinductor",
+               **{name: cache / name for name in OTHER_CACHES.values()}}
+    return {name: round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e6, 1)
+            for name, folder in folders.items()}
 
 
 def table(results: list[dict[str, Any]]) -> str:

@@ -39,13 +39,10 @@ def compiles_on_import(package: str) -> bool:
     this process may not write it there (PYTHONDONTWRITEBYTECODE, or a folder it cannot write). Installs without .pyc
     files are uv's default and pip's --no-compile; containers often set PYTHONDONTWRITEBYTECODE. False for what
     Python never compiles on import: a package that is missing, a namespace, an extension or bytecode only, in a zip."""
-    try:
-        spec = importlib.util.find_spec(package)  # runs its parents' __init__ (megatron's is empty)
-    except Exception:  # noqa: BLE001 - a parent that fails to import: not ours to report here
+    source = _source_of(package)
+    if source is None:
         return False
-    if spec is None or not spec.origin or not spec.origin.endswith(".py") or not os.path.isfile(spec.origin):
-        return False
-    cached = Path(importlib.util.cache_from_source(spec.origin))
+    cached = Path(importlib.util.cache_from_source(source))
     if cached.exists():
         return False
     folder = cached.parent if cached.parent.exists() else cached.parent.parent
@@ -201,10 +198,18 @@ def python_sources(root: Path, left_out: tuple[str, ...]) -> list[str]:
 
 def _package_root(package: str) -> str | None:
     """The folder of an installed regular package, found without importing it (a parent's __init__ runs)."""
+    source = _source_of(package)
+    return str(Path(source).parent) if source is not None and source.endswith("__init__.py") else None
+
+
+def _source_of(module: str) -> str | None:
+    """The .py file `module` would be imported from, found without importing it (its parents' __init__ run:
+    megatron's is empty); None for what is missing or not a source file, or where a parent fails to import (not
+    ours to report here)."""
     try:
-        spec = importlib.util.find_spec(package)
-    except Exception:  # noqa: BLE001 - as in compiles_on_import
+        spec = importlib.util.find_spec(module)
+    except Exception:  # noqa: BLE001
         return None
-    if spec is None or not spec.origin or not spec.origin.endswith("__init__.py"):
+    if spec is None or not spec.origin or not spec.origin.endswith(".py") or not os.path.isfile(spec.origin):
         return None
-    return str(Path(spec.origin).parent)
+    return spec.origin

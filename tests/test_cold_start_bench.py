@@ -72,16 +72,22 @@ def test_each_case_gets_its_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPat
                 except OSError:
                     locked.append(True)
         (pycache / f"written-by-{len(seen)}").write_text("")
+        Path(env["CUDA_CACHE_PATH"]).mkdir(exist_ok=True)
+        (Path(env["CUDA_CACHE_PATH"]) / f"kernels-{len(seen)}").write_bytes(b"k" * 250_000)
         log.write_text("output")
         return ({} if len(seen) == 5 else STARTUP), "Traceback: CUDA out of memory"
 
     monkeypatch.setattr(cold_start, "until_step1", fake)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/users/own")
+    monkeypatch.setenv("CUDA_CACHE_PATH", "/users/own/nv")
+    monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")
     assert cold_start.main(["--out", str(out)]) == 1  # a case failed
     assert len(seen) == len(cold_start.CASES) == 6 and locked == [False, True, False]
     assert sorted(p.name for p in pycache.glob("written-by-*")) == [f"written-by-{i}" for i in (3, 4, 5, 6)]
     for case, env in zip(cold_start.CASES, seen):
         assert env["XDG_CACHE_HOME"] == str(out / "cache") and "TORCHINDUCTOR_CACHE_DIR" not in env
+        assert env["CUDA_CACHE_PATH"] == str(out / "cache" / "cuda") and "CUDA_CACHE_DISABLE" not in env
+        assert env["TRITON_CACHE_DIR"] == str(out / "cache" / "triton")
         assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1"
         assert ("PYTHONPYCACHEPREFIX" in env) == (case == "no-bytecode")
     assert seen[4]["PYTHONPYCACHEPREFIX"] == str(out / "no-bytecode-prefix")
@@ -92,6 +98,9 @@ def test_each_case_gets_its_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert got[1]["phases"] == {"imports": 1.5, "checks": 4.5, "dist_init": 0.1, "model": 0.5, "optimizer": 0.4,
                                 "resume": 0.1, "step1": 3.9}
     assert got[5] == {"case": "no-bytecode", "error": "Traceback: CUDA out of memory"}
+    # the first runs start from empty caches: one file each, then the later cases add theirs (the 5th failed)
+    assert [r["cache_mb"]["cuda"] for r in got[1:] if "cache_mb" in r] == [0.2, 0.2, 0.2, 0.5, 1.0]
+    assert got[1]["cache_mb"] == {"bytecode": 0.0, "torch_compile": 0.0, "cuda": 0.2, "triton": 0.0}
     table = cold_start.table(got[1:])
     assert "| first-machine | 11.00 | 1.50 | 4.50 | 0.10 | 0.50 | 0.40 | 0.10 | 3.90 |" in table
     assert "| no-bytecode | failed | | | | | | | |" in table and table.splitlines()[1] == "|---" * 9 + "|"
