@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mcorekit.config.experiment import Experiment, layout_of
-from mcorekit.models.megatron import DTYPES, apex_wgrad_available
+from mcorekit.models.megatron import DTYPES
 from mcorekit.models.spec import ModelSpec
 
 
@@ -23,11 +23,12 @@ def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: 
         # known stability issues, Megatron-LM rejects it). The non-TE path keeps the plain PyTorch ops.
         bias_activation_fusion=fuse, apply_rope_fusion=fuse, masked_softmax_fusion=fuse,
         cross_entropy_loss_fusion=fuse, cross_entropy_fusion_impl="native",
-        # Weight gradients written straight into DDP's fp32 main_grad (TE's layers, the torch._grouped_mm experts,
-        # and with APEX's kernel Megatron's own output layer), as Megatron-LM does where APEX is installed. Without
-        # APEX it stays off: bench/levers.py's `gaf` measured +13% on the 8-expert shape (2026-12-01), but the
-        # one-GPU test suite has not yet passed with it on (models/megatron.build_gpt builds that case).
-        gradient_accumulation_fusion=fuse and apex_wgrad_available(),
+        # Weight gradients written straight into DDP's fp32 main_grad by TE's layers and the torch._grouped_mm
+        # experts (one GEMM accumulating in fp32, instead of a bf16 .grad that DDP's hook adds: 1,176 adds, 5% of
+        # the dense 3B FP8 step). Megatron's own output layer needs APEX's kernel for it; without APEX
+        # models/megatron.build_gpt gives that one layer the plain weight gradient. Megatron-FSDP is left out: it
+        # supports the flag, but has not run with it here (it needs two GPUs).
+        gradient_accumulation_fusion=fuse and not exp.parallel.fsdp,
         tp_comm_overlap=exp.optimizer.tp_comm_overlap,
     )
     if full_graph:

@@ -1,8 +1,8 @@
-"""gradient_accumulation_fusion follows APEX (as in Megatron-LM); where it is on without APEX (bench/levers.py's
-`gaf` lever) TE's layers and the torch._grouped_mm experts write weight gradients into DDP's main_grad themselves,
-while Megatron's own linear layers (the output layer, and every layer of the local spec), which refuse the flag
-without APEX's kernel, are built anyway and set to the plain weight gradient. On CPU, with Megatron-Core's real
-modules (no APEX here, as on our GPU machines)."""
+"""gradient_accumulation_fusion is on wherever TE's layers are (Megatron-FSDP aside): TE's layers and the
+torch._grouped_mm experts write weight gradients into DDP's main_grad themselves, while Megatron's own linear layers
+(the output layer, and every layer of the local spec), which refuse the flag without APEX's kernel, are built anyway
+and set to the plain weight gradient. On CPU, with Megatron-Core's real modules (no APEX here, as on our GPU
+machines); the GPU suite trains with it (tests/test_gpu_train.py)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,18 @@ def exp(*overrides: str) -> Any:
     return load_experiment("examples/llama-tiny.yaml", list(overrides))
 
 
-def test_fusion_is_off_without_apex() -> None:
+def test_fusion_is_on_with_te_layers_apex_or_not() -> None:
     from mcorekit.config.megatron import transformer_kwargs
     from mcorekit.models.megatron import apex_wgrad_available
     from mcorekit.models.spec import resolve
 
     spec = resolve("llama-tiny", None, {})
     assert not apex_wgrad_available()
-    assert transformer_kwargs(exp(), spec, use_te=True)["gradient_accumulation_fusion"] is False
+    assert transformer_kwargs(exp(), spec, use_te=True)["gradient_accumulation_fusion"] is True
     assert transformer_kwargs(exp(), spec, use_te=False)["gradient_accumulation_fusion"] is False
+    assert transformer_kwargs(exp(), spec, use_te=True, fusions=False)["gradient_accumulation_fusion"] is False
+    fsdp = exp("parallel.fsdp=optim_grads_params")
+    assert transformer_kwargs(fsdp, spec, use_te=True)["gradient_accumulation_fusion"] is False
 
 
 def test_own_layers_built_with_the_flag_take_the_plain_weight_gradient(model_parallel: None,

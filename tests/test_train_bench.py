@@ -101,11 +101,11 @@ print("RESULT " + json.dumps({k: kw.get(k) for k in ("gradient_accumulation_fusi
 
 
 @pytest.mark.parametrize("lever, expected", [
-    ("base", {"gradient_accumulation_fusion": False, "use_te_activation_func": None, "bias_activation_fusion": True,
+    ("base", {"gradient_accumulation_fusion": True, "use_te_activation_func": None, "bias_activation_fusion": True,
               "cross_entropy_loss_fusion": True, "fp8_dot_product_attention": None, "config_te_act": False,
               "te_act_passed": False}),
-    ("fp8-attn", {"gradient_accumulation_fusion": False, "fp8_dot_product_attention": True, "te_act_passed": False}),
-    ("gaf+te-act+ce-plain", {"gradient_accumulation_fusion": True, "use_te_activation_func": True,
+    ("fp8-attn", {"gradient_accumulation_fusion": True, "fp8_dot_product_attention": True, "te_act_passed": False}),
+    ("no-gaf+te-act+ce-plain", {"gradient_accumulation_fusion": False, "use_te_activation_func": True,
                              "bias_activation_fusion": False, "cross_entropy_loss_fusion": False, "config_te_act": True,
                              "te_act_passed": True}),
 ])
