@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mcorekit.config.experiment import Experiment, layout_of
-from mcorekit.models.megatron import DTYPES
+from mcorekit.models.megatron import DTYPES, apex_wgrad_available
 from mcorekit.models.spec import ModelSpec
 
 
@@ -23,12 +23,14 @@ def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: 
         # known stability issues, Megatron-LM rejects it). The non-TE path keeps the plain PyTorch ops.
         bias_activation_fusion=fuse, apply_rope_fusion=fuse, masked_softmax_fusion=fuse,
         cross_entropy_loss_fusion=fuse, cross_entropy_fusion_impl="native",
-        # Weight gradients written straight into DDP's fp32 main_grad by TE's layers and the torch._grouped_mm
-        # experts (one GEMM accumulating in fp32, instead of a bf16 .grad that DDP's hook adds: 1,176 adds, 5% of
-        # the dense 3B FP8 step). Megatron's own output layer needs APEX's kernel for it; without APEX
-        # models/megatron.build_gpt gives that one layer the plain weight gradient. Megatron-FSDP is left out: it
-        # supports the flag, but has not run with it here (it needs two GPUs).
-        gradient_accumulation_fusion=fuse and not exp.parallel.fsdp,
+        # Dense models: weight gradients written straight into DDP's fp32 main_grad by TE's layers (one GEMM
+        # accumulating in fp32, instead of a bf16 .grad that DDP's hook adds: 1,176 adds, 5% of the dense 3B FP8
+        # step; bench/levers.py `no-gaf`: -2.6% tokens/s on the 3B bf16 shape, one H200, 2026-12-04). Megatron's own
+        # output layer needs APEX's kernel for it; without APEX models/megatron.build_gpt gives that one layer the
+        # plain weight gradient. MoE models keep it only where APEX is installed, as Megatron-LM does: under the
+        # step graph it made the 8-expert shape 1.5-2% slower (2026-12-02, 2026-12-04). Megatron-FSDP is left out:
+        # it supports the flag, but has not run with it here (it needs two GPUs).
+        gradient_accumulation_fusion=fuse and not exp.parallel.fsdp and (not spec.is_moe or apex_wgrad_available()),
         tp_comm_overlap=exp.optimizer.tp_comm_overlap,
     )
     if full_graph:

@@ -1,7 +1,7 @@
-"""gradient_accumulation_fusion is on wherever TE's layers are (Megatron-FSDP aside): TE's layers and the
-torch._grouped_mm experts write weight gradients into DDP's main_grad themselves, while Megatron's own linear layers
-(the output layer, and every layer of the local spec), which refuse the flag without APEX's kernel, are built anyway
-and set to the plain weight gradient. On CPU, with Megatron-Core's real modules (no APEX here, as on our GPU
+"""gradient_accumulation_fusion is on wherever a dense model has TE's layers (MoE models keep it only with APEX,
+Megatron-FSDP never): TE's layers write weight gradients into DDP's main_grad themselves, while Megatron's own linear
+layers (the output layer, and every layer of the local spec), which refuse the flag without APEX's kernel, are built
+anyway and set to the plain weight gradient. On CPU, with Megatron-Core's real modules (no APEX here, as on our GPU
 machines); the GPU suite trains with it (tests/test_gpu_train.py)."""
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ def test_fusion_is_on_with_te_layers_apex_or_not() -> None:
     assert transformer_kwargs(exp(), spec, use_te=True, fusions=False)["gradient_accumulation_fusion"] is False
     fsdp = exp("parallel.fsdp=optim_grads_params")
     assert transformer_kwargs(fsdp, spec, use_te=True)["gradient_accumulation_fusion"] is False
+    moe = resolve("mixtral-tiny", None, {})
+    assert moe.is_moe and transformer_kwargs(exp(), moe, use_te=True)["gradient_accumulation_fusion"] is False
 
 
 def test_own_layers_built_with_the_flag_take_the_plain_weight_gradient(model_parallel: None,
