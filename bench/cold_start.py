@@ -1,25 +1,25 @@
-"""Start-up to the end of step 1 through the real entry (`python -m mcorekit.train`), by the state of the two caches a
-process finds: the bytecode of torch, Megatron-Core and TE (mcorekit/caches.use_bytecode_cache) and torch.compile's
-kernels (runtime/env.use_compile_cache). One fresh process per case, in this order, stopped (its process group
+"""Start-up to the end of step 1 through the real entry (`python -m mcorekit.train`), by the state of the caches a
+process finds: the bytecode of torch, Megatron-Core and TE (mcorekit/caches.use_bytecode_cache), torch.compile's
+kernels (runtime/env.use_compile_cache) and the CUDA driver's kernels compiled from PTX. One fresh process per case, in this order, stopped (its process group
 killed) once it prints its `mcorekit.train: startup` line at the end of step 1: nothing is saved.
 
     python bench/cold_start.py [--shape 3b] [--out DIR] [--cold-disk] [--dry]
 
-  first-machine both caches empty, the first training process of this bench on the machine: it pays too for what a
-                machine does once and the bench does not reset (on one H200, 2026-12-03, step 1 took ~3.5 s longer
-                in whichever first run came first), so that the next two compare fairly
-  first-serial  both caches empty, the background compile of a first run held off (the bench holds its lock): a
+  first-serial  every cache empty, the background compile of a first run held off (the bench holds its lock): a
                 user's first run as it was before mcorekit/caches.precompile_in_background
-  first         both caches empty: a user's first run
-  warm          both caches as `first` left them: every later or requeued run
+  first         every cache empty: a user's first run
+  warm          every cache as `first` left them: every later or requeued run
+  no-cuda-cache as `warm` but for the CUDA driver's cache of the kernels it compiles from PTX (CUDA_CACHE_PATH
+                naming an empty folder): what a first run pays for it (on one H200, 2026-12-04, 3.3-3.8 s of step 1;
+                before 2026-12-04 the bench left that cache in the user's home, and whichever first run came first on
+                a machine paid it alone)
   no-bytecode   torch.compile's cache warm, the bytecode cache out of use (PYTHONPYCACHEPREFIX naming an empty
                 folder that is not written: where the environment sets PYTHONDONTWRITEBYTECODE and the packages have
                 no bytecode, every import compiles, as before use_bytecode_cache)
   warm-again    as `warm`, for the spread between two equal processes
 
 The caches live under --out (XDG_CACHE_HOME, and CUDA's and Triton's own: OTHER_CACHES), never the user's; each case
-reports their sizes after it. The shape is start_save's (3b: the llama-3b preset,
-seq 2048, micro-batch 4 x 8). Prints a Markdown table and writes results.json (with whether the environment writes
+reports their sizes after it. The shape is start_save's (3b: the llama-3b preset, seq 2048, micro-batch 4 x 8). Prints a Markdown table and writes results.json (with whether the environment writes
 bytecode and whether torch was installed with it). --cold-disk drops the installed packages' files (the folders
 holding torch, transformers, Megatron-Core and TE, and the standard library) from the page cache before each first
 run, as on a node that has not read them since the install. --dry writes the experiment file only.
@@ -47,7 +47,7 @@ from mcorekit.caches import LOCK_NAME, user_cache
 from results import die_with_parent, finish, fresh_dir, single_gpu_env, startup_marks
 from start_save import bench_config, checked, drop_page_cache, phases
 
-CASES = ("first-machine", "first-serial", "first", "warm", "no-bytecode", "warm-again")
+CASES = ("first-serial", "first", "warm", "no-cuda-cache", "no-bytecode", "warm-again")
 TIMEOUT_S = 300.0
 
 
@@ -65,6 +65,8 @@ def case_env(case: str, out: Path) -> dict[str, str]:
     if case == "no-bytecode":
         empty = fresh_dir(out / "no-bytecode-prefix")
         env["PYTHONPYCACHEPREFIX"] = str(empty)  # named by the environment: use_bytecode_cache leaves it alone
+    if case == "no-cuda-cache":
+        env["CUDA_CACHE_PATH"] = str(fresh_dir(out / "no-cuda-cache"))
     return env
 
 

@@ -6,7 +6,9 @@ the loop saves a checkpoint at the next step boundary and exits for requeue.
 Each rank also writes RUN_DIR/grads.rank<R>.json: the squared norm of every parameter's gradient at the first step
 (DDP's main_grad after the schedule finalised it, before the optimizer clips it), under its GLOBAL name (layer
 numbers across pipeline stages and virtual chunks), so a test can say which parameters' gradients differ between
-layouts. With data (or context) parallelism the distributed optimizer reduces only this rank's shard: those write none."""
+layouts. With data (or context) parallelism the distributed optimizer reduces only this rank's shard: those write none.
+It prints whether the model fused its weight gradients into main_grad; GPU_TEST_GAF=off in the environment switches
+that off (there is no experiment key for it), so a test can compare the two."""
 
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ def probe_first_step(run_dir: Path) -> None:
         from megatron.core import parallel_state as ps
 
         t = build(exp, **kw)
+        fused = {unwrap(chunk).config.gradient_accumulation_fusion for chunk in t.model}
+        print(f"gpu_train_driver: gradient_accumulation_fusion={sorted(fused)}", flush=True)
         whole = ps.get_data_parallel_world_size(with_context_parallel=True) == 1  # else only a reduced shard
         step = t.optimizer.step
 
@@ -71,6 +75,18 @@ def probe_first_step(run_dir: Path) -> None:
     loop.build = build_and_probe
 
 
+def plain_weight_gradients() -> None:
+    """gradient_accumulation_fusion off, whatever mcorekit's default (config/megatron.transformer_kwargs)."""
+    import mcorekit.config.megatron as margs
+
+    kwargs = margs.transformer_kwargs
+
+    def without_fusion(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        return {**kwargs(*args, **kw), "gradient_accumulation_fusion": False}
+
+    margs.transformer_kwargs = without_fusion
+
+
 def main() -> int:
     config, run_dir, stop_at = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0
     exp = load_experiment(config, sys.argv[4:])
@@ -81,6 +97,8 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGUSR2)
 
     probe_first_step(run_dir)
+    if os.environ.get("GPU_TEST_GAF") == "off":
+        plain_weight_gradients()
     try:
         loop.train(exp, run_dir, on_step=on_step)
     except SystemExit as e:
