@@ -10,7 +10,7 @@ killed) once it prints its `mcorekit.train: startup` line at the end of step 1: 
   first         every cache empty: a user's first run
   warm          every cache as `first` left them: every later or requeued run
   no-cuda-cache as `warm` but for the CUDA driver's cache of the kernels it compiles from PTX (CUDA_CACHE_PATH
-                naming an empty folder): what a first run pays for it (on one H200, 2026-12-04, 3.3-3.8 s of step 1;
+                naming an empty folder): what a first run pays for it (on one H200, 2026-12-04, 3.2-3.3 s of step 1;
                 before 2026-12-04 the bench left that cache in the user's home, and whichever first run came first on
                 a machine paid it alone)
   no-bytecode   torch.compile's cache warm, the bytecode cache out of use (PYTHONPYCACHEPREFIX naming an empty

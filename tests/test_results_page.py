@@ -206,11 +206,27 @@ def test_cold_start_reads_its_committed_run() -> None:
     run = page.Measurement(DATA / "cold-start-1gpu-2026-12-03")
     assert "| no-bytecode | 27.59 | 4.56 | 16.58 | 0.02 | 0.37 | 0.33 | 0.27 | 5.46 |" in page.cold_start_table(run)
     assert page.cold_start_headline(run) == (
-        "start to the end of step 1: the first run (both caches empty) 42.5 s, later runs 13.4 and 14.6 s; without "
+        "start to the end of step 1: the first run (its caches empty) 42.5 s, later runs 13.4 and 14.6 s; without "
         "the bytecode cache 27.6 s (PYTHONDONTWRITEBYTECODE=1, torch installed without bytecode)")
     cold = page.Measurement(DATA / "cold-start-1gpu-2026-12-03-cold-disk")  # first-serial and --cold-disk
     assert "| first-serial | 34.62 | 5.45 | 13.08 |" in page.cold_start_table(cold)
     assert page.cold_start_headline(cold).startswith(
-        "start to the end of step 1: the first run (both caches empty) 22.6 s (34.6 s compiling on its own), the "
+        "start to the end of step 1: the first run (its caches empty) 22.6 s (34.6 s compiling on its own), the "
         "installs' files out of the page cache before each, later runs 11.0 and 9.8 s; without the bytecode cache "
         "19.6 s")
+
+
+def test_cold_start_headline_names_the_cuda_cache_case(tmp_path: Path) -> None:
+    """A run of bench/cold_start.py since its no-cuda-cache case: the headline gives it after the warm runs."""
+    page = generator()
+    folder = tmp_path / "cold-start"
+    folder.mkdir()
+    meta = json.loads((DATA / "cold-start-1gpu-2026-12-04-cuda-cache" / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps(meta))
+    rows = [{"case": "environment", "PYTHONDONTWRITEBYTECODE": "", "torch_installed_with_bytecode": True,
+             "cold_disk": False}] + [{"case": c, "step1_s": s} for c, s in
+                                     (("first", 24.0), ("warm", 12.0), ("no-cuda-cache", 15.5))]
+    (folder / "results.json").write_text(json.dumps(rows))
+    assert page.cold_start_headline(page.Measurement(folder)) == (
+        "start to the end of step 1: the first run (its caches empty) 24.0 s, later runs 12.0 s; with the CUDA "
+        "driver's cache empty 15.5 s (PYTHONDONTWRITEBYTECODE=unset, torch installed with bytecode)")

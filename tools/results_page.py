@@ -707,9 +707,10 @@ def cold_start_headline(m: Measurement) -> str:
         serial += f", {by['first-machine']:.1f} s as the bench's first process on the machine"
     if env.get("cold_disk"):
         serial += ", the installs' files out of the page cache before each"
-    text = f"the first run (both caches empty) {by['first']:.1f} s{serial}"
+    text = f"the first run (its caches empty) {by['first']:.1f} s{serial}"
     text += f", later runs {later} s" if later else ""
     text += f"; without the bytecode cache {by['no-bytecode']:.1f} s" if by.get("no-bytecode") else ""
+    text += f"; with the CUDA driver's cache empty {by['no-cuda-cache']:.1f} s" if by.get("no-cuda-cache") else ""
     return (f"start to the end of step 1: {text} (PYTHONDONTWRITEBYTECODE="
             f"{env['PYTHONDONTWRITEBYTECODE'] or 'unset'}, torch installed "
             f"{'with' if env['torch_installed_with_bytecode'] else 'without'} bytecode)")
