@@ -230,3 +230,10 @@ def test_cold_start_headline_names_the_cuda_cache_case(tmp_path: Path) -> None:
     assert page.cold_start_headline(page.Measurement(folder)) == (
         "start to the end of step 1: the first run (its caches empty) 24.0 s, later runs 12.0 s; with the CUDA "
         "driver's cache empty 15.5 s (PYTHONDONTWRITEBYTECODE=unset, torch installed with bytecode)")
+
+
+def test_levers_headline_when_no_lever_beats_the_defaults() -> None:
+    page = generator()
+    run = page.Measurement(DATA / "levers-dense-3b-gaf-1gpu-2026-12-04")
+    assert page.levers_headline(run) == ("defaults 31.7k tokens/s (MFU 54.3%), ahead of every lever; next `no-gaf` "
+                                         "30.9k (-2.6%)")
