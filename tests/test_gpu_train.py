@@ -122,7 +122,7 @@ def test_fused_weight_gradients_equal_the_plain_ones(tmp_path: Path, monkeypatch
     assert rel[worst] < 2e-2
     diffs = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(fused, plain)]
     print("|loss fused - loss plain| / plain per step:", " ".join(f"{d:.1e}" for d in diffs))
-    assert len(diffs) == 10 and diffs[0] == 0.0 and max(diffs) < 2e-2
+    assert len(diffs) == 10 and diffs[0] < 1e-6 and max(diffs) < 2e-2  # step 1: the same forward
 
 
 def test_moe_torch_expert_gemm_follows_te_grouped_gemm(tmp_path: Path) -> None:
