@@ -66,7 +66,7 @@ def case_env(case: str, out: Path) -> dict[str, str]:
         empty = fresh_dir(out / "no-bytecode-prefix")
         env["PYTHONPYCACHEPREFIX"] = str(empty)  # named by the environment: use_bytecode_cache leaves it alone
     if case == "no-cuda-cache":
-        env["CUDA_CACHE_PATH"] = str(fresh_dir(out / "no-cuda-cache"))
+        env["CUDA_CACHE_PATH"] = str(fresh_dir(out / "no-cuda-cache-folder"))  # not the case's run folder
     return env
 
 
@@ -136,18 +136,22 @@ def run(case: str, config: Path, out: Path, cold_disk: bool = False) -> dict[str
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "mcorekit.train", "--config", str(config), "--run-dir", str(run_dir)]
     start = time.time()
+    env = case_env(case, out)
     with caches_for(case, out, cold_disk):
-        marks, log = until_step1(cmd, case_env(case, out), run_dir / "log.txt")
+        marks, log = until_step1(cmd, env, run_dir / "log.txt")
     if "step1" not in marks:
         return {"case": case, "error": log[-1500:]}
     return {"case": case, "step1_s": marks["step1"], "phases": phases(marks), "wall_s": round(time.time() - start, 1),
-            "cache_mb": cache_sizes(out / "cache")}
+            "cache_mb": cache_sizes(env)}
 
 
-def cache_sizes(cache: Path) -> dict[str, float]:
-    """MB in each cache folder after a case: the bytecode, torch.compile's, the CUDA driver's and Triton's."""
-    folders = {"bytecode": cache / "mcorekit" / "pycache", "torch_compile": cache / "mcorekit" / "torchinductor",
-               **{name: cache / name for name in OTHER_CACHES.values()}}
+def cache_sizes(env: dict[str, str]) -> dict[str, float]:
+    """MB in each cache folder a case used (`env` is its environment), after it: the bytecode, torch.compile's, the
+    CUDA driver's and Triton's."""
+    ours = Path(env["XDG_CACHE_HOME"]) / "mcorekit"
+    folders = {"bytecode": Path(env.get("PYTHONPYCACHEPREFIX") or ours / "pycache"),
+               "torch_compile": ours / "torchinductor",
+               **{name: Path(env[var]) for var, name in OTHER_CACHES.items()}}
     return {name: round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e6, 1)
             for name, folder in folders.items()}
 

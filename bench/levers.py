@@ -2,7 +2,7 @@
 transformers, in one run on the same GPU (issue: speed). A lever is measured before it becomes an option.
 
     python bench/levers.py [--shape moe|dense|dense-3b] [--run bf16|fp8-<recipe>] [--steps 16]
-                           [--levers base,eager,no-gaf] [--no-hf] [--out DIR]
+                           [--levers base,eager] [--no-hf] [--out DIR]
 
 The shapes are train_bench.py's. Levers (applied inside the training process, on top of `python -m mcorekit.train`'s
 defaults for the shape and --run):
@@ -12,9 +12,12 @@ defaults for the shape and --run):
            local expert is skipped (skip_identity_sort); each step runs as one CUDA graph (schedule.cuda_graph=auto,
            train/step_graph.py)
   eager    no CUDA graph: the step's kernels launched one by one from the host (schedule.cuda_graph=false)
-  no-gaf   gradient_accumulation_fusion off: a .grad per parameter that DDP's hooks add to its fp32 main_grad,
-           instead of the weight gradients written straight into main_grad by TE's layers and the torch._grouped_mm
-           experts (the default since 2026-12-04; before, where APEX was installed only, and the `gaf` lever)
+  no-gaf   (dense) gradient_accumulation_fusion off: a bf16 .grad per parameter that DDP's hooks add to its fp32
+           main_grad, instead of the weight gradients accumulated into main_grad by TE's layers in the GEMM (the
+           default for dense models since 1f997b5; before, only where APEX was installed)
+  gaf      (MoE) gradient_accumulation_fusion on, as for dense models: TE's layers and the torch._grouped_mm experts
+           accumulate into main_grad. MoE models have it only where APEX is installed (7613494: 1.6% slower under
+           the step graph on the 8-expert shape)
   te-act   (dense) TE's SwiGLU kernel (Megatron-Core's use_te_activation_func; bias_activation_fusion off) instead
            of Megatron-Core's bias-SwiGLU, which torch.compile compiles at step 1. Dense MLPs only: the
            torch._grouped_mm experts then run the unfused SwiGLU
@@ -43,7 +46,7 @@ from pathlib import Path
 from results import compile_env, compile_summary, finish, metrics_summary, run_training, startup_marks, timed
 from train_bench import SHAPES, hf_run, write_config
 
-LEVERS = {"base", "eager", "no-gaf", "te-act", "ce-plain", "sync", "sort", "router", "fp8-attn"}
+LEVERS = {"base", "eager", "gaf", "no-gaf", "te-act", "ce-plain", "sync", "sort", "router", "fp8-attn"}
 FP8_ATTN_RUNS = ("fp8-delayed", "fp8-tensorwise", "fp8-mxfp8")  # Megatron-Core's block-scaling recipe has no fp8_dpa
 
 # Run in the training process before mcorekit.train's main: patches that switch a lever on (no config key yet), for
@@ -55,8 +58,8 @@ import mcorekit.models.megatron as mm
 base_kwargs, base_layer_spec = margs.transformer_kwargs, mm.layer_spec
 def kwargs(*args, **kw):
     out = base_kwargs(*args, **kw)
-    if "no-gaf" in levers:
-        out["gradient_accumulation_fusion"] = False
+    if "gaf" in levers or "no-gaf" in levers:
+        out["gradient_accumulation_fusion"] = "gaf" in levers
     if "te-act" in levers:
         out.update(use_te_activation_func=True, bias_activation_fusion=False)
     if "ce-plain" in levers:
@@ -128,7 +131,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(SHAPES), default="moe")
     p.add_argument("--run", default="bf16", help="the precision of every lever's run: bf16 or fp8-<recipe>")
-    p.add_argument("--levers", default="base,eager,no-gaf")
+    p.add_argument("--levers", default="base,eager")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers baseline")
     p.add_argument("--out", default="/tmp/mcorekit-levers")

@@ -28,7 +28,7 @@ def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: 
         # step; bench/levers.py `no-gaf`: -2.6% tokens/s on the 3B bf16 shape, one H200, 2026-12-04). Megatron's own
         # output layer needs APEX's kernel for it; without APEX models/megatron.build_gpt gives that one layer the
         # plain weight gradient. MoE models keep it only where APEX is installed, as Megatron-LM does: under the
-        # step graph it made the 8-expert shape 1.5-2% slower (2026-12-02, 2026-12-04). Megatron-FSDP is left out:
+        # step graph it made the 8-expert shape 1.6-2.2% slower (2026-12-01, 2026-12-04). Megatron-FSDP is left out:
         # it supports the flag, but has not run with it here (it needs two GPUs).
         gradient_accumulation_fusion=fuse and not exp.parallel.fsdp and (not spec.is_moe or apex_wgrad_available()),
         tp_comm_overlap=exp.optimizer.tp_comm_overlap,

@@ -86,7 +86,7 @@ def test_each_case_gets_its_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert sorted(p.name for p in pycache.glob("written-by-*")) == [f"written-by-{i}" for i in (2, 3, 4, 5, 6)]
     for case, env in zip(cold_start.CASES, seen):
         assert env["XDG_CACHE_HOME"] == str(out / "cache") and "TORCHINDUCTOR_CACHE_DIR" not in env
-        cuda = out / ("no-cuda-cache" if case == "no-cuda-cache" else "cache/cuda")
+        cuda = out / ("no-cuda-cache-folder" if case == "no-cuda-cache" else "cache/cuda")
         assert env["CUDA_CACHE_PATH"] == str(cuda) and "CUDA_CACHE_DISABLE" not in env
         assert env["TRITON_CACHE_DIR"] == str(out / "cache" / "triton")
         assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1"
@@ -100,9 +100,9 @@ def test_each_case_gets_its_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPat
                                 "resume": 0.1, "step1": 3.9}
     assert got[5] == {"case": "no-bytecode", "error": "Traceback: CUDA out of memory"}
     # the first runs start from empty caches: one file each, then the later cases add theirs, but for no-cuda-cache,
-    # which writes to a folder of its own (the 5th failed after writing)
-    assert [r["cache_mb"]["cuda"] for r in got[1:] if "cache_mb" in r] == [0.2, 0.2, 0.5, 0.5, 1.0]
-    assert (out / "no-cuda-cache" / "kernels-4").is_file()
+    # which writes to a folder of its own and reports that (the 5th failed after writing)
+    assert [r["cache_mb"]["cuda"] for r in got[1:] if "cache_mb" in r] == [0.2, 0.2, 0.5, 0.2, 1.0]
+    assert (out / "no-cuda-cache-folder" / "kernels-4").is_file()
     assert got[1]["cache_mb"] == {"bytecode": 0.0, "torch_compile": 0.0, "cuda": 0.2, "triton": 0.0}
     table = cold_start.table(got[1:])
     assert "| first-serial | 11.00 | 1.50 | 4.50 | 0.10 | 0.50 | 0.40 | 0.10 | 3.90 |" in table

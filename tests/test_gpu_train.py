@@ -106,8 +106,9 @@ def test_fused_weight_gradients_equal_the_plain_ones(tmp_path: Path, monkeypatch
     """gradient_accumulation_fusion, on by default for dense models (TE's layers accumulate each micro-batch's
     weight gradient into DDP's fp32 main_grad), gives every parameter the step-1 gradient of the plain path (a bf16
     .grad per micro-batch that DDP adds) to bf16 rounding: nothing counted twice (4x the squared norm) or dropped;
-    the output layer keeps the plain path without APEX (models/megatron.build_gpt). Losses stay close over 10 steps.
-    Written on 2026-12-04 after the GPU budget of that day was spent: not yet run."""
+    the output layer keeps the plain path without APEX (models/megatron.build_gpt). Steps 3-10 run as one CUDA graph
+    each: their gradient norms (before clipping, which would hide a doubled gradient from the losses) and losses stay
+    close. Written on 2026-12-04 after the GPU budget of that day was spent: not yet run."""
     cfg = {**BASE, "schedule": {**BASE["schedule"], "train_iters": 10}}
     fused = run(tmp_path, "fused", cfg)
     monkeypatch.setenv("GPU_TEST_GAF", "off")
@@ -120,9 +121,13 @@ def test_fused_weight_gradients_equal_the_plain_ones(tmp_path: Path, monkeypatch
     worst = max(rel, key=rel.__getitem__)
     print(f"step-1 squared gradient norms, fused vs plain: worst {worst} {rel[worst]:.1e}")
     assert rel[worst] < 2e-2
-    diffs = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(fused, plain)]
-    print("|loss fused - loss plain| / plain per step:", " ".join(f"{d:.1e}" for d in diffs))
-    assert len(diffs) == 10 and diffs[0] < 1e-6 and max(diffs) < 2e-2  # step 1: the same forward
+    assert "each step one CUDA graph" in (tmp_path / "fused" / "stdout.txt").read_text()
+    for key in ("loss", "grad_norm"):
+        diffs = [abs(a[key] - b[key]) / b[key] for a, b in zip(fused, plain)]
+        print(f"|{key} fused - plain| / plain per step:", " ".join(f"{d:.1e}" for d in diffs))
+        # the dense tests' norms with and without the fusion agreed to 0.6% over 12 steps (docs/gpu-runs.md, 2026-12-04)
+        assert len(diffs) == 10 and max(diffs) < 2e-2
+    assert abs(fused[0]["loss"] - plain[0]["loss"]) < 1e-6 * plain[0]["loss"]  # step 1: the same forward
 
 
 def test_moe_torch_expert_gemm_follows_te_grouped_gemm(tmp_path: Path) -> None:

@@ -34,6 +34,17 @@ def test_fusion_is_on_with_te_layers_apex_or_not() -> None:
     assert moe.is_moe and transformer_kwargs(exp(), moe, use_te=True)["gradient_accumulation_fusion"] is False
 
 
+def test_moe_models_fuse_where_apex_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mcorekit.config.megatron as margs
+    from mcorekit.models.spec import resolve
+
+    monkeypatch.setattr(margs, "apex_wgrad_available", lambda: True)  # APEX's kernel, as if installed
+    moe = resolve("mixtral-tiny", None, {})
+    assert margs.transformer_kwargs(exp(), moe, use_te=True)["gradient_accumulation_fusion"] is True
+    fsdp = exp("parallel.fsdp=optim_grads_params")
+    assert margs.transformer_kwargs(fsdp, moe, use_te=True)["gradient_accumulation_fusion"] is False
+
+
 def test_own_layers_built_with_the_flag_take_the_plain_weight_gradient(model_parallel: None,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, layers
