@@ -1,7 +1,8 @@
 """Start-up to the end of step 1 through the real entry (`python -m mcorekit.train`), by the state of the caches a
 process finds: the bytecode of torch, Megatron-Core and TE (mcorekit/caches.use_bytecode_cache), torch.compile's
-kernels (runtime/env.use_compile_cache) and the CUDA driver's kernels compiled from PTX. One fresh process per case, in this order, stopped (its process group
-killed) once it prints its `mcorekit.train: startup` line at the end of step 1: nothing is saved.
+kernels (runtime/env.use_compile_cache) and the CUDA driver's kernels compiled from PTX. One fresh process per case,
+in this order, stopped (its process group killed) once it prints its `mcorekit.train: startup` line at the end of
+step 1: nothing is saved.
 
     python bench/cold_start.py [--shape 3b] [--out DIR] [--cold-disk] [--dry]
 
@@ -19,10 +20,11 @@ killed) once it prints its `mcorekit.train: startup` line at the end of step 1: 
   warm-again    as `warm`, for the spread between two equal processes
 
 The caches live under --out (XDG_CACHE_HOME, and CUDA's and Triton's own: OTHER_CACHES), never the user's; each case
-reports their sizes after it. The shape is start_save's (3b: the llama-3b preset, seq 2048, micro-batch 4 x 8). Prints a Markdown table and writes results.json (with whether the environment writes
-bytecode and whether torch was installed with it). --cold-disk drops the installed packages' files (the folders
-holding torch, transformers, Megatron-Core and TE, and the standard library) from the page cache before each first
-run, as on a node that has not read them since the install. --dry writes the experiment file only.
+reports the sizes of those it used, after it. The shape is start_save's (3b: the llama-3b preset, seq 2048,
+micro-batch 4 x 8). Prints a Markdown table and writes results.json (with whether the environment writes bytecode and
+whether torch was installed with it). --cold-disk drops the installed packages' files (the folders holding torch,
+transformers, Megatron-Core and TE, and the standard library) from the page cache before each first run, as on a node
+that has not read them since the install. --dry writes the experiment file only.
 """
 
 from __future__ import annotations
