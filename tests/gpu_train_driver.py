@@ -59,7 +59,7 @@ def probe_first_step(run_dir: Path) -> None:
         t = build(exp, **kw)
         fused = {getattr(getattr(unwrap(chunk), "config", None), "gradient_accumulation_fusion", None)
                  for chunk in t.model}  # getattr: a wrapper this driver does not know must not fail the run
-        print(f"gpu_train_driver: gradient_accumulation_fusion={sorted(fused)}", flush=True)
+        print(f"gpu_train_driver: gradient_accumulation_fusion={sorted(fused, key=str)}", flush=True)
         whole = ps.get_data_parallel_world_size(with_context_parallel=True) == 1  # else only a reduced shard
         step = t.optimizer.step
 
