@@ -46,17 +46,11 @@ from pathlib import Path
 from typing import Any
 
 from mcorekit.caches import LOCK_NAME, user_cache
-from results import die_with_parent, finish, fresh_dir, single_gpu_env, startup_marks
+from results import OTHER_CACHES, die_with_parent, finish, fresh_dir, single_gpu_env, startup_marks
 from start_save import bench_config, checked, drop_page_cache, phases
 
 CASES = ("first-serial", "first", "warm", "no-cuda-cache", "no-bytecode", "warm-again")
 TIMEOUT_S = 300.0
-
-
-# caches a process keeps outside ours, each in a folder of its own under the bench's: the CUDA driver's cache of the
-# kernels it compiles from PTX (~/.nv/ComputeCache by default) and Triton's for kernels not compiled by inductor
-# (~/.triton/cache); inductor's own kernels follow TRITON_CACHE_DIR when it is set
-OTHER_CACHES = {"CUDA_CACHE_PATH": "cuda", "TRITON_CACHE_DIR": "triton"}
 
 
 def case_env(case: str, out: Path) -> dict[str, str]:

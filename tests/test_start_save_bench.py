@@ -162,3 +162,17 @@ def test_compile_seconds_from_torchs_dynamo_lines() -> None:
                   "I1202 23:59:02.000000 1 a.py:1] [0/1] Step 1: torchdynamo start tracing f x.py:1\n"
                   "I1202 23:59:02.250000 1 b.py:2] [0/1] Step 2: done compiler function inductor\n")
     assert results.compile_seconds(recompiled) == {"f": 0.25}
+
+
+def test_compile_env_keeps_every_kernel_cache_in_the_runs_folder(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bench's training process finds the torch.compile, CUDA driver and Triton caches in the folder it is given
+    (empty: a cold start), not in the user's home, whatever the environment says."""
+    monkeypatch.setenv("CUDA_CACHE_PATH", "/users/own/nv")
+    monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/users/own/triton")
+    env = results.compile_env(29000, tmp_path / "cache")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache")
+    assert env["CUDA_CACHE_PATH"] == str(tmp_path / "cache" / "cuda") and "CUDA_CACHE_DISABLE" not in env
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")
+    assert env["MASTER_PORT"] == "29000" and env["TORCH_LOGS"] == "dynamo"
