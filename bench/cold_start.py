@@ -45,8 +45,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mcorekit.caches import LOCK_NAME, user_cache
-from results import OTHER_CACHES, die_with_parent, finish, fresh_dir, single_gpu_env, startup_marks
+from mcorekit.caches import LOCK_NAME, cache_folder, user_cache
+from results import (OTHER_CACHES, die_with_parent, finish, fresh_dir, single_gpu_env, startup_marks,
+                     with_kernel_caches)
 from start_save import bench_config, checked, drop_page_cache, phases
 
 CASES = ("first-serial", "first", "warm", "no-cuda-cache", "no-bytecode", "warm-again")
@@ -54,10 +55,10 @@ TIMEOUT_S = 300.0
 
 
 def case_env(case: str, out: Path) -> dict[str, str]:
-    env = {k: v for k, v in single_gpu_env(29597).items()
-           if k not in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPYCACHEPREFIX", "CUDA_CACHE_DISABLE", *OTHER_CACHES)}
+    inherited = {k: v for k, v in single_gpu_env(29597).items()
+                 if k not in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONPYCACHEPREFIX")}
+    env = with_kernel_caches(inherited, out / "cache")
     env["XDG_CACHE_HOME"] = str(out / "cache")
-    env.update({var: str(out / "cache" / name) for var, name in OTHER_CACHES.items()})
     if case == "no-bytecode":
         empty = fresh_dir(out / "no-bytecode-prefix")
         env["PYTHONPYCACHEPREFIX"] = str(empty)  # named by the environment: use_bytecode_cache leaves it alone
@@ -144,9 +145,8 @@ def run(case: str, config: Path, out: Path, cold_disk: bool = False) -> dict[str
 def cache_sizes(env: dict[str, str]) -> dict[str, float]:
     """MB in each cache folder a case used (`env` is its environment), after it: the bytecode, torch.compile's, the
     CUDA driver's and Triton's."""
-    ours = Path(env["XDG_CACHE_HOME"]) / "mcorekit"
-    folders = {"bytecode": Path(env.get("PYTHONPYCACHEPREFIX") or ours / "pycache"),
-               "torch_compile": ours / "torchinductor",
+    folders = {"bytecode": Path(env.get("PYTHONPYCACHEPREFIX") or cache_folder(env, "pycache")),
+               "torch_compile": cache_folder(env, "torchinductor"),
                **{name: Path(env[var]) for var, name in OTHER_CACHES.items()}}
     return {name: round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e6, 1)
             for name, folder in folders.items()}

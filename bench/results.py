@@ -106,9 +106,13 @@ def compile_env(port: int, cache: Path) -> dict[str, str]:
     (empty: its start is cold; before 2026-12-04 the driver's stayed in the home folder, so a machine's first training
     process paid for the later ones), and whose dynamo log lines (TORCH_LOGS=dynamo) time what it compiles
     (compile_seconds)."""
-    env = {k: v for k, v in single_gpu_env(port).items() if k != "CUDA_CACHE_DISABLE"}
-    return {**env, COMPILE_CACHE: str(cache), **{var: str(cache / name) for var, name in OTHER_CACHES.items()},
-            "TORCH_LOGS": "dynamo"}
+    return {**with_kernel_caches(single_gpu_env(port), cache), COMPILE_CACHE: str(cache), "TORCH_LOGS": "dynamo"}
+
+
+def with_kernel_caches(env: dict[str, str], folder: Path) -> dict[str, str]:
+    """`env` with the CUDA driver's and Triton's caches (OTHER_CACHES) in `folder`, the driver's cache switched on."""
+    kept = {k: v for k, v in env.items() if k != "CUDA_CACHE_DISABLE"}
+    return {**kept, **{var: str(folder / name) for var, name in OTHER_CACHES.items()}}
 
 
 def startup_marks(out: str) -> dict[str, float]:
