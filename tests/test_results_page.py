@@ -237,3 +237,12 @@ def test_levers_headline_when_no_lever_beats_the_defaults() -> None:
     run = page.Measurement(DATA / "levers-dense-3b-gaf-1gpu-2026-12-04")
     assert page.levers_headline(run) == ("defaults 31.7k tokens/s (MFU 54.3%), ahead of every lever; next `no-gaf` "
                                          "30.9k (-2.6%)")
+
+
+def test_levers_headline_of_a_run_of_the_defaults_alone(tmp_path: Path) -> None:
+    page = generator()
+    source = DATA / "levers-dense-3b-gaf-1gpu-2026-12-04"
+    (tmp_path / "meta.json").write_text((source / "meta.json").read_text())
+    rows = [r for r in json.loads((source / "results.json").read_text()) if r["run"] == "base"]
+    (tmp_path / "results.json").write_text(json.dumps(rows))
+    assert page.levers_headline(page.Measurement(tmp_path)) == "defaults 31.7k tokens/s (MFU 54.3%)"

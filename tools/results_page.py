@@ -254,10 +254,13 @@ def levers_headline(m: Measurement) -> str:
     if base is None:  # a run of levers without the defaults
         return f"best `{best['run']}` {k(best['tokens_per_s'])} tokens/s (MFU {pct(best['mfu'])}{vs_hf})"
     if best is base:  # no lever beat the defaults: the closest one, and by how much it trailed
-        best = max((r for r in rows if r is not hf and r is not base), key=lambda r: r["tokens_per_s"], default=base)
-        behind = best["tokens_per_s"] / base["tokens_per_s"] - 1
-        return (f"defaults {k(base['tokens_per_s'])} tokens/s (MFU {pct(base['mfu'])}{vs_hf}), ahead of every lever; "
-                f"next `{best['run']}` {k(best['tokens_per_s'])} ({behind:+.1%})")
+        defaults = f"defaults {k(base['tokens_per_s'])} tokens/s (MFU {pct(base['mfu'])}{vs_hf})"
+        others = [r for r in rows if r is not hf and r is not base]
+        if not others:
+            return defaults
+        best = max(others, key=lambda r: r["tokens_per_s"])
+        return (f"{defaults}, ahead of every lever; next `{best['run']}` {k(best['tokens_per_s'])} "
+                f"({best['tokens_per_s'] / base['tokens_per_s'] - 1:+.1%})")
     return (f"defaults {k(base['tokens_per_s'])} tokens/s (MFU {pct(base['mfu'])}); best `{best['run']}` "
             f"{k(best['tokens_per_s'])} ({best['tokens_per_s'] / base['tokens_per_s'] - 1:+.1%}{vs_hf})")
 
