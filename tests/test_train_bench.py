@@ -84,7 +84,7 @@ from mcorekit.config.experiment import load_experiment
 from mcorekit.models.spec import resolve
 calls = []
 def recorder(*args, **kw):
-    calls.append(sorted(kw))
+    calls.append(kw)
     return "te-spec"
 gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec = recorder
 exp, spec = load_experiment("examples/llama-tiny.yaml"), resolve("llama-tiny", None, {})
@@ -93,33 +93,36 @@ kw = margs.transformer_kwargs(exp, spec, use_te=True)
 config = margs.transformer_config(exp, spec, use_te=True, fusions=False)
 got = mm.layer_spec(spec, use_te=True)
 print("RESULT " + json.dumps({k: kw.get(k) for k in ("gradient_accumulation_fusion", "use_te_activation_func",
-      "bias_activation_fusion", "cross_entropy_loss_fusion", "fp8_dot_product_attention")}
-      | {"config_te_act": config.use_te_activation_func, "spec": got,
-         "te_act_passed": "use_te_activation_func" in calls[0],
+      "bias_activation_fusion", "cross_entropy_loss_fusion", "fp8_dot_product_attention", "fused_single_qkv_rope")}
+      | {"spec": got, "spec_kwargs": calls[0],
          "restored": gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec is recorder}))
 """
 
 
 @pytest.mark.parametrize("lever, expected", [
-    ("base", {"gradient_accumulation_fusion": True, "use_te_activation_func": None, "bias_activation_fusion": True,
-              "cross_entropy_loss_fusion": True, "fp8_dot_product_attention": None, "config_te_act": False,
-              "te_act_passed": False}),
-    ("fp8-attn", {"gradient_accumulation_fusion": True, "fp8_dot_product_attention": True, "te_act_passed": False}),
-    ("no-gaf+te-act+ce-plain", {"gradient_accumulation_fusion": False, "use_te_activation_func": True,
-                             "bias_activation_fusion": False, "cross_entropy_loss_fusion": False, "config_te_act": True,
-                             "te_act_passed": True}),
+    ("base", {"gradient_accumulation_fusion": True, "use_te_activation_func": True, "bias_activation_fusion": False,
+              "cross_entropy_loss_fusion": True, "fp8_dot_product_attention": None, "fused_single_qkv_rope": None,
+              "op_fuser": False}),
+    ("fp8-attn", {"gradient_accumulation_fusion": True, "fp8_dot_product_attention": True, "op_fuser": False}),
+    ("no-gaf+no-te-act+ce-plain", {"gradient_accumulation_fusion": False, "use_te_activation_func": False,
+                                   "bias_activation_fusion": True, "cross_entropy_loss_fusion": False,
+                                   "op_fuser": False}),
+    ("te-ops+qkv-rope", {"use_te_activation_func": False, "bias_activation_fusion": False,
+                         "fused_single_qkv_rope": True, "op_fuser": True}),
 ])
 def test_lever_patches_change_what_the_training_process_builds(lever: str, expected: dict) -> None:
     """bench/levers.py's patches, run as its worker runs them (in a process of their own: they patch modules): the
-    Megatron-Core config fields each lever switches, accepted by TransformerConfig, and TE's layer spec asked for its
-    activation only under `te-act` (TE is not installed here: a recorder stands in for the spec function)."""
+    Megatron-Core config fields each lever switches, accepted by TransformerConfig, and TE's layer spec: a dense MLP
+    always carries TE's activation op, the op fuser's MLP only under `te-ops` (TE is not installed here: a recorder
+    stands in for the spec function)."""
     from results import run_worker
 
     payload, output = run_worker(LEVER_CHECK, lever, str(Path(train_bench.__file__).parent))
     assert payload is not None, output
     got = json.loads(payload)
+    got["op_fuser"] = got["spec_kwargs"].get("use_te_op_fuser", False)
     assert {k: got[k] for k in expected} == expected
-    assert got["spec"] == "te-spec" and got["restored"]
+    assert got["spec"] == "te-spec" and got["restored"] and got["spec_kwargs"]["use_te_activation_func"] is True
 
 
 def test_a_runs_figures_from_its_metrics_and_output(tmp_path: Path) -> None:
