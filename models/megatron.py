@@ -173,13 +173,6 @@ def gpt_oss_fields(spec: ModelSpec) -> dict[str, Any]:
     return out
 
 
-def te_swiglu(spec: ModelSpec) -> bool:
-    """Whether TE's SwiGLU kernel runs a model's MLPs (Megatron-Core's use_te_activation_func) where TE's layers do:
-    dense models with the plain SwiGLU and no linear biases. Megatron-Core's bias-SwiGLU otherwise, which
-    torch.compile compiles at step 1; MoE models keep it, as their torch._grouped_mm experts use its weighted form."""
-    return not spec.is_moe and spec.activation == "silu" and not spec.linear_bias
-
-
 def uses_yarn(spec: ModelSpec) -> bool:
     """Standard attention with YaRN rope (GPT-OSS); multi-latent attention has its own (mla_fields)."""
     rs = spec.rope_scaling or {}
@@ -209,10 +202,9 @@ def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False, torch_
     moe = spec.is_moe if moe is None else moe
     experts = spec.num_experts if moe else None
     if use_te:
-        # a dense MLP carries TE's activation op; config.use_te_activation_func decides whether it runs
         te_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=grouped_gemm and moe, qk_layernorm=spec.qk_layernorm,
-            multi_latent_attention=spec.is_mla, use_te_activation_func=not moe)
+            multi_latent_attention=spec.is_mla)
         if moe and grouped_gemm and torch_expert_gemm:
             from mcorekit.models.grouped_mm_experts import use_grouped_mm_experts
 

@@ -100,29 +100,29 @@ print("RESULT " + json.dumps({k: kw.get(k) for k in ("gradient_accumulation_fusi
 
 
 @pytest.mark.parametrize("lever, expected", [
-    ("base", {"gradient_accumulation_fusion": True, "use_te_activation_func": True, "bias_activation_fusion": False,
+    ("base", {"gradient_accumulation_fusion": True, "use_te_activation_func": None, "bias_activation_fusion": True,
               "cross_entropy_loss_fusion": True, "fp8_dot_product_attention": None, "fused_single_qkv_rope": None,
-              "op_fuser": False}),
-    ("fp8-attn", {"gradient_accumulation_fusion": True, "fp8_dot_product_attention": True, "op_fuser": False}),
-    ("no-gaf+no-te-act+ce-plain", {"gradient_accumulation_fusion": False, "use_te_activation_func": False,
-                                   "bias_activation_fusion": True, "cross_entropy_loss_fusion": False,
-                                   "op_fuser": False}),
-    ("te-ops+qkv-rope", {"use_te_activation_func": False, "bias_activation_fusion": False,
-                         "fused_single_qkv_rope": True, "op_fuser": True}),
+              "spec_kwargs": {}}),
+    ("fp8-attn", {"gradient_accumulation_fusion": True, "fp8_dot_product_attention": True, "spec_kwargs": {}}),
+    ("no-gaf+te-act+ce-plain", {"gradient_accumulation_fusion": False, "use_te_activation_func": True,
+                                "bias_activation_fusion": False, "cross_entropy_loss_fusion": False,
+                                "spec_kwargs": {"use_te_activation_func": True, "use_te_op_fuser": False}}),
+    ("te-ops+qkv-rope", {"use_te_activation_func": None, "bias_activation_fusion": True, "fused_single_qkv_rope": True,
+                         "spec_kwargs": {"use_te_activation_func": False, "use_te_op_fuser": True}}),
 ])
 def test_lever_patches_change_what_the_training_process_builds(lever: str, expected: dict) -> None:
     """bench/levers.py's patches, run as its worker runs them (in a process of their own: they patch modules): the
-    Megatron-Core config fields each lever switches, accepted by TransformerConfig, and TE's layer spec: a dense MLP
-    always carries TE's activation op, the op fuser's MLP only under `te-ops` (TE is not installed here: a recorder
-    stands in for the spec function)."""
+    Megatron-Core config fields each lever switches, accepted by TransformerConfig, and what TE's layer spec is asked
+    for: its activation op only under `te-act`, the op fuser's MLP only under `te-ops` (TE is not installed here: a
+    recorder stands in for the spec function)."""
     from results import run_worker
 
     payload, output = run_worker(LEVER_CHECK, lever, str(Path(train_bench.__file__).parent))
     assert payload is not None, output
     got = json.loads(payload)
-    got["op_fuser"] = got["spec_kwargs"].get("use_te_op_fuser", False)
+    got["spec_kwargs"] = {k: v for k, v in got["spec_kwargs"].items() if k.startswith("use_te_")}
     assert {k: got[k] for k in expected} == expected
-    assert got["spec"] == "te-spec" and got["restored"] and got["spec_kwargs"]["use_te_activation_func"] is True
+    assert got["spec"] == "te-spec" and got["restored"]
 
 
 def test_a_runs_figures_from_its_metrics_and_output(tmp_path: Path) -> None:
