@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "results"
+BENCH = ROOT / "bench"  # the benchmarks whose own table functions render their results
 
 SECTIONS = [
     ("train", "Training throughput on one GPU"),
@@ -230,10 +231,16 @@ def levers_row(rows: list[dict], run: str) -> dict | None:
     return next((r for r in rows if r["run"] == run), None)
 
 
+def defaults_row(m: Measurement, rows: list[dict]) -> dict | None:
+    """The run that stands for today's defaults: `base`, unless meta.json's defaults_run names another (a run made
+    when the defaults were different, e.g. a default since taken back)."""
+    return levers_row(rows, m.meta.get("defaults_run", "base"))
+
+
 def levers_table(m: Measurement) -> str:
     """bench/levers.py: one row per lever, each process with an empty compile cache (its start is cold)."""
     rows = train_bench_rows(m)
-    hf, base = levers_row(rows, "hf-bf16"), levers_row(rows, "base")
+    hf, base = levers_row(rows, "hf-bf16"), defaults_row(m, rows)
     out = []
     for r in rows:
         cold = r.get("cold_step1_s")
@@ -242,13 +249,13 @@ def levers_table(m: Measurement) -> str:
                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "",
                     f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}", "" if cold is None else f"{cold:.1f}",
                     f"{r['compile_total_s']:.1f}" if "compile_total_s" in r else ""])
-    return table(["lever", "tokens/s", "MFU", "peak mem GB", "vs HF bf16", "vs base", "loss first -> last",
+    return table(["lever", "tokens/s", "MFU", "peak mem GB", "vs HF bf16", "vs defaults", "loss first -> last",
                   "cold start to step 1, s", "torch.compile, s"], out)
 
 
 def levers_headline(m: Measurement) -> str:
     rows = train_bench_rows(m)
-    hf, base = levers_row(rows, "hf-bf16"), levers_row(rows, "base")
+    hf, base = levers_row(rows, "hf-bf16"), defaults_row(m, rows)
     best = max((r for r in rows if r is not hf), key=lambda r: r["tokens_per_s"])
     vs_hf = f", {best['tokens_per_s'] / hf['tokens_per_s']:.2f}x transformers" if hf else ""
     if base is None:  # a run of levers without the defaults
@@ -690,7 +697,7 @@ def async_run_headline(m: Measurement) -> str:
 
 def bench_table(script: str) -> Callable[[Any], str]:
     """The `table` function of bench/<script>.py, which renders its own results.json."""
-    bench = str(ROOT / "bench")
+    bench = str(BENCH)
     if bench not in sys.path:
         sys.path.insert(0, bench)
     return importlib.import_module(script).table
