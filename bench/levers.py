@@ -22,7 +22,7 @@ defaults for the shape and --run):
            of Megatron-Core's bias-SwiGLU, which torch.compile compiles at step 1. Dense MLPs only: the
            torch._grouped_mm experts then run the unfused SwiGLU. Not a default: TE's activation op adds
            `mlp.activation_func._extra_state` to the checkpoint, so checkpoints written without it (converted from
-           HF, or by an earlier version) no longer load; and it gained 0.5% (bf16) and 0.9% (FP8) on 2026-12-04
+           HF, or by an earlier version) no longer load; and it gained 0.5% (bf16) and 1.1% (FP8) on 2026-12-04
   te-ops   (dense) the MLP as one sequence of TE's fusible operations (Megatron-Core's TEFusedMLP: RMSNorm, FC1,
            SwiGLU, FC2 through TE's op fuser, which can hand FP8 data from one op to the next; not with te-act)
   qkv-rope (dense) RoPE applied to the QKV projection's output before it is split (Megatron-Core's
