@@ -81,7 +81,7 @@ def layer_spec(*args, **kw):
     te_spec = specs.get_gpt_layer_with_transformer_engine_spec
     extra = {"use_te_activation_func": "te-act" in levers, "use_te_op_fuser": "te-ops" in levers}
     if any(extra.values()):
-        specs.get_gpt_layer_with_transformer_engine_spec = lambda *a, **k: te_spec(*a, **k, **extra)
+        specs.get_gpt_layer_with_transformer_engine_spec = lambda *a, **k: te_spec(*a, **{**k, **extra})
     try:
         return base_layer_spec(*args, **kw)
     finally:
@@ -151,6 +151,8 @@ def main() -> int:
         p.error(f"unknown lever(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(LEVERS))}")
     if "fp8-attn" in a.levers and a.run not in FP8_ATTN_RUNS:
         p.error(f"the fp8-attn lever needs an FP8 run whose recipe has attention in FP8: {', '.join(FP8_ATTN_RUNS)}")
+    if any({"te-act", "te-ops"} <= set(lever.split("+")) for lever in a.levers.split(",")):
+        p.error("te-act and te-ops do not combine: TE's op-fuser MLP builds its own SwiGLU op")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = [] if a.no_hf else [timed(lambda: hf_run(a.shape, a.steps))]

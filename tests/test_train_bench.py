@@ -5,6 +5,7 @@ checks MoE FP8 against the installed Transformer Engine, which this machine has 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -140,3 +141,15 @@ def test_a_runs_figures_from_its_metrics_and_output(tmp_path: Path) -> None:
                                          "loss_last": 8.5, "losses": [11.0, 10.0, 9.0, 8.5]}
     out = 'step 1/8 loss 11.0\nmcorekit.train: startup {"imports": 3.6, "step1": 28.78}\nstep 2/8 loss 10.9\n'
     assert startup_marks(out) == {"imports": 3.6, "step1": 28.78} and startup_marks("step 1/8\n") == {}
+
+
+@pytest.mark.parametrize("levers, message", [
+    ("base,te-act+te-ops", "te-act and te-ops do not combine"),
+    ("base,no-such", "unknown lever(s) no-such"),
+])
+def test_levers_refuses_what_it_cannot_run_before_running_anything(tmp_path: Path, levers: str, message: str) -> None:
+    bench = Path(train_bench.__file__).parent
+    proc = subprocess.run([sys.executable, str(bench / "levers.py"), "--shape", "dense-3b", "--levers", levers,
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -231,16 +231,20 @@ def levers_row(rows: list[dict], run: str) -> dict | None:
     return next((r for r in rows if r["run"] == run), None)
 
 
-def defaults_row(m: Measurement, rows: list[dict]) -> dict | None:
-    """The run that stands for today's defaults: `base`, unless meta.json's defaults_run names another (a run made
-    when the defaults were different, e.g. a default since taken back)."""
-    return levers_row(rows, m.meta.get("defaults_run", "base"))
+def lever_rows(m: Measurement) -> list[dict]:
+    """bench/levers.py's rows under the lever names of today: meta.json's runs_as renames the runs of a command
+    made while the defaults were different (a default since taken back: its `base` is a lever now)."""
+    rows, renamed = train_bench_rows(m), m.meta.get("runs_as", {})
+    unknown = set(renamed) - {r["run"] for r in rows}
+    if unknown:
+        raise SystemExit(f"results_page: {m.name}: runs_as names no run {', '.join(sorted(unknown))}")
+    return [{**r, "run": renamed.get(r["run"], r["run"])} for r in rows]
 
 
 def levers_table(m: Measurement) -> str:
     """bench/levers.py: one row per lever, each process with an empty compile cache (its start is cold)."""
-    rows = train_bench_rows(m)
-    hf, base = levers_row(rows, "hf-bf16"), defaults_row(m, rows)
+    rows = lever_rows(m)
+    hf, base = levers_row(rows, "hf-bf16"), levers_row(rows, "base")
     out = []
     for r in rows:
         cold = r.get("cold_step1_s")
@@ -254,8 +258,8 @@ def levers_table(m: Measurement) -> str:
 
 
 def levers_headline(m: Measurement) -> str:
-    rows = train_bench_rows(m)
-    hf, base = levers_row(rows, "hf-bf16"), defaults_row(m, rows)
+    rows = lever_rows(m)
+    hf, base = levers_row(rows, "hf-bf16"), levers_row(rows, "base")
     best = max((r for r in rows if r is not hf), key=lambda r: r["tokens_per_s"])
     vs_hf = f", {best['tokens_per_s'] / hf['tokens_per_s']:.2f}x transformers" if hf else ""
     if base is None:  # a run of levers without the defaults
