@@ -45,7 +45,15 @@ def test_entries_by_kind_and_architecture(tmp_path: Path) -> None:
                   fatbin(entry(2, 80, b"s" * 8), entry(1, 90, b"p" * 16)))
     bins = fb.fatbins(lib.read_bytes())
     assert bins == [[("SASS", 80), ("SASS", 90), ("PTX", 120)], [("SASS", 80), ("PTX", 90)]]
-    assert fb.ptx_only(bins, 90) == 1 and fb.ptx_only(bins, 80) == 0 and fb.ptx_only(bins, 120) == 1
+    assert fb.driver_compiled(bins, 90) == 1  # the second: PTX for sm_90, machine code only for sm_80
+    assert fb.driver_compiled(bins, 80) == 0  # both have sm_80 machine code
+    assert fb.driver_compiled(bins, 86) == 0  # sm_80 machine code runs on sm_86
+    assert fb.driver_compiled(bins, 120) == 2  # the first: PTX for sm_120; the second: sm_90 PTX compiles for it too
+    # PTX of an older architecture compiles for a newer one; machine code of another major version does not run
+    older = fb.fatbins(fatbin(entry(2, 80, b"s" * 8), entry(1, 80, b"p" * 8)))
+    assert fb.driver_compiled(older, 90) == 1 and fb.driver_compiled(older, 86) == 0
+    # a fatbin for other GPUs only (machine code for sm_75, PTX for sm_121) is never loaded on sm_90
+    assert fb.driver_compiled(fb.fatbins(fatbin(entry(2, 75, b"s" * 8), entry(1, 121, b"p" * 8))), 90) == 0
 
 
 def test_exit_status_says_whether_the_driver_compiles_for_the_architecture(tmp_path: Path,
@@ -53,7 +61,7 @@ def test_exit_status_says_whether_the_driver_compiles_for_the_architecture(tmp_p
     fb = tool()
     compiled = library(tmp_path, fatbin(entry(2, 80, b"s" * 8), entry(1, 90, b"p" * 8)))
     assert fb.main([str(compiled), "--arch", "90"]) == 1
-    assert "sm_90: 1 fatbins with PTX only" in capsys.readouterr().out
+    assert "sm_90: 1 fatbins compiled by the driver from PTX" in capsys.readouterr().out
     assert fb.main([str(compiled), "--arch", "80"]) == 0
     plain = tmp_path / "plain.so"
     plain.write_bytes(b"\x7fELF" + bytes(64))

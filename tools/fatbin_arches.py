@@ -6,7 +6,7 @@ fatbin) and for which only as PTX, which the CUDA driver compiles at the kernel'
     python3 tools/fatbin_arches.py LIB.so [LIB.so ...] [--arch 90]
 
 Reads each file's embedded fatbins (magic 0xBA55ED50) and counts their entries by kind and architecture. With --arch,
-exits 1 when some fatbin has PTX but no SASS for that architecture (the driver then compiles it), else 0.
+exits 1 when some fatbin has no machine code that GPU runs but PTX it can compile (the driver then does), else 0.
 """
 
 from __future__ import annotations
@@ -45,9 +45,13 @@ def fatbins(data: bytes) -> list[list[tuple[str, int]]]:
     return found
 
 
-def ptx_only(bins: list[list[tuple[str, int]]], arch: int) -> int:
-    """How many fatbins carry PTX but no SASS for `arch`: their kernels are compiled by the driver there."""
-    return sum(1 for entries in bins if ("PTX", arch) in entries and ("SASS", arch) not in entries)
+def driver_compiled(bins: list[list[tuple[str, int]]], arch: int) -> int:
+    """How many fatbins the driver compiles from PTX on a GPU of compute capability `arch`: no machine code it can run
+    (SASS of the same major version, not newer: sm_80 runs on sm_86, nothing but sm_90 on sm_90), and PTX of `arch`
+    or older, which is forward-compatible. A fatbin with neither is for other GPUs: never loaded there."""
+    def runs(entries: list[tuple[str, int]]) -> bool:
+        return any(kind == "SASS" and a // 10 == arch // 10 and a <= arch for kind, a in entries)
+    return sum(1 for entries in bins if not runs(entries) and any(k == "PTX" and a <= arch for k, a in entries))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         listed = ", ".join(f"{kind} sm_{arch}: {n}" for (kind, arch), n in by_arch)
         print(f"{lib}: {len(bins)} fatbins; {listed or 'no CUDA kernels'}")
         if a.arch is not None:
-            n = ptx_only(bins, a.arch)
+            n = driver_compiled(bins, a.arch)
             compiled += n
-            print(f"  sm_{a.arch}: {n} fatbins with PTX only (compiled by the driver at first use)")
+            print(f"  sm_{a.arch}: {n} fatbins compiled by the driver from PTX at first use (no machine code for it)")
     return 1 if compiled else 0
 
 
