@@ -248,9 +248,9 @@ def test_levers_headline_of_a_run_of_the_defaults_alone(tmp_path: Path) -> None:
     assert page.levers_headline(page.Measurement(tmp_path)) == "defaults 31.7k tokens/s (MFU 54.3%)"
 
 
-def test_levers_of_a_command_made_under_other_defaults_get_todays_names(tmp_path: Path) -> None:
+def test_levers_of_a_command_made_under_other_defaults_get_their_current_names(tmp_path: Path) -> None:
     """A run made while a default since taken back was on (ab5ff08: TE's SwiGLU): meta.json's runs_as gives each run
-    its lever name of today, so the headline and the 'vs defaults' column compare with today's defaults and name the
+    its current lever name, so the headline and the 'vs defaults' column compare with the current defaults and name the
     best lever as it would be asked for now. A runs_as naming no run stops the page."""
     page = generator()
     source = DATA / "levers-dense-3b-fp8-te-ops-1gpu-2026-12-04"

@@ -12,7 +12,7 @@ Each measurement is one folder docs/results/NAME/ holding
                 start_save only: in_flight_counts_blocking, true for data of bench/start_save.py before `ff2d94f`
                 (its step_s_in_flight counted the async save's blocking part; from `ff2d94f` on it leaves it out);
                 unusable: {"async_step_cost": why}, for a run whose step times cannot be compared;
-                levers only: runs_as {run: lever name of today}, for a command made under other defaults
+                levers only: runs_as {run: its current lever name}, for a command made under other defaults
   results.json  the numbers: what the benchmark script wrote, or a transcription in the same shape
   */metrics.jsonl, *.log, config.yaml: the runs' own files, where they came back (loss curves are drawn from
                 metrics.jsonl)
@@ -233,7 +233,7 @@ def levers_row(rows: list[dict], run: str) -> dict | None:
 
 
 def lever_rows(m: Measurement) -> list[dict]:
-    """bench/levers.py's rows under the lever names of today: meta.json's runs_as renames the runs of a command
+    """bench/levers.py's rows under their current lever names: meta.json's runs_as renames the runs of a command
     made while the defaults were different (a default since taken back: its `base` is a lever now)."""
     rows, renamed = train_bench_rows(m), m.meta.get("runs_as", {})
     unknown = set(renamed) - {r["run"] for r in rows}
