@@ -18,13 +18,11 @@ defaults for the shape and --run):
   gaf      (MoE) gradient_accumulation_fusion on, as for dense models: TE's layers and the torch._grouped_mm experts
            accumulate into main_grad. MoE models have it only where APEX is installed (7613494: 1.6% slower under
            the step graph on the 8-expert shape)
-  te-act   (dense) TE's SwiGLU kernel (Megatron-Core's use_te_activation_func; bias_activation_fusion off) instead
-           of Megatron-Core's bias-SwiGLU, which torch.compile compiles at step 1. Dense MLPs only: the
-           torch._grouped_mm experts then run the unfused SwiGLU. Not a default: TE's activation op adds
-           `mlp.activation_func._extra_state` to the checkpoint, so checkpoints written without it (converted from
-           HF, or by an earlier version) no longer load; and it gained 0.5% (bf16) and 1.1% (FP8) on 2026-12-04
+  no-te-act (dense) Megatron-Core's bias-SwiGLU, which torch.compile compiles at step 1, instead of TE's SwiGLU
+           kernel (use_te_activation_func, without the op's always empty extra state: models/megatron.te_swiglu_op;
+           the default for dense SwiGLU models since 2026-12-04, measured before as the lever `te-act`)
   te-ops   (dense) the MLP as one sequence of TE's fusible operations (Megatron-Core's TEFusedMLP: RMSNorm, FC1,
-           SwiGLU, FC2 through TE's op fuser, which can hand FP8 data from one op to the next; not with te-act)
+           SwiGLU, FC2 through TE's op fuser, which can hand FP8 data from one op to the next; not with no-te-act)
   qkv-rope (dense) RoPE applied to the QKV projection's output before it is split (Megatron-Core's
            fused_single_qkv_rope): no split copies forward, no concatenation of the gradients backward
   ce-plain Megatron-Core's unfused cross entropy (PyTorch ops) instead of its native fused one, which
@@ -52,7 +50,7 @@ from pathlib import Path
 from results import compile_env, compile_summary, finish, metrics_summary, run_training, startup_marks, timed
 from train_bench import SHAPES, hf_run, write_config
 
-LEVERS = {"base", "eager", "gaf", "no-gaf", "te-act", "te-ops", "qkv-rope", "ce-plain", "sync", "sort", "router",
+LEVERS = {"base", "eager", "gaf", "no-gaf", "no-te-act", "te-ops", "qkv-rope", "ce-plain", "sync", "sort", "router",
           "fp8-attn"}
 FP8_ATTN_RUNS = ("fp8-delayed", "fp8-tensorwise", "fp8-mxfp8")  # Megatron-Core's block-scaling recipe has no fp8_dpa
 
@@ -67,8 +65,8 @@ def kwargs(*args, **kw):
     out = base_kwargs(*args, **kw)
     if "gaf" in levers or "no-gaf" in levers:
         out["gradient_accumulation_fusion"] = "gaf" in levers
-    if "te-act" in levers:
-        out.update(use_te_activation_func=True, bias_activation_fusion=False)
+    if "no-te-act" in levers or "te-ops" in levers:  # TE's op-fuser MLP builds its own SwiGLU op
+        out.update(use_te_activation_func=False, bias_activation_fusion="no-te-act" in levers)
     if "qkv-rope" in levers:
         out["fused_single_qkv_rope"] = True
     if "ce-plain" in levers:
@@ -79,9 +77,8 @@ def kwargs(*args, **kw):
 def layer_spec(*args, **kw):
     from megatron.core.models.gpt import gpt_layer_specs as specs
     te_spec = specs.get_gpt_layer_with_transformer_engine_spec
-    extra = {"use_te_activation_func": "te-act" in levers, "use_te_op_fuser": "te-ops" in levers}
-    if any(extra.values()):
-        specs.get_gpt_layer_with_transformer_engine_spec = lambda *a, **k: te_spec(*a, **{**k, **extra})
+    if "te-ops" in levers:
+        specs.get_gpt_layer_with_transformer_engine_spec = lambda *a, **k: te_spec(*a, **{**k, "use_te_op_fuser": True})
     try:
         return base_layer_spec(*args, **kw)
     finally:
@@ -151,8 +148,8 @@ def main() -> int:
         p.error(f"unknown lever(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(LEVERS))}")
     if "fp8-attn" in a.levers and a.run not in FP8_ATTN_RUNS:
         p.error(f"the fp8-attn lever needs an FP8 run whose recipe has attention in FP8: {', '.join(FP8_ATTN_RUNS)}")
-    if any({"te-act", "te-ops"} <= set(lever.split("+")) for lever in a.levers.split(",")):
-        p.error("te-act and te-ops do not combine: TE's op-fuser MLP builds its own SwiGLU op")
+    if any({"no-te-act", "te-ops"} <= set(lever.split("+")) for lever in a.levers.split(",")):
+        p.error("no-te-act and te-ops do not combine: TE's op-fuser MLP builds its own SwiGLU op")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = [] if a.no_hf else [timed(lambda: hf_run(a.shape, a.steps))]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mcorekit.config.experiment import Experiment, layout_of
-from mcorekit.models.megatron import DTYPES, apex_wgrad_available
+from mcorekit.models.megatron import DTYPES, apex_wgrad_available, te_swiglu
 from mcorekit.models.spec import ModelSpec
 
 
@@ -18,11 +18,14 @@ def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: 
     `full_graph`: each step runs as one CUDA graph (rules.use_full_graph, train/step_graph.py)."""
     prec, moe, rc = exp.precision, exp.moe, exp.recompute
     fuse = use_te and fusions
+    te_act = fuse and te_swiglu(spec)
     kw: dict[str, Any] = dict(
-        # Fusions: TE's fused bias-SwiGLU and RoPE, Megatron's native fused cross entropy (its TE variant has
+        # Fusions: TE's SwiGLU kernel for dense SwiGLU MLPs (models/megatron.te_swiglu: +0.5% tokens/s on the dense
+        # 3B bf16 shape, +1.1% in FP8, one H200, 2026-12-04, and no torch.compile of it at step 1), Megatron-Core's
+        # fused bias-SwiGLU elsewhere, TE's fused RoPE, Megatron's native fused cross entropy (its TE variant has
         # known stability issues, Megatron-LM rejects it). The non-TE path keeps the plain PyTorch ops.
-        bias_activation_fusion=fuse, apply_rope_fusion=fuse, masked_softmax_fusion=fuse,
-        cross_entropy_loss_fusion=fuse, cross_entropy_fusion_impl="native",
+        use_te_activation_func=te_act, bias_activation_fusion=fuse and not te_act, apply_rope_fusion=fuse,
+        masked_softmax_fusion=fuse, cross_entropy_loss_fusion=fuse, cross_entropy_fusion_impl="native",
         # Dense models: weight gradients written straight into DDP's fp32 main_grad by TE's layers (one GEMM
         # accumulating in fp32, instead of a bf16 .grad that DDP's hook adds: 1,176 adds, 5% of the dense 3B FP8
         # step; bench/levers.py `no-gaf`: -2.6% tokens/s on the 3B bf16 shape, one H200, 2026-12-04). Megatron's own

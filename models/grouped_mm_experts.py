@@ -318,17 +318,15 @@ def _unsorted_postprocess(d: Any) -> Any:
 
 def use_grouped_mm_experts(layer_spec: Any) -> Any:
     """The TE layer spec with its MoE experts computed by GroupedMMExperts (same parameters and keys)."""
-    import dataclasses
     from functools import partial
 
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    moe = layer_spec.submodules.mlp
-    experts = getattr(moe, "keywords", {}).get("submodules")
+    from mcorekit.models.megatron import with_mlp_submodules
+
+    experts = getattr(layer_spec.submodules.mlp, "keywords", {}).get("submodules")
     experts = getattr(experts, "experts", None)
     if not (isinstance(experts, partial) and experts.func is TEGroupedMLP):
         raise TypeError(f"expected the TE spec's MoE experts to be TEGroupedMLP, found {experts!r}")
-    submodules = dataclasses.replace(moe.keywords["submodules"],
-                                     experts=partial(grouped_mm_experts_class(), *experts.args, **experts.keywords))
-    layer_spec.submodules.mlp = partial(moe.func, *moe.args, **{**moe.keywords, "submodules": submodules})
-    return layer_spec
+    return with_mlp_submodules(layer_spec, experts=partial(grouped_mm_experts_class(), *experts.args,
+                                                           **experts.keywords))

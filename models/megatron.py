@@ -7,6 +7,7 @@ about where new features land, not about removal.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -173,6 +174,44 @@ def gpt_oss_fields(spec: ModelSpec) -> dict[str, Any]:
     return out
 
 
+def te_swiglu(spec: ModelSpec) -> bool:
+    """Whether TE's SwiGLU kernel runs a model's MLPs (Megatron-Core's use_te_activation_func) where TE's layers do:
+    dense models with the plain SwiGLU and no linear biases. Megatron-Core's bias-SwiGLU otherwise, which
+    torch.compile compiles at step 1; MoE models keep it, as their torch._grouped_mm experts use its weighted form."""
+    return not spec.is_moe and spec.activation == "silu" and not spec.linear_bias
+
+
+@functools.cache  # one class per module class, as for a class statement
+def without_extra_state(module_class: type[torch.nn.Module]) -> type[torch.nn.Module]:
+    """`module_class` with PyTorch's default get/set_extra_state, so that its state dict has no `_extra_state` key.
+    TE's activation ops hold no quantizer (TE 2.20: BasicOperation.num_quantizers is 0 for them), so their extra
+    state is always empty; left in, it would be one key per layer that checkpoints converted from HF, and those
+    written by runs without TE's SwiGLU, do not have, and loading them would fail."""
+    return type(module_class.__name__, (module_class,), {
+        "__module__": __name__, "__qualname__": module_class.__name__, "__doc__": module_class.__doc__,
+        "get_extra_state": torch.nn.Module.get_extra_state, "set_extra_state": torch.nn.Module.set_extra_state})
+
+
+def te_swiglu_op(config: Any) -> torch.nn.Module:
+    """The MLP's activation module where config.use_te_activation_func is on (te_swiglu): TE's SwiGLU operation,
+    without extra state (without_extra_state)."""
+    from transformer_engine.pytorch.ops import SwiGLU
+
+    return without_extra_state(SwiGLU)(cache_quantized_input=config.activation_func_fp8_input_store)
+
+
+def with_mlp_submodules(layer_spec: Any, **changes: Any) -> Any:
+    """`layer_spec` with fields of its MLP's (or MoE layer's) submodules replaced. Megatron-Core 0.19's layer specs
+    give the MLP as a partial of its class whose `submodules` keyword holds them."""
+    import dataclasses
+    from functools import partial
+
+    mlp = layer_spec.submodules.mlp
+    submodules = dataclasses.replace(mlp.keywords["submodules"], **changes)
+    layer_spec.submodules.mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    return layer_spec
+
+
 def uses_yarn(spec: ModelSpec) -> bool:
     """Standard attention with YaRN rope (GPT-OSS); multi-latent attention has its own (mla_fields)."""
     rs = spec.rope_scaling or {}
@@ -205,6 +244,8 @@ def layer_spec(spec: ModelSpec, use_te: bool, grouped_gemm: bool = False, torch_
         te_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=grouped_gemm and moe, qk_layernorm=spec.qk_layernorm,
             multi_latent_attention=spec.is_mla)
+        if not moe and te_swiglu(spec):  # it runs where config.use_te_activation_func is on (config/megatron.py)
+            te_spec = with_mlp_submodules(te_spec, activation_func=te_swiglu_op)
         if moe and grouped_gemm and torch_expert_gemm:
             from mcorekit.models.grouped_mm_experts import use_grouped_mm_experts
 

@@ -212,6 +212,47 @@ def test_fp8_grouped_gemm_kernel_and_capture() -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager, captured))
 
 
+def test_dense_mlp_runs_tes_swiglu_without_a_checkpoint_key(model_parallel: None) -> None:
+    """The dense MLP from models/megatron.layer_spec runs TE's SwiGLU operation (models/megatron.te_swiglu_op) and
+    its state dict holds the same keys as the MLP running Megatron-Core's bias-SwiGLU, so either loads the other's
+    weights strictly; in fp32 their outputs and input gradients agree to rounding."""
+    import torch
+    import transformer_engine.pytorch as te
+    from megatron.core.transformer.mlp import MLP
+
+    from mcorekit.config.experiment import load_experiment
+    from mcorekit.config.megatron import transformer_config
+    from mcorekit.models.megatron import layer_spec
+    from mcorekit.models.spec import resolve
+
+    spec = resolve("llama-tiny", None, {})
+    exp = load_experiment(str(HERE.parent / "examples/llama-tiny.yaml"), ["precision.dtype=fp32"])
+    submodules = layer_spec(spec, use_te=True).submodules.mlp.keywords["submodules"]
+
+    def mlp(te_act: bool) -> Any:
+        config = transformer_config(exp, spec, use_te=True)
+        assert config.use_te_activation_func and not config.bias_activation_fusion
+        config.use_te_activation_func, config.bias_activation_fusion = te_act, not te_act
+        torch.manual_seed(0)
+        return MLP(config, submodules).cuda()
+
+    ours, plain = mlp(True), mlp(False)
+    assert isinstance(ours.activation_func, te.ops.SwiGLU)
+    assert list(ours.state_dict()) == list(plain.state_dict())
+    assert not [k for k in ours.sharded_state_dict() if "activation_func" in k]
+    ours.load_state_dict(plain.state_dict())
+    x = torch.randn(16, 2, spec.hidden_size, device="cuda", requires_grad=True)
+    y = torch.randn(16, 2, spec.hidden_size, device="cuda")
+    grads = []
+    for model in (ours, plain):
+        x.grad = None
+        out = model(x)[0]
+        (out * y).sum().backward()
+        grads.append((out.detach(), x.grad.clone()))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_fp8_quantization_compiles_one_kernel_per_width() -> None:
     """quantize_rows and quantize_weights on a GPU are torch.compile's kernels of the torch ops they replace
     (quantize_rows_eager): the same scales to float rounding and the same e4m3 values but for rare neighbours; one

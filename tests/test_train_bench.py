@@ -84,9 +84,9 @@ import mcorekit.models.megatron as mm
 from mcorekit.config.experiment import load_experiment
 from mcorekit.models.spec import resolve
 calls = []
-def recorder(*args, **kw):
+def recorder(*args, **kw):  # a real layer spec for the MLP's submodules (Megatron-Core's local one)
     calls.append(kw)
-    return "te-spec"
+    return gpt_layer_specs.get_gpt_layer_local_spec()
 gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec = recorder
 exp, spec = load_experiment("examples/llama-tiny.yaml"), resolve("llama-tiny", None, {})
 kw = margs.transformer_kwargs(exp, spec, use_te=True)
@@ -95,27 +95,29 @@ config = margs.transformer_config(exp, spec, use_te=True, fusions=False)
 got = mm.layer_spec(spec, use_te=True)
 print("RESULT " + json.dumps({k: kw.get(k) for k in ("gradient_accumulation_fusion", "use_te_activation_func",
       "bias_activation_fusion", "cross_entropy_loss_fusion", "fp8_dot_product_attention", "fused_single_qkv_rope")}
-      | {"spec": got, "spec_kwargs": calls[0],
+      | {"activation": getattr(got.submodules.mlp.keywords["submodules"].activation_func, "__name__", None),
+         "spec_kwargs": calls[0],
          "restored": gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec is recorder}))
 """
 
 
 @pytest.mark.parametrize("lever, expected", [
-    ("base", {"gradient_accumulation_fusion": True, "use_te_activation_func": None, "bias_activation_fusion": True,
+    ("base", {"gradient_accumulation_fusion": True, "use_te_activation_func": True, "bias_activation_fusion": False,
               "cross_entropy_loss_fusion": True, "fp8_dot_product_attention": None, "fused_single_qkv_rope": None,
               "spec_kwargs": {}}),
     ("fp8-attn", {"gradient_accumulation_fusion": True, "fp8_dot_product_attention": True, "spec_kwargs": {}}),
-    ("no-gaf+te-act+ce-plain", {"gradient_accumulation_fusion": False, "use_te_activation_func": True,
-                                "bias_activation_fusion": False, "cross_entropy_loss_fusion": False,
-                                "spec_kwargs": {"use_te_activation_func": True, "use_te_op_fuser": False}}),
-    ("te-ops+qkv-rope", {"use_te_activation_func": None, "bias_activation_fusion": True, "fused_single_qkv_rope": True,
-                         "spec_kwargs": {"use_te_activation_func": False, "use_te_op_fuser": True}}),
+    ("no-gaf+no-te-act+ce-plain", {"gradient_accumulation_fusion": False, "use_te_activation_func": False,
+                                   "bias_activation_fusion": True, "cross_entropy_loss_fusion": False,
+                                   "spec_kwargs": {}}),
+    ("te-ops+qkv-rope", {"use_te_activation_func": False, "bias_activation_fusion": False,
+                         "fused_single_qkv_rope": True, "spec_kwargs": {"use_te_op_fuser": True}}),
 ])
 def test_lever_patches_change_what_the_training_process_builds(lever: str, expected: dict) -> None:
     """bench/levers.py's patches, run as its worker runs them (in a process of their own: they patch modules): the
     Megatron-Core config fields each lever switches, accepted by TransformerConfig, and what TE's layer spec is asked
-    for: its activation op only under `te-act`, the op fuser's MLP only under `te-ops` (TE is not installed here: a
-    recorder stands in for the spec function)."""
+    for: the op fuser's MLP only under `te-ops`. The dense MLP's activation module is always TE's SwiGLU op
+    (models/megatron.te_swiglu_op; the config decides whether it runs). TE is not installed here: a recorder stands
+    in for the spec function, returning Megatron-Core's local spec."""
     from results import run_worker
 
     payload, output = run_worker(LEVER_CHECK, lever, str(Path(train_bench.__file__).parent))
@@ -123,7 +125,7 @@ def test_lever_patches_change_what_the_training_process_builds(lever: str, expec
     got = json.loads(payload)
     got["spec_kwargs"] = {k: v for k, v in got["spec_kwargs"].items() if k.startswith("use_te_")}
     assert {k: got[k] for k in expected} == expected
-    assert got["spec"] == "te-spec" and got["restored"]
+    assert got["activation"] == "te_swiglu_op" and got["restored"]
 
 
 def test_a_runs_figures_from_its_metrics_and_output(tmp_path: Path) -> None:
@@ -144,7 +146,7 @@ def test_a_runs_figures_from_its_metrics_and_output(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("levers, message", [
-    ("base,te-act+te-ops", "te-act and te-ops do not combine"),
+    ("base,no-te-act+te-ops", "no-te-act and te-ops do not combine"),
     ("base,no-such", "unknown lever(s) no-such"),
 ])
 def test_levers_refuses_what_it_cannot_run_before_running_anything(tmp_path: Path, levers: str, message: str) -> None:

@@ -101,9 +101,68 @@ def test_fusions_follow_transformer_engine() -> None:
 
     spec = resolve("llama-tiny", None, {})
     on, off = transformer_kwargs(exp(), spec, use_te=True), transformer_kwargs(exp(), spec, use_te=False)
-    for key in ("bias_activation_fusion", "apply_rope_fusion", "masked_softmax_fusion", "cross_entropy_loss_fusion"):
+    for key in ("use_te_activation_func", "apply_rope_fusion", "masked_softmax_fusion", "cross_entropy_loss_fusion"):
         assert on[key] is True and off[key] is False, key
     assert on["cross_entropy_fusion_impl"] == "native"  # TE's variant is known unstable; Megatron-LM rejects it
+    # a dense SwiGLU runs TE's kernel; Megatron-Core's fused bias-SwiGLU where TE's cannot: MoE (the torch._grouped_mm
+    # experts use its weighted form), linear biases, GPT-OSS's clamped activation
+    assert on["bias_activation_fusion"] is False and off["bias_activation_fusion"] is False
+    for other in (resolve("mixtral-tiny", None, {}), resolve("llama-tiny", None, {"linear_bias": True}),
+                  resolve("llama-tiny", None, {"activation": "gpt_oss", "glu_clamp": 7.0})):
+        kw = transformer_kwargs(exp(), other, use_te=True)
+        assert (kw["use_te_activation_func"], kw["bias_activation_fusion"]) == (False, True), other
+    assert transformer_kwargs(exp(), spec, use_te=True, fusions=False)["use_te_activation_func"] is False
+
+
+class SwiGLUWithExtraState(torch.nn.Module):
+    """Stands in for TE's SwiGLU operation (TE is not installed here): SwiGLU with the always empty extra state of a
+    TE 2.20 BasicOperation without quantizers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+def test_te_activation_module_adds_no_checkpoint_key(model_parallel: None) -> None:
+    """The dense MLP's TE activation module (models/megatron.te_swiglu_op) has no `_extra_state`, so checkpoints
+    converted from HF and those written without it load into a model that runs it, and its checkpoints into one
+    that does not. A real Megatron-Core MLP from the layer spec as models/megatron.layer_spec changes it, next to
+    one running the plain SwiGLU with the same weights: the same output, bitwise."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mcorekit.models.megatron import with_mlp_submodules, without_extra_state
+
+    assert "_extra_state" in SwiGLUWithExtraState().state_dict()  # the stand-in has the key, as TE's op does
+    stateless = without_extra_state(SwiGLUWithExtraState)
+    assert stateless is without_extra_state(SwiGLUWithExtraState) and issubclass(stateless, SwiGLUWithExtraState)
+    spec = with_mlp_submodules(get_gpt_layer_local_spec(), activation_func=lambda config: stateless())
+    submodules = spec.submodules.mlp.keywords["submodules"]
+    assert submodules.linear_fc1 is get_gpt_layer_local_spec().submodules.mlp.keywords["submodules"].linear_fc1
+
+    def mlp(te_act: bool) -> Any:
+        config = TransformerConfig(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=1,
+                                   gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                                   add_bias_linear=False, bias_activation_fusion=False, use_cpu_initialization=True,
+                                   use_te_activation_func=te_act)
+        torch.manual_seed(0)
+        return MLP(config, submodules)
+
+    te, plain = mlp(True), mlp(False)
+    assert isinstance(te.activation_func, SwiGLUWithExtraState)
+    assert list(te.state_dict()) == list(plain.state_dict())
+    assert not [k for k in te.state_dict() if k.startswith("activation_func")] and "linear_fc2.weight" in te.state_dict()
+    assert sorted(te.sharded_state_dict()) == sorted(plain.sharded_state_dict())
+    te.load_state_dict(plain.state_dict())  # strict: nothing missing, nothing unexpected
+    x = torch.randn(4, 2, 8)
+    assert torch.equal(te(x)[0], plain(x)[0])
 
 
 def test_interleaved_pipeline_sends_unbatched() -> None:
