@@ -233,6 +233,7 @@ def test_dense_mlp_runs_tes_swiglu_without_a_checkpoint_key(model_parallel: None
         config = transformer_config(exp, spec, use_te=True)
         assert config.use_te_activation_func and not config.bias_activation_fusion
         config.use_te_activation_func, config.bias_activation_fusion = te_act, not te_act
+        config.gradient_accumulation_fusion = False  # no DDP wrapper here to give the weights a main_grad
         torch.manual_seed(0)
         return MLP(config, submodules).cuda()
 
