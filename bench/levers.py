@@ -65,8 +65,10 @@ def kwargs(*args, **kw):
     out = base_kwargs(*args, **kw)
     if "gaf" in levers or "no-gaf" in levers:
         out["gradient_accumulation_fusion"] = "gaf" in levers
+    if "no-te-act" in levers:  # Megatron-Core's bias-SwiGLU where TE's ran
+        out["bias_activation_fusion"] |= out["use_te_activation_func"]
     if "no-te-act" in levers or "te-ops" in levers:  # TE's op-fuser MLP builds its own SwiGLU op
-        out.update(use_te_activation_func=False, bias_activation_fusion="no-te-act" in levers)
+        out["use_te_activation_func"] = False
     if "qkv-rope" in levers:
         out["fused_single_qkv_rope"] = True
     if "ce-plain" in levers:

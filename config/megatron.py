@@ -20,10 +20,10 @@ def transformer_kwargs(exp: Experiment, spec: ModelSpec, use_te: bool, fusions: 
     fuse = use_te and fusions
     te_act = fuse and te_swiglu(spec)
     kw: dict[str, Any] = dict(
-        # Fusions: TE's SwiGLU kernel for dense SwiGLU MLPs (models/megatron.te_swiglu: +0.5% tokens/s on the dense
-        # 3B bf16 shape, +1.1% in FP8, one H200, 2026-12-04, and no torch.compile of it at step 1), Megatron-Core's
-        # fused bias-SwiGLU elsewhere, TE's fused RoPE, Megatron's native fused cross entropy (its TE variant has
-        # known stability issues, Megatron-LM rejects it). The non-TE path keeps the plain PyTorch ops.
+        # Fusions: TE's SwiGLU kernel for dense SwiGLU MLPs (models/megatron.te_swiglu: +0.5% and +0.9% tokens/s on
+        # the dense 3B bf16 shape, +1.1% in FP8, one H200, 2026-12-04, and no torch.compile of it at step 1),
+        # Megatron-Core's fused bias-SwiGLU elsewhere, TE's fused RoPE, Megatron's native fused cross entropy (its TE
+        # variant has known stability issues, Megatron-LM rejects it). The non-TE path keeps the plain PyTorch ops.
         use_te_activation_func=te_act, bias_activation_fusion=fuse and not te_act, apply_rope_fusion=fuse,
         masked_softmax_fusion=fuse, cross_entropy_loss_fusion=fuse, cross_entropy_fusion_impl="native",
         # Dense models: weight gradients written straight into DDP's fp32 main_grad by TE's layers (one GEMM

@@ -183,21 +183,27 @@ def te_swiglu(spec: ModelSpec) -> bool:
 
 @functools.cache  # one class per module class, as for a class statement
 def without_extra_state(module_class: type[torch.nn.Module]) -> type[torch.nn.Module]:
-    """`module_class` with PyTorch's default get/set_extra_state, so that its state dict has no `_extra_state` key.
-    TE's activation ops hold no quantizer (TE 2.20: BasicOperation.num_quantizers is 0 for them), so their extra
+    """`module_class` with PyTorch's own get/set_extra_state and state-dict loading, so that its state dict has no
+    `_extra_state` key (and one given to it is an unexpected key, as for any module). TE's activation operations
+    hold no quantizer (TE 2.20: BasicOperation.num_quantizers is 0 for them; te_swiglu_op checks), so their extra
     state is always empty; left in, it would be one key per layer that checkpoints converted from HF, and those
     written by runs without TE's SwiGLU, do not have, and loading them would fail."""
+    own = {name: getattr(torch.nn.Module, name)
+           for name in ("get_extra_state", "set_extra_state", "_load_from_state_dict")}
     return type(module_class.__name__, (module_class,), {
-        "__module__": __name__, "__qualname__": module_class.__name__, "__doc__": module_class.__doc__,
-        "get_extra_state": torch.nn.Module.get_extra_state, "set_extra_state": torch.nn.Module.set_extra_state})
+        "__module__": __name__, "__qualname__": module_class.__name__, "__doc__": module_class.__doc__, **own})
 
 
 def te_swiglu_op(config: Any) -> torch.nn.Module:
     """The MLP's activation module where config.use_te_activation_func is on (te_swiglu): TE's SwiGLU operation,
-    without extra state (without_extra_state)."""
+    without extra state (without_extra_state), which it may leave out only while the operation has no quantizer."""
     from transformer_engine.pytorch.ops import SwiGLU
 
-    return without_extra_state(SwiGLU)(cache_quantized_input=config.activation_func_fp8_input_store)
+    op = without_extra_state(SwiGLU)(cache_quantized_input=config.activation_func_fp8_input_store)
+    if op.num_quantizers("forward") or op.num_quantizers("backward"):
+        raise RuntimeError("this Transformer Engine's SwiGLU operation keeps quantizer state, which its checkpoint "
+                           "entry would hold: models/megatron.without_extra_state must not leave it out")
+    return op
 
 
 def with_mlp_submodules(layer_spec: Any, **changes: Any) -> Any:

@@ -108,7 +108,7 @@ def test_fused_weight_gradients_equal_the_plain_ones(tmp_path: Path, monkeypatch
     .grad per micro-batch that DDP adds) to bf16 rounding: nothing counted twice (4x the squared norm) or dropped;
     the output layer keeps the plain path without APEX (models/megatron.build_gpt). Steps 3-10 run as one CUDA graph
     each: their gradient norms (before clipping, which would hide a doubled gradient from the losses) and losses stay
-    close. First run on one H200 at `ab5ff08` (2026-12-04, docs/gpu-runs.md): passed."""
+    close. On one H200 (docs/gpu-runs.md): passed at `ab5ff08` (its first run) and at `c94fcf1`, 2026-12-04."""
     cfg = {**BASE, "schedule": {**BASE["schedule"], "train_iters": 10}}
     fused = run(tmp_path, "fused", cfg)
     monkeypatch.setenv("GPU_TEST_GAF", "off")

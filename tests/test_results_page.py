@@ -246,24 +246,3 @@ def test_levers_headline_of_a_run_of_the_defaults_alone(tmp_path: Path) -> None:
     rows = [r for r in json.loads((source / "results.json").read_text()) if r["run"] == "base"]
     (tmp_path / "results.json").write_text(json.dumps(rows))
     assert page.levers_headline(page.Measurement(tmp_path)) == "defaults 31.7k tokens/s (MFU 54.3%)"
-
-
-def test_levers_of_a_command_made_under_other_defaults_get_their_current_names(tmp_path: Path) -> None:
-    """A run made while a default since taken back was on (ab5ff08: TE's SwiGLU): meta.json's runs_as gives each run
-    its current lever name, so the headline and the 'vs defaults' column compare with the current defaults and name the
-    best lever as it would be asked for now. A runs_as naming no run stops the page."""
-    page = generator()
-    source = DATA / "levers-dense-3b-fp8-te-ops-1gpu-2026-12-04"
-    run = page.Measurement(source)
-    assert run.meta["runs_as"] == {"base": "te-act", "no-te-act": "base", "qkv-rope": "te-act+qkv-rope"}
-    assert page.levers_headline(run) == ("defaults 42.6k tokens/s (MFU 72.8%); best `te-act+qkv-rope` 43.3k (+1.8%, "
-                                         "1.71x transformers)")
-    cells = {line.split("|")[1].strip(): line.split("|")[6].strip() for line in page.levers_table(run).splitlines()[2:]}
-    assert cells["FP8 delayed, the defaults (`no-te-act` at ab5ff08): Megatron-Core's bias-SwiGLU"] == "1.00x"
-    assert cells["FP8 delayed, `te-act` (the defaults of ab5ff08): TE's SwiGLU"] == "1.01x"
-    meta = json.loads((source / "meta.json").read_text())
-    meta["runs_as"]["no-such-run"] = "base"
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
-    (tmp_path / "results.json").write_text((source / "results.json").read_text())
-    with pytest.raises(SystemExit, match="runs_as names no run no-such-run"):
-        page.levers_headline(page.Measurement(tmp_path))

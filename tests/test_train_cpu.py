@@ -116,7 +116,7 @@ def test_fusions_follow_transformer_engine() -> None:
 
 class SwiGLUWithExtraState(torch.nn.Module):
     """Stands in for TE's SwiGLU operation (TE is not installed here): SwiGLU with the always empty extra state of a
-    TE 2.20 BasicOperation without quantizers."""
+    TE 2.20 BasicOperation without quantizers, which also loads that state itself before the rest."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
@@ -127,6 +127,11 @@ class SwiGLUWithExtraState(torch.nn.Module):
 
     def set_extra_state(self, state: Any) -> None:
         pass
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        if prefix + "_extra_state" in state_dict:
+            self.set_extra_state(state_dict[prefix + "_extra_state"])
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 
 def test_te_activation_module_adds_no_checkpoint_key(model_parallel: None) -> None:
@@ -158,9 +163,12 @@ def test_te_activation_module_adds_no_checkpoint_key(model_parallel: None) -> No
     te, plain = mlp(True), mlp(False)
     assert isinstance(te.activation_func, SwiGLUWithExtraState)
     assert list(te.state_dict()) == list(plain.state_dict())
-    assert not [k for k in te.state_dict() if k.startswith("activation_func")] and "linear_fc2.weight" in te.state_dict()
+    assert "linear_fc2.weight" in te.state_dict() and not [k for k in te.state_dict() if k.startswith("activation")]
     assert sorted(te.sharded_state_dict()) == sorted(plain.sharded_state_dict())
     te.load_state_dict(plain.state_dict())  # strict: nothing missing, nothing unexpected
+    # a state dict written with the operation's extra state (at ab5ff08): an unexpected key, as for any module
+    with pytest.raises(RuntimeError, match="Unexpected key.*activation_func._extra_state"):
+        te.load_state_dict({**plain.state_dict(), "activation_func._extra_state": torch.empty(0, dtype=torch.uint8)})
     x = torch.randn(4, 2, 8)
     assert torch.equal(te(x)[0], plain(x)[0])
 

@@ -12,7 +12,6 @@ Each measurement is one folder docs/results/NAME/ holding
                 start_save only: in_flight_counts_blocking, true for data of bench/start_save.py before `ff2d94f`
                 (its step_s_in_flight counted the async save's blocking part; from `ff2d94f` on it leaves it out);
                 unusable: {"async_step_cost": why}, for a run whose step times cannot be compared;
-                levers only: runs_as {run: its current lever name}, for a command made under other defaults
   results.json  the numbers: what the benchmark script wrote, or a transcription in the same shape
   */metrics.jsonl, *.log, config.yaml: the runs' own files, where they came back (loss curves are drawn from
                 metrics.jsonl)
@@ -232,19 +231,9 @@ def levers_row(rows: list[dict], run: str) -> dict | None:
     return next((r for r in rows if r["run"] == run), None)
 
 
-def lever_rows(m: Measurement) -> list[dict]:
-    """bench/levers.py's rows under their current lever names: meta.json's runs_as renames the runs of a command
-    made while the defaults were different (a default since taken back: its `base` is a lever now)."""
-    rows, renamed = train_bench_rows(m), m.meta.get("runs_as", {})
-    unknown = set(renamed) - {r["run"] for r in rows}
-    if unknown:
-        raise SystemExit(f"results_page: {m.name}: runs_as names no run {', '.join(sorted(unknown))}")
-    return [{**r, "run": renamed.get(r["run"], r["run"])} for r in rows]
-
-
 def levers_table(m: Measurement) -> str:
     """bench/levers.py: one row per lever, each process with an empty compile cache (its start is cold)."""
-    rows = lever_rows(m)
+    rows = train_bench_rows(m)
     hf, base = levers_row(rows, "hf-bf16"), levers_row(rows, "base")
     out = []
     for r in rows:
@@ -259,7 +248,7 @@ def levers_table(m: Measurement) -> str:
 
 
 def levers_headline(m: Measurement) -> str:
-    rows = lever_rows(m)
+    rows = train_bench_rows(m)
     hf, base = levers_row(rows, "hf-bf16"), levers_row(rows, "base")
     best = max((r for r in rows if r is not hf), key=lambda r: r["tokens_per_s"])
     vs_hf = f", {best['tokens_per_s'] / hf['tokens_per_s']:.2f}x transformers" if hf else ""
