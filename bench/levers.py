@@ -20,7 +20,7 @@ defaults for the shape and --run):
            the step graph on the 8-expert shape)
   no-te-act (dense) Megatron-Core's bias-SwiGLU, which torch.compile compiles at step 1, instead of TE's SwiGLU
            kernel (use_te_activation_func, without the op's always empty extra state: models/megatron.te_swiglu_op;
-           the default for dense SwiGLU models since 2026-12-04, measured before as the lever `te-act`)
+           the default for dense SwiGLU models since c94fcf1, measured before as the lever `te-act`)
   te-ops   (dense) the MLP as one sequence of TE's fusible operations (Megatron-Core's TEFusedMLP: RMSNorm, FC1,
            SwiGLU, FC2 through TE's op fuser, which can hand FP8 data from one op to the next; not with no-te-act)
   qkv-rope (dense) RoPE applied to the QKV projection's output before it is split (Megatron-Core's
