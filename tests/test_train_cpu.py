@@ -173,6 +173,35 @@ def test_te_activation_module_adds_no_checkpoint_key(model_parallel: None) -> No
     assert torch.equal(te(x)[0], plain(x)[0])
 
 
+def test_te_swiglu_op_refuses_an_operation_with_quantizers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """models/megatron.te_swiglu_op builds TE's SwiGLU operation without extra state, and refuses one that holds
+    quantizers, whose extra state a checkpoint would need. TE is not installed here: a stand-in module provides
+    transformer_engine.pytorch.ops.SwiGLU with TE 2.20's num_quantizers."""
+    import sys
+    import types
+
+    from mcorekit.models.megatron import te_swiglu_op
+
+    class SwiGLU(SwiGLUWithExtraState):
+        quantizers = 0
+
+        def __init__(self, cache_quantized_input: bool = False) -> None:
+            super().__init__()
+            self.cache_quantized_input = cache_quantized_input
+
+        def num_quantizers(self, mode: str) -> int:
+            return self.quantizers if mode == "backward" else 0
+
+    for name in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["transformer_engine.pytorch.ops"].SwiGLU = SwiGLU  # type: ignore[attr-defined]
+    op = te_swiglu_op(types.SimpleNamespace(activation_func_fp8_input_store=True))
+    assert isinstance(op, SwiGLU) and op.cache_quantized_input and "_extra_state" not in op.state_dict()
+    SwiGLU.quantizers = 1
+    with pytest.raises(RuntimeError, match="keeps quantizer state"):
+        te_swiglu_op(types.SimpleNamespace(activation_func_fp8_input_store=False))
+
+
 def test_interleaved_pipeline_sends_unbatched() -> None:
     """With PP=2 the previous and next stage are one rank: batched p2p ops pair the gradient sent back with the
     activation expected forward (found on two H200s: step-1 gradients of the first chunks ~500x too large)."""
