@@ -7,6 +7,7 @@ about where new features land, not about removal.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -209,12 +210,9 @@ def te_swiglu_op(config: Any) -> torch.nn.Module:
 def with_mlp_submodules(layer_spec: Any, **changes: Any) -> Any:
     """`layer_spec` with fields of its MLP's (or MoE layer's) submodules replaced. Megatron-Core 0.19's layer specs
     give the MLP as a partial of its class whose `submodules` keyword holds them."""
-    import dataclasses
-    from functools import partial
-
     mlp = layer_spec.submodules.mlp
     submodules = dataclasses.replace(mlp.keywords["submodules"], **changes)
-    layer_spec.submodules.mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    layer_spec.submodules.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
     return layer_spec
 
 

@@ -11,7 +11,7 @@ Each measurement is one folder docs/results/NAME/ holding
                 superseded_by: NAME of a newer measurement of the same thing (then the page gives one line);
                 start_save only: in_flight_counts_blocking, true for data of bench/start_save.py before `ff2d94f`
                 (its step_s_in_flight counted the async save's blocking part; from `ff2d94f` on it leaves it out);
-                unusable: {"async_step_cost": why}, for a run whose step times cannot be compared;
+                unusable: {"async_step_cost": why}, for a run whose step times cannot be compared
   results.json  the numbers: what the benchmark script wrote, or a transcription in the same shape
   */metrics.jsonl, *.log, config.yaml: the runs' own files, where they came back (loss curves are drawn from
                 metrics.jsonl)
