@@ -133,7 +133,7 @@ class GRPOConfig(Strict):
     rewards: list[RewardConfig] = Field(default_factory=list)
     # how rollouts are generated (train/generate.py): static = Megatron-Core's static-batch engine (KV cache);
     # dynamic = its DynamicInferenceEngine (needs flash-attn >= 2.7.3); plain = a sampling loop over the training
-    # forward, no KV cache; auto = static, or plain where the engines do not apply (VPP, EP, SP, FP8)
+    # forward, no KV cache; auto = static, or plain where the engines do not apply (EP, SP, FP8)
     generation: Literal["auto", "dynamic", "static", "plain"] = "auto"
     kv_cache_gb: float = Field(2.0, gt=0)  # the dynamic engine's KV-cache buffer, allocated per step and freed
     seed: int = Field(0, ge=0, le=2**31 - 1)  # sampling seed; step s of DP rank r samples with seed + s x 1009 + r
