@@ -123,7 +123,7 @@ def _tokenizer(tokenizer_dir: str | Path | None) -> Any:
         raise ExportError("calibration text needs the model's tokenizer, and none is stored with this checkpoint; "
                           "pass input_ids instead, or --hf-config with an HF directory that has the tokenizer")
     try:
-        return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+        return transformers.AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001  (transformers raises many types for a missing or broken tokenizer)
         raise ExportError(f"calibration text needs a tokenizer in {tokenizer_dir}: {_first_line(e)}") from None
 
@@ -133,7 +133,7 @@ def calibrate(hf_dir: str | Path, samples: list[torch.Tensor]) -> dict[str, floa
     import transformers
 
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=False).eval()
     except Exception as e:  # noqa: BLE001  (transformers raises many types for a model it cannot load)
         raise ExportError(f"{hf_dir}: transformers cannot load the model for the calibration pass: {_first_line(e)}") from None
     amax: dict[str, float] = {}

@@ -427,6 +427,38 @@ def test_preprocess_tokenizer_that_is_not_one(tmp_path: Path, kind: str, needle:
     assert_error(rc, err, needle, tmp_path / "a.bin", tmp_path / "a.idx", tmp_path / "a.json")
 
 
+def tokenizer_with_its_own_code(tok: Path, folder: Path, marker: Path) -> Path:
+    """A copy of `tok` whose tokenizer_config.json asks transformers to import evil.py, which writes `marker`."""
+    shutil.copytree(tok, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="EvilTok", auto_map={"AutoTokenizer": [None, "evil.EvilTok"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                                    "from transformers import PreTrainedTokenizerFast as EvilTok\n")
+    return folder
+
+
+@pytest.mark.parametrize("reader", ["data preprocess", "train data", "export calibration"])
+def test_no_reader_runs_a_tokenizer_folders_own_code(tok: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     reader: str) -> None:
+    """transformers asks on stdin before it runs a folder's code: a user who answers yes (here every prompt is
+    answered "y") must still get an error, with the code not run."""
+    from mcorekit.errors import ExportError
+    from mcorekit.export.fp8 import _tokenizer
+    from mcorekit.train.data.tokenizer import load_tokenizer
+
+    marker = tmp_path / "ran"
+    evil = tokenizer_with_its_own_code(tok, tmp_path / "evil-tok", marker)
+    monkeypatch.setattr("builtins.input", lambda *_: "y")
+    if reader == "data preprocess":
+        rc, err = run(*preprocess_args([corpus(tmp_path / "a.jsonl", 3)], evil, tmp_path / "a"))
+        assert_error(rc, err, "contains custom code", tmp_path / "a.bin")
+    else:
+        with pytest.raises(ConfigError if reader == "train data" else ExportError, match="custom code"):
+            load_tokenizer(str(evil)) if reader == "train data" else _tokenizer(evil)
+    assert not marker.exists()
+
+
 def test_preprocess_refuses_a_line_over_the_limit_before_reading_it(tok: Path, tmp_path: Path) -> None:
     src = tmp_path / "long.jsonl"
     src.write_text('{"text": "hello"}\n' + json.dumps({"text": "word " * 300_000}) + "\n")  # 1.5 MB line

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     sft_exp = load_experiment(HERE / "sft.yaml", [*model_over, f"data.paths=[{data}/sft.jsonl]", *sft_over])
     grpo_exp = load_experiment(HERE / "grpo.yaml", [*model_over, f"data.paths=[{data}/train.jsonl]",
                                                     f"grpo.rewards={rewards}", *grpo_over])
-    tok = AutoTokenizer.from_pretrained(data / "model")
+    tok = AutoTokenizer.from_pretrained(data / "model", trust_remote_code=False)
     held = [r for _, r in records(data / "heldout.jsonl")][: a.heldout]
     max_new = grpo_exp.grpo.max_new_tokens
     result: dict[str, Any] = {"seed": a.seed, "sft_iters": sft_exp.schedule.train_iters,

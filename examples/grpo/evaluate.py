@@ -39,7 +39,7 @@ def hf_generate(hf_dir: str, tok: Any, prompts: list[str], max_new: int, batch: 
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).cuda().eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, trust_remote_code=False).cuda().eval()
     tok.padding_side = "left"
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
@@ -108,7 +108,7 @@ def evaluate(a: argparse.Namespace, exp: Any) -> int:
     start = checkpoint.latest(root) or root
     if not start.is_dir():
         raise ConfigError(f"checkpoint not found: {root}")
-    tok = AutoTokenizer.from_pretrained(exp.data.tokenizer)
+    tok = AutoTokenizer.from_pretrained(exp.data.tokenizer, trust_remote_code=False)
     max_new = a.max_new_tokens or exp.grpo.max_new_tokens
     t = build(exp)
     checkpoint.load_weights(start, t.model)

@@ -70,7 +70,7 @@ def _encoder(tokenizer_dir: str) -> Any:
         return lambda texts: [e.ids for e in encode(texts, add_special_tokens=False)]
     from transformers import AutoTokenizer
 
-    slow = AutoTokenizer.from_pretrained(tokenizer_dir)
+    slow = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
     return lambda texts: slow(texts, add_special_tokens=False)["input_ids"]
 
 
@@ -237,7 +237,7 @@ def load_tokenizer(tokenizer_dir: str) -> Any:
         raise ConfigError(f"{tokenizer_dir}: not an HF tokenizer directory (none of {', '.join(TOKENIZER_FILES)}); "
                           f"pass the folder that save_pretrained wrote the tokenizer to")
     try:
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)  # never the folder's own code
         _encoder(tokenizer_dir)  # what the workers load: fail here, not in a worker (a pool would respawn it)
     except Exception as e:  # noqa: BLE001  (transformers/tokenizers raise many types for a broken directory)
         lines = str(e).strip().splitlines()

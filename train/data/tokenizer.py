@@ -13,7 +13,7 @@ def load_tokenizer(tokenizer_dir: str, vocab_size: int | None = None) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)  # never its own code
     except Exception as e:  # noqa: BLE001  (transformers raises many types for a broken directory)
         lines = str(e).strip().splitlines()
         raise ConfigError(f"{tokenizer_dir}: not a usable HF tokenizer directory (data.tokenizer): "

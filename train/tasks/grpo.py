@@ -52,6 +52,7 @@ import torch
 from mcorekit.errors import ConfigError
 from mcorekit.train.data.jsonl import records
 from mcorekit.train.data.packing import EpochOrder, Example, pad_one
+from mcorekit.train.data.tokenizer import load_tokenizer
 from mcorekit.train.rewards import RewardError, Rewards
 from mcorekit.train.tasks.base import LossFunc, Task
 from mcorekit.train.tasks.lm import next_token_losses
@@ -195,8 +196,6 @@ class GroupRelativePolicyOptimization(Task):
 
     def __init__(self, exp: Experiment, spec: ModelSpec, run_dir: Path) -> None:
         super().__init__(exp, spec, run_dir)
-        from transformers import AutoTokenizer
-
         g = exp.grpo
         self.rewards = Rewards.of(g.rewards)  # import errors now, before the first generation
         self.metrics = METRICS
@@ -204,16 +203,7 @@ class GroupRelativePolicyOptimization(Task):
             self.metrics = METRICS + tuple(f"reward_{i}_{n}" for i, n in enumerate(self.rewards.names))
         if not exp.data.tokenizer:
             raise ConfigError("data.kind=grpo needs data.tokenizer")
-        try:
-            self.tok = AutoTokenizer.from_pretrained(exp.data.tokenizer)
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"{exp.data.tokenizer}: not a usable HF tokenizer directory (data.tokenizer): "
-                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        if self.tok.eos_token_id is None:
-            raise ConfigError(f"tokenizer {exp.data.tokenizer} has no eos token (generation stops at it)")
-        if len(self.tok) > spec.vocab_size:
-            raise ConfigError(f"tokenizer {exp.data.tokenizer} has {len(self.tok)} tokens but the model's vocabulary "
-                              f"is {spec.vocab_size}")
+        self.tok = load_tokenizer(exp.data.tokenizer, spec.vocab_size)  # generation stops at its eos token
         self.eos = int(self.tok.eos_token_id)
         self.pad = int(self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos)
         self.reference: Any = None
