@@ -10,7 +10,7 @@ import sys
 from typing import Callable
 
 from mcorekit import quiet
-from mcorekit.errors import MCoreKitError
+from mcorekit.errors import MCoreKitError, one_line
 
 PARTS = {
     "launch": ("mcorekit.launch.cli", "turn an experiment YAML + cluster profile into a validated Slurm job"),
@@ -99,15 +99,13 @@ def main(argv: list[str] | None = None) -> int:
 
         module = importlib.import_module(module_name)
         return int(module.main(command, rest) or 0)
-    except MCoreKitError as e:
-        print(f"mcorekit: error: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # output piped into head & co.
         sys.stderr.close()
         return 0
-    except OSError as e:  # a read-only or full filesystem, a vanished file: what and where, not a traceback
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"mcorekit: error: {where}{e.strerror or e}", file=sys.stderr)
+    except (MCoreKitError, OSError, RuntimeError) as e:  # bad input or the machine's state: one line, no traceback
+        if (line := one_line(e)) is None:
+            raise  # a bug: its traceback
+        print(f"mcorekit: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("mcorekit: interrupted", file=sys.stderr)

@@ -31,3 +31,26 @@ class ExportError(MCoreKitError):
 
 class OutputError(MCoreKitError):
     """An output path is unsafe (it overlaps an input, or is not ours to replace) or cannot be written."""
+
+
+def one_line(e: BaseException) -> str | None:
+    """What a command prints for an error that its input or the machine caused, in one line: our own errors; the
+    OS's (a read-only or full filesystem, a vanished file), with the file; pathlib's symlink loop and unknown `~user`
+    (RuntimeErrors raised inside pathlib). None for anything else: a bug, which keeps its traceback."""
+    if isinstance(e, MCoreKitError):
+        return str(e)
+    if isinstance(e, OSError):
+        return f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e)
+    if isinstance(e, RuntimeError) and _raised_in_pathlib(e):
+        if "home directory" in str(e):  # expanduser's message names no path
+            return f"{e} (a path starts with ~ and a user name this machine does not know)"
+        return str(e)
+    return None
+
+
+def _raised_in_pathlib(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return module.split(".")[0] in ("pathlib", "posixpath", "ntpath")

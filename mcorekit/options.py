@@ -8,8 +8,11 @@ import math
 from typing import Callable
 
 
+MAX_INT = 2**31  # beyond any count, size or limit a command takes; larger ones overflow the float arithmetic after
+
+
 def int_at_least(low: int) -> Callable[[str], int]:
-    """A whole number >= low, e.g. `type=int_at_least(1)` for counts and limits."""
+    """A whole number from low to MAX_INT, e.g. `type=int_at_least(1)` for counts and limits."""
 
     def parse(text: str) -> int:
         try:
@@ -18,6 +21,8 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if value > MAX_INT:
+            raise argparse.ArgumentTypeError(f"must be <= {MAX_INT:,}, got {text[:20]}{'...' if len(text) > 20 else ''}")
         return value
 
     return parse

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mcorekit.caches import precompile_in_background, use_bytecode_cache, user_cache
+from mcorekit.errors import ConfigError
 
 COMPILE_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 # torch's CUDA allocators take their settings from the first of these that is set (both set: the first wins, seen
@@ -47,26 +48,34 @@ def port_for_job(job_id: str) -> int:
 
 def from_environ(env: dict[str, str] | None = None) -> DistEnv:
     env = dict(os.environ if env is None else env)
+
+    def number(name: str, default: str | None = None) -> int:
+        value = env.get(name) or default
+        if value is None or not value.isascii() or not value.isdigit():
+            raise ConfigError(f"environment variable {name}={env.get(name, '')!r} is not a whole number; it is set by "
+                              f"srun or torchrun for each process (unset it to run one process by hand)")
+        return int(value)
+
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         job_id = env.get("SLURM_ARRAY_JOB_ID", "") + env.get("SLURM_ARRAY_TASK_ID", "") or env.get("SLURM_JOB_ID", "0")
         return DistEnv(
-            rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
-            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            rank=number("SLURM_PROCID"),
+            world_size=number("SLURM_NTASKS"),
+            local_rank=number("SLURM_LOCALID", "0"),
             master_addr=env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "localhost")),
-            master_port=int(env.get("MASTER_PORT") or port_for_job(job_id)),
+            master_port=number("MASTER_PORT", str(port_for_job(job_id))),
             source="slurm",
         )
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(
-            rank=int(env["RANK"]),
-            world_size=int(env["WORLD_SIZE"]),
-            local_rank=int(env.get("LOCAL_RANK", "0")),
+            rank=number("RANK"),
+            world_size=number("WORLD_SIZE"),
+            local_rank=number("LOCAL_RANK", "0"),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT", "29500")),
+            master_port=number("MASTER_PORT", "29500"),
             source="torchrun",
         )
-    return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", "29500")), "single")
+    return DistEnv(0, 1, 0, "127.0.0.1", number("MASTER_PORT", "29500"), "single")
 
 
 def init_process_group(backend: str, timeout_s: int = 300) -> DistEnv:

@@ -343,7 +343,7 @@ def test_mtp_training_rules_and_checkpoint_check(mtp_model, family_models, tmp_p
         "model_type deepseek_v3), not for a gpt_oss model; set it to 0"]
     assert rules(family_models["deepseek_v2"], "model.overrides={mtp_layers: 1}")[0].startswith(
         "model.overrides.mtp_layers=1: multi-token prediction is built for DeepSeek-V3 models only")
-    with pytest.raises(ModelError, match=r"model mtp_layers=-1 must be a whole number >= 0"):
+    with pytest.raises(ModelError, match=r"model mtp_layers=-1 must be a whole number from 0"):
         model_of(load_experiment(HERE.parent / "examples/llama-tiny.yaml",
                                  ["model.preset=null", f"model.hf_config={mtp_model}", "model.overrides={mtp_layers: -1}"]))
 

@@ -160,9 +160,19 @@ BAD_EXPERIMENTS = {
     "NaN learning rate": (b"name: x\nmodel: {preset: llama-tiny}\noptimizer: {lr: .nan}\n", "optimizer.lr: Input should be a finite number"),
     "negative seed": (b"name: x\nmodel: {preset: llama-tiny}\ndata: {seed: -1}\n", "data.seed: Input should be greater than or equal to 0"),
     "model field of wrong type": (b"name: x\nmodel: {preset: llama-tiny, overrides: {num_layers: four}}\n",
-                                  "invalid model: model num_layers='four' must be a whole number >= 1"),
+                                  "invalid model: model num_layers='four' must be a whole number from 1 to 2,147,483,648"),
     "model field out of range": (b"name: x\nmodel: {preset: llama-tiny, overrides: {num_attention_heads: 0}}\n",
-                                 "invalid model: model num_attention_heads=0 must be a whole number >= 1"),
+                                 "invalid model: model num_attention_heads=0 must be a whole number from 1"),
+    "model size too large": (b"name: x\nmodel: {preset: llama-tiny, overrides: {vocab_size: 1" + b"0" * 400 + b"}}\n",
+                             "invalid model: model vocab_size=1000"),
+    "unknown architecture": (b"name: x\nmodel: {preset: llama-tiny, overrides: {architecture: nope}}\n",
+                             "invalid model: model architecture='nope' must be one of "),
+    "optional size of wrong type": (b"name: x\nmodel: {preset: llama-tiny, overrides: {sliding_window: abc}}\n",
+                                    "invalid model: model sliding_window='abc' must be a whole number from 1"),
+    "clamp not a number": (b"name: x\nmodel: {preset: llama-tiny, overrides: {glu_clamp: .nan}}\n",
+                           "invalid model: model glu_clamp=nan must be a positive number"),
+    "window per layer": (b"name: x\nmodel: {preset: llama-tiny, overrides: {window_layers: [1, 0, 1, 0, 1]}}\n",
+                         "invalid model: model window_layers=[1, 0, 1, 0, 1] must be null or one 0 or 1 per layer"),
 }
 
 
@@ -247,6 +257,17 @@ def test_read_only_run_root_is_one_line(tmp_path: Path) -> None:
                   "Read-only file system")
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_paths_pathlib_cannot_resolve_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A symlink loop and `~user` for an unknown user: pathlib raises RuntimeError, not OSError."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    one_error(run_main("status", "--runs", tmp_path / "a"), "Symlink loop from", str(tmp_path / "a"))
+    one_error(run_main("launch", "--resume", tmp_path / "a"), "Symlink loop from")
+    monkeypatch.setenv("MCOREKIT_RUN_ROOT", "~no-such-user-here/runs")
+    one_error(run_main("launch", "--config", TINY, "--dry-run"),
+              "a path starts with ~ and a user name this machine does not know")
 
 
 # ---------------------------------------------------------------- invalid value accepted: numeric options

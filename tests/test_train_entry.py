@@ -43,6 +43,30 @@ def test_no_gpu_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
     assert sorted(p.name for p in TINY.parent.iterdir()) == before and not (tmp_path / "root").exists()
 
 
+@pytest.mark.parametrize("case", ["rank variable not a number", "config name too long", "run dir under a file"])
+def test_bad_environment_and_paths_are_one_line(tmp_path: Path, case: str) -> None:
+    """Errors the OS raises (a file name too long, a file where the run folder goes) and rank variables that are not
+    numbers: one line, exit 2. The last case reaches the run folder, which comes after the GPU check: the GPU is
+    faked (torch.cuda.is_available patched in the child; nothing runs on it)."""
+    env = {**os.environ, "MCOREKIT_RUN_ROOT": str(tmp_path / "root"), "CUDA_VISIBLE_DEVICES": ""}
+    args, needle = ["--config", str(TINY)], ""
+    if case == "rank variable not a number":
+        env.update(RANK="0", WORLD_SIZE="two")
+        needle = "environment variable WORLD_SIZE='two' is not a whole number"
+    elif case == "config name too long":
+        args, needle = ["--config", str(tmp_path / ("x" * 5000))], "File name too long"
+    else:
+        (tmp_path / "file").write_text("")
+        args, needle = [*args, "--run-dir", str(tmp_path / "file" / "run")], "Not a directory"
+    code = ("import sys, torch; torch.cuda.is_available = lambda: True\n"
+            "from mcorekit.train.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("mcorekit.train: error: ") and needle in lines[0], lines[0]
+
+
 def test_a_finished_run_runs_the_exit_handlers_then_leaves_at_once(tmp_path: Path) -> None:
     """shut_down then leave, as `python -m mcorekit.train` ends a run, on a one-rank gloo group (the GPU run's NCCL
     group cannot start here). The child process stands in for torch's compile workers: it inherited our stdout and

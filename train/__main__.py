@@ -13,7 +13,8 @@ import threading
 from pathlib import Path
 
 from mcorekit import quiet
-from mcorekit.errors import MCoreKitError
+from mcorekit.errors import MCoreKitError, one_line
+from mcorekit.options import positive_float
 from mcorekit.config.experiment import Experiment, load_experiment
 from mcorekit.runtime.env import prepare_training_process
 from mcorekit.train.shutdown import exit_with, shut_down
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="experiment YAML")
     p.add_argument("--run-dir", default=None, help="where metrics and (by default) checkpoints go (default: the "
                    "config's run folder if `mcorekit launch` wrote it, else <run root>/<name>-local)")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU peak for MFU (H100/H200 bf16: 989)")
+    p.add_argument("--peak-tflops", type=positive_float, default=989.0, help="per-GPU peak for MFU (H100/H200 bf16: 989)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     prepare_training_process()  # before torch and Megatron-Core are imported (see there)
@@ -55,9 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         exp = load_experiment(a.config, a.overrides)
         check_layout(exp)
-    except MCoreKitError as e:  # a bad config: one line that says what to change, before any GPU work
-        print(f"mcorekit.train: error: {e}", file=sys.stderr)
-        return 2
+    except (MCoreKitError, OSError, RuntimeError) as e:  # a bad config, before any GPU work
+        return _error(e)
     import torch
 
     if not torch.cuda.is_available():
@@ -69,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # beside the imports below, not after them (the thread imports nothing: torch is in already)
     threading.Thread(target=_init_cuda, args=(from_environ().local_rank,), daemon=True).start()
-    run_dir = Path(a.run_dir) if a.run_dir else default_run_dir(Path(a.config), exp.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir = Path(a.run_dir) if a.run_dir else default_run_dir(Path(a.config), exp.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (OSError, RuntimeError) as e:  # a file where the folder goes, a read-only disk, a symlink loop
+        return _error(e)
     from mcorekit.train.loop import train
     from mcorekit.train.metrics import startup
 
@@ -78,10 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(exp, run_dir, a.peak_tflops)
     except MCoreKitError as e:  # found while building (layout vs ranks, backend, FP8 vs GPU): still one line
-        print(f"mcorekit.train: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     shut_down()
     return 0
+
+
+def _error(e: BaseException) -> int:
+    """One line and exit code 2 for bad input (mcorekit.errors.one_line); anything else is a bug: re-raised."""
+    if (line := one_line(e)) is None:
+        raise e
+    print(f"mcorekit.train: error: {line}", file=sys.stderr)
+    return 2
 
 
 def _init_cuda(local_rank: int) -> None:
