@@ -15,11 +15,14 @@ from typing import Any
 from safetensors import SafetensorError
 
 from mcorekit.convert.hf_io import HFReader
-from mcorekit.convert.pipeline import Summary, find_iteration_dir, hf_config_for, mcore_to_hf, spec_for
+from mcorekit.convert.pipeline import (Summary, find_iteration_dir, hf_config_for, mcore_to_hf, plan_from_hf, spec_for,
+                                       with_hf_mtp)
 from mcorekit.errors import ExportError, OutputError
 from mcorekit.export import fp8, targets
 from mcorekit.models import dtypes, registry
+from mcorekit.models.mapping import Ctx
 from mcorekit.models.parallel import Layout
+from mcorekit.models.spec import ModelSpec
 from mcorekit.outputs import check_output, staged_output
 
 # A Megatron source is converted to HF inside the staged output: same filesystem as OUT (never a small /tmp),
@@ -38,6 +41,13 @@ def megatron_config(src: Path, hf_config: str | None) -> tuple[dict[str, Any], P
     return config, tokenizer_dir
 
 
+def check_hf_weights(reader: HFReader, spec: ModelSpec) -> None:
+    """Every tensor of an HF source against its config, from the shard headers (names, shapes, dtypes, nothing
+    unmapped): what hf-to-mcore checks before it writes. The vocabulary padding does not matter here."""
+    spec = with_hf_mtp(reader, spec)
+    plan_from_hf(reader, spec, registry.weight_map(spec), Ctx(spec, spec.vocab_size), None)
+
+
 def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str = "bf16",
            use_fp8: bool = False, calib: str | None = None, hf_config: str | None = None, force: bool = False,
            quiet: bool = False) -> Summary:
@@ -46,12 +56,17 @@ def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int =
     writer = targets.writer(target)  # an unknown target is an ExportError naming the known ones
     if dtype not in dtypes.NAMES:
         raise ExportError(f"unknown dtype {dtype!r}; use one of {', '.join(dtypes.NAMES)}")
-    inputs = [Path(p) for p in (src, hf_config, calib) if p]
-    check_output(out, inputs, force)  # before a long conversion, not after it
+    if calib and not use_fp8:
+        raise ExportError("--calib is the FP8 calibration data: add --fp8, or drop --calib for a bf16/fp16 export")
     megatron = not is_hf_dir(src)
     reader = None if megatron else HFReader(src)
     config, tokenizer_dir = megatron_config(src, hf_config) if megatron else (reader.config, src)
+    # every folder read, the one the HF config and tokenizer come from included: --force must not replace it
+    inputs = [Path(p) for p in (src, hf_config, calib, tokenizer_dir) if p]
+    check_output(out, inputs, force)  # before a long conversion, not after it
     spec = spec_for(config)
+    if reader is not None:  # an HF source is checked as hf-to-mcore checks it (a Megatron one is, by mcore_to_hf)
+        check_hf_weights(reader, spec)
     layout = Layout(tp=tp, pp=pp, ep=ep)
     targets.check_layout(spec, layout)  # every target: TensorRT-LLM splits the model the same way
     if hasattr(writer, "check"):

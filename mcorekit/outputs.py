@@ -89,11 +89,20 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale(out: Path) -> None:
-    """Remove `.OUT.partial-PID` / `.OUT.old-PID` siblings left by killed runs (their process no longer exists)."""
-    for leftover in out.parent.glob(f".{out.name}.*-*"):
+def remove_stale(out: Path, inputs: Iterable[Path] = ()) -> None:
+    """Clear what killed runs left beside `out` (their process no longer exists): `.OUT.partial-PID`, and
+    `.OUT.old-PID`, the previous output moved aside just before the new one took its place. A kill between those two
+    renames leaves no `out`: the old output is moved back instead, so nothing complete is lost. An input that happens
+    to have such a name is left alone."""
+    for leftover in sorted(out.parent.glob(f".{out.name}.*-*")):
         kind, _, pid = leftover.name[len(out.name) + 2:].rpartition("-")
-        if kind in ("partial", "old") and pid.isdigit() and not pid_alive(int(pid)):
+        if kind not in ("partial", "old") or not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        if any(overlaps(leftover, Path(src)) for src in inputs if src is not None):
+            continue
+        if kind == "old" and not out.exists() and (leftover / MARKER).is_file():
+            leftover.rename(out)
+        else:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
@@ -101,12 +110,14 @@ def remove_stale(out: Path) -> None:
 def staged_output(out: Path, force: bool, inputs: Iterable[Path] = (), command: str = "mcorekit") -> Iterator[Path]:
     """Yield a temporary sibling of `out`; it becomes `out` (with the marker) only if the body finishes.
     On any error the temporary folder is removed and `out` is left as it was."""
+    inputs = list(inputs)
     out = check_output(out, inputs, force)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"cannot create {out.parent}: {e.strerror}") from None
-    remove_stale(out)
+    remove_stale(out, inputs)
+    check_output(out, inputs, force)  # again: remove_stale may have moved an earlier output back into place
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -247,6 +247,28 @@ def test_export_force_replaces_only_an_earlier_export(hf: Path, tmp_path: Path) 
     assert (out / MARKER).is_file() and leftovers(tmp_path) == []
 
 
+def test_export_force_never_replaces_the_folder_its_hf_config_comes_from(hf: Path, tmp_path: Path) -> None:
+    """A Megatron checkpoint without hf/ takes its config and tokenizer from the hf/ beside it: that folder is an
+    input too, and OUT naming it is refused even with --force (it was replaced)."""
+    ckpt = tmp_path / "run" / "ckpt"
+    rc, err = run("convert", "hf-to-mcore", hf, ckpt, "--quiet")
+    assert rc == 0, err
+    shutil.rmtree(ckpt / "hf", ignore_errors=True)
+    shutil.copytree(hf, tmp_path / "run" / "hf")
+    (tmp_path / "run" / "hf" / "my_notes.txt").write_text("mine")
+    before = fingerprint(tmp_path / "run" / "hf")
+    rc, err = run("export", "trtllm", ckpt, tmp_path / "run" / "hf", "--target", "pytorch", "--force", "--quiet")
+    assert_error(rc, err, "overlaps the input")
+    assert fingerprint(tmp_path / "run" / "hf") == before
+
+
+def test_export_calibration_data_without_fp8_is_refused(hf: Path, tmp_path: Path) -> None:
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text('{"input_ids": [1, 999]}\n')  # never read: refused before
+    rc, err = run("export", "trtllm", hf, tmp_path / "out", "--target", "pytorch", "--calib", calib, "--quiet")
+    assert_error(rc, err, "--calib is the FP8 calibration data: add --fp8", tmp_path / "out")
+
+
 # ---------------------------------------------------------------- export: malformed inputs, reads outside the model
 
 
@@ -263,6 +285,47 @@ def test_export_source_config_not_json(hf: Path, tmp_path: Path) -> None:
     rc, err = run("export", "trtllm", src, tmp_path / "out", "--target", "engine", "--quiet")
     assert_error(rc, err, "config.json", tmp_path / "out")
     assert fingerprint(src) == before
+
+
+def rewrite_tensor(src: Path, name: str, change: Callable[[dict], None]) -> None:
+    """Load the shard holding `name`, let `change` edit its tensors (dict), save it back."""
+    from safetensors.torch import load_file, save_file
+
+    shard = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    change(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("extra tensor", "have no Megatron counterpart"),
+    ("integer head", "lm_head.weight"),
+    ("transposed k_proj", "model.layers.0.self_attn.k_proj.weight"),
+    ("config with more layers", "num_hidden_layers"),
+])
+def test_export_from_hf_checks_the_weights_against_the_config(hf: Path, tmp_path: Path, damage: str,
+                                                              needle: str) -> None:
+    """An HF source is checked as hf-to-mcore checks it: these were exported (exit 0: the extra tensor copied, the
+    integer head kept or cast, the config's layer count written out) or failed with a traceback (the engine
+    target's concatenation of a transposed k_proj)."""
+    import torch
+
+    src = broken_copy(hf, tmp_path)
+    if damage == "extra tensor":
+        rewrite_tensor(src, "model.norm.weight", lambda t: t.update({"model.layers.0.foo.weight": torch.ones(4)}))
+    elif damage == "integer head":
+        rewrite_tensor(src, "lm_head.weight", lambda t: t.update({"lm_head.weight": t["lm_head.weight"].to(torch.int16)}))
+    elif damage == "transposed k_proj":
+        key = "model.layers.0.self_attn.k_proj.weight"
+        rewrite_tensor(src, key, lambda t: t.update({key: t[key].t().contiguous()}))
+    else:
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 8}))
+    before = fingerprint(src)
+    for target in ("pytorch", "engine"):
+        rc, err = run("export", "trtllm", src, tmp_path / target, "--target", target, "--quiet")
+        assert_error(rc, err, needle, tmp_path / target)
+    assert fingerprint(src) == before and leftovers(tmp_path) == []
 
 
 @pytest.mark.parametrize("escape", ["relative", "absolute"])

@@ -1,0 +1,60 @@
+"""mcorekit/outputs.py: what a command finds beside its output from killed runs. Real folders and a real process
+that has ended (its PID is the dead run's); no conversion runs here (tests/test_faults_convert.py kills real ones)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mcorekit.errors import OutputError
+from mcorekit.outputs import MARKER, staged_output
+
+
+@pytest.fixture(scope="module")
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def folder(path: Path, text: str, marker: bool) -> Path:
+    path.mkdir()
+    (path / "data.txt").write_text(text)
+    if marker:
+        (path / MARKER).write_text("mcorekit convert\n")
+    return path
+
+
+def contents(path: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("marker", [False, True])
+def test_an_input_named_like_a_killed_runs_leftover_is_never_removed(tmp_path: Path, dead_pid: int,
+                                                                     marker: bool) -> None:
+    """It was removed before the run started, without --force (an earlier output used as the input included)."""
+    src = folder(tmp_path / f".out.old-{dead_pid}", "the input", marker)
+    before = contents(src)
+    with staged_output(tmp_path / "out", False, inputs=[src]) as stage:
+        (stage / "data.txt").write_text(contents(src)["data.txt"] + ", converted")
+    assert contents(src) == before
+    assert (tmp_path / "out" / "data.txt").read_text() == "the input, converted"
+
+
+def test_a_kill_between_the_two_renames_loses_no_complete_output(tmp_path: Path, dead_pid: int) -> None:
+    """Killed after the old output was moved aside and before the new one took its place: no `out`, the old one as
+    `.out.old-PID`, the new one as `.out.partial-PID`. The next run puts the old one back, and replaces it only with
+    --force, as any existing output."""
+    out = tmp_path / "out"
+    folder(tmp_path / f".out.old-{dead_pid}", "previous", marker=True)
+    folder(tmp_path / f".out.partial-{dead_pid}", "half", marker=False)
+    with pytest.raises(OutputError, match="exists; pass --force"):
+        with staged_output(out, False):
+            pass
+    assert (out / "data.txt").read_text() == "previous" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with staged_output(out, True) as stage:
+        (stage / "data.txt").write_text("new")
+    assert (out / "data.txt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
