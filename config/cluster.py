@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from mcorekit.config.loading import load
-from mcorekit.config.values import ENV_KEY_RE, NAME_RE, Strict, no_control, parse_time_minutes
+from mcorekit.config.values import ENV_KEY_RE, NAME_RE, Strict, no_control, slurm_time
 from mcorekit.errors import ConfigError
 
 PROFILES = Path(__file__).resolve().parent.parent / "slurm" / "clusters"  # mcorekit.slurm's data, next to this part
@@ -68,11 +68,10 @@ class ClusterProfile(Strict):
             raise ValueError(f"{v!r} must be letters, digits, '.', '_' or '-'")
         return v
 
-    @field_validator("time_limit")
+    @field_validator("time_limit", mode="before")
     @classmethod
-    def _time(cls, v: str) -> str:
-        parse_time_minutes(v)
-        return v
+    def _time(cls, v: object) -> object:
+        return slurm_time(v)
 
     @field_validator("env")
     @classmethod

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from mcorekit.config.loading import load
-from mcorekit.config.values import NAME_RE, Strict, no_control, parse_time_minutes
+from mcorekit.config.values import NAME_RE, Strict, no_control, slurm_time
 from mcorekit.models.parallel import Layout
 
 
@@ -235,12 +235,10 @@ class ResourcesConfig(Strict):
     exclusive: bool | None = None  # default: the profile's choice
     max_restarts: int = Field(5, ge=0)
 
-    @field_validator("time")
+    @field_validator("time", mode="before")
     @classmethod
-    def _time(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_time_minutes(v)
-        return v
+    def _time(cls, v: object) -> object:
+        return slurm_time(v)
 
 
 class Experiment(Strict):

@@ -5,6 +5,7 @@ a run folder keeps."""
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -111,11 +112,34 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return " ".join(str(e).split())
 
 
+_SAFE_LOADER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
+
+
+class _Loader(_SAFE_LOADER):  # type: ignore[misc,valid-type]
+    """yaml.safe_load's loader with YAML 1.2's core types for plain scalars, what people and most tools expect:
+    true/false are the booleans (yes, no, on, off stay text), no base-60 numbers (1:00:00 stays the Slurm time it was
+    written as, not 3600), no leading-zero octals, 1e-4 is a number, dates stay text."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag.rsplit(":", 1)[-1] not in ("bool", "int", "float", "timestamp")]
+    for first, resolvers in _SAFE_LOADER.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?(?:0|[1-9][0-9]*)|0x[0-9a-fA-F]+)$"),
+                              list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
 def parse_yaml(text: str, source: str) -> Any:
     """yaml.safe_load with the limits above; `source` names the text in messages. Invalid YAML -> ConfigError."""
     if len(text) > MAX_YAML_BYTES:
         raise YamlLimitError(f"{source}: {len(text):,} characters; YAML above {MAX_YAML_BYTES:,} is refused")
-    loader = yaml.CSafeLoader(text) if yaml.__with_libyaml__ else yaml.SafeLoader(text)
+    loader = _Loader(text)
     try:
         node = loader.get_single_node()
         if node is None:

@@ -35,6 +35,16 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+def slurm_time(value: object) -> object:
+    """A time field's value as Slurm reads it: a whole number is minutes (`time: 90`), text is checked here; any
+    other type is left to the schema's own message."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str):
+        parse_time_minutes(value)
+    return value
+
+
 def parse_time_minutes(value: str) -> int:
     """Slurm time (MM, HH:MM:SS, D-HH:MM:SS, D-HH) -> whole minutes, rounded up."""
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", str(value).strip())

@@ -79,6 +79,20 @@ def test_time_parsing(value: str, minutes: int) -> None:
     assert parse_time_minutes(value) == minutes
 
 
+def test_yaml_scalars_read_as_yaml_1_2_core(tmp_path: Path) -> None:
+    """PyYAML's YAML 1.1 read `1:00:00` as 3600 (a refused time), `yes` as True, `1e-4` as text and dates as dates;
+    the loader reads them as written."""
+    from mcorekit.config.loading import parse_yaml
+
+    doc = "a: 1:00:00\nb: yes\nc: off\nd: 1e-4\ne: 2026-12-04\nf: 017\ng: true\nh: .5\ni: 0x10\nj: .inf\n"
+    assert parse_yaml(doc, "t") == {"a": "1:00:00", "b": "yes", "c": "off", "d": 1e-4, "e": "2026-12-04", "f": "017",
+                                    "g": True, "h": 0.5, "i": 16, "j": float("inf")}
+    exp = load_experiment(write(tmp_path, TINY.read_text().replace('time: "00:20:00"', "time: 1:00:00")), ["name=yes"])
+    assert exp.resources.time == "1:00:00" and exp.name == "yes"
+    assert load_experiment(TINY, ["resources.time=90"]).resources.time == "90"  # Slurm's minutes
+    assert load_profile("local", ["time_limit=2:00:00"]).time_limit == "2:00:00"
+
+
 def test_model_from_hf_config_and_presets(tmp_path: Path) -> None:
     qwen3 = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128, "vocab_size": 100,
