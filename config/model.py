@@ -54,6 +54,8 @@ def resolve_model(preset: str | None, hf_config: str | None, overrides: dict[str
         raise ModelError(f"{where}: not UTF-8 text; name an HF model directory or its config.json") from None
     except json.JSONDecodeError as e:
         raise ModelError(f"{where}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise ModelError(f"{where}: not valid JSON (nested too deeply)") from None
     except KeyError as e:
         raise ModelError(f"{where}: has no {e.args[0]!r}, which the model needs") from None
     except (AttributeError, TypeError, ValueError, ZeroDivisionError) as e:

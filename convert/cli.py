@@ -27,7 +27,7 @@ FORMATS = {"torch_dist": "Megatron-Core's distributed format, loads at any layou
 
 
 def _hf_to_mcore(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mcorekit convert hf-to-mcore", formatter_class=HelpFormatter,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="mcorekit convert hf-to-mcore", formatter_class=HelpFormatter,
                                 description="HF safetensors -> Megatron-Core checkpoint (torch_dist: any layout loads it; "
                                 "torch: Megatron-LM's per-rank files for the layout given). Streams one tensor at a time.")
     p.add_argument("hf_dir", help="HF model directory (config.json and safetensors)")
@@ -69,7 +69,7 @@ def _hf_to_mcore(argv: list[str]) -> int:
 
 
 def _mcore_to_hf(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mcorekit convert mcore-to-hf", formatter_class=HelpFormatter,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="mcorekit convert mcore-to-hf", formatter_class=HelpFormatter,
                                 description="Megatron-Core checkpoint (torch_dist or legacy torch) -> HF safetensors with "
                                 "index, config and tokenizer files. Vocabulary padding is removed.")
     p.add_argument("ckpt_dir", help="checkpoint root (with latest_checkpointed_iteration.txt) or an iteration directory")
@@ -114,7 +114,7 @@ def _mcore_to_hf(argv: list[str]) -> int:
 
 
 def _verify(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mcorekit convert verify", formatter_class=HelpFormatter,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="mcorekit convert verify", formatter_class=HelpFormatter,
                                 description="Bitwise comparison of two HF checkpoints (exit 1 on any difference), or with "
                                 "--logits, HF vs Megatron logits on a GPU (exit 1 below cosine 0.9999 or top-1 100%).")
     p.add_argument("a", help="HF checkpoint (reference)")

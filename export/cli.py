@@ -19,7 +19,7 @@ from mcorekit.options import positive_int
 
 
 def _trtllm(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mcorekit export trtllm", formatter_class=HelpFormatter,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="mcorekit export trtllm", formatter_class=HelpFormatter,
                                 description=(
         "SRC is an HF directory or a Megatron checkpoint (converted through convert/ first). "
         + " ".join(f"Target {t.name}: {t.description}." for t in targets.TARGETS.values())))
@@ -53,7 +53,7 @@ def _trtllm(argv: list[str]) -> int:
 def _engine(argv: list[str]) -> int:
     from mcorekit.export.build import BuildOptions, build
 
-    p = argparse.ArgumentParser(prog="mcorekit export engine", formatter_class=HelpFormatter,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="mcorekit export engine", formatter_class=HelpFormatter,
                                 description=(
         "Build TensorRT engines from a rank-file checkpoint with trtllm-build (TensorRT-LLM <= 1.2 must be installed)."))
     p.add_argument("checkpoint", help="rank-file checkpoint written by `mcorekit export trtllm --target engine`")

@@ -32,8 +32,13 @@ def _run(cmd: list[str]) -> str:
         raise LaunchError(f"`{cmd[0]}` not found: run on a Slurm login node, or `make cluster-up` for the dev cluster")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise LaunchError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+        raise LaunchError(f"`{' '.join(cmd)}` failed: {_one_line(proc)}")
     return proc.stdout
+
+
+def _one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """What a Slurm command printed when it failed, as one line (sacct and squeue print several)."""
+    return " ".join((proc.stderr.strip() or proc.stdout.strip()).split())
 
 
 def sacct(job_ids: list[str]) -> dict[str, JobRecord]:
@@ -92,8 +97,10 @@ def _squeue_one(job_id: str) -> JobRecord | None:
     if shutil.which("squeue") is None:
         raise LaunchError("`squeue` not found: run on a Slurm login node, or `make cluster-up` for the dev cluster")
     proc = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%j|%T|%M"], capture_output=True, text=True)
-    if proc.returncode != 0:  # "Invalid job id specified"
-        return None
+    if proc.returncode != 0:
+        if "invalid job id" in proc.stderr.lower():  # an id the controller does not know (any more)
+            return None
+        raise LaunchError(f"`squeue` failed: {_one_line(proc)}; is the Slurm controller up (`sinfo`)?")
     for line in proc.stdout.splitlines():
         jid, name, state, elapsed = (line.split("|") + [""] * 4)[:4]
         if jid == job_id or in_array_range(job_id, jid):

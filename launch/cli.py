@@ -43,7 +43,7 @@ def _warn(p: api.Prepared) -> None:
 
 
 def main_train(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(allow_abbrev=False,
         prog="mcorekit launch",
         description="Validate an experiment (layout vs nodes x GPUs, divisibility, memory) and submit it as a Slurm "
         "job that requeues itself on time limit or preemption. Subcommands: sweep, chain, plan, smoke "
@@ -98,7 +98,7 @@ def _resume(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def main_sweep(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mcorekit launch sweep",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="mcorekit launch sweep",
                                      description="A grid over config keys, submitted as one Slurm job array.")
     _experiment_args(parser)
     _common(parser)
@@ -165,7 +165,7 @@ def _chain_stages(p: api.Prepared, args: argparse.Namespace, ckpt: str) -> list[
 
 
 def main_chain(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mcorekit launch chain",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="mcorekit launch chain",
                                      description="Submit train -> convert (to HF) -> export (TensorRT-LLM) as dependent jobs "
                                      "(afterok, --kill-on-invalid-dep=yes).")
     _experiment_args(parser)
@@ -200,7 +200,7 @@ def main_plan(argv: list[str]) -> int:
 
 
 def main_smoke(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(allow_abbrev=False,
         prog="mcorekit launch smoke",
         description="Run a one-minute job that forms a torch.distributed group over all tasks and all-reduces; "
         "proves a cluster profile end to end before spending GPU hours.",

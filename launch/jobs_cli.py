@@ -24,9 +24,9 @@ from mcorekit.launch import accounting, diagnose
 from mcorekit.options import count, index, positive_float
 from mcorekit.launch.submit import REGISTRY
 
-JOB_ID_RE = re.compile(r"(\d+)(?:_(\d+))?")  # a job or one array task, as the registry and logs name them
+JOB_ID_RE = re.compile(r"(\d+)(?:_(\d+))?", re.ASCII)  # a job or one array task, as the registry and logs name them
 # what `mcorekit cancel` takes per comma-separated item: JOB, JOB_N or JOB_[a-b,c,...]
-CANCEL_ID_RE = re.compile(r"(\d+)(?:_(\d+)|_\[(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)\])?")
+CANCEL_ID_RE = re.compile(r"(\d+)(?:_(\d+)|_\[(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)\])?", re.ASCII)
 MAX_CANCEL_TASKS = 100_000  # an array range larger than any array we submit (sweeps stop at 1000 points)
 POLL_S = 1.0
 UNKNOWN_GRACE_S = 2.0  # how long a job Slurm does not know may be an accounting lag, not a wrong id
@@ -377,7 +377,7 @@ def cancel(args: argparse.Namespace) -> int:
 
 
 def main(command: str, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=f"mcorekit {command}", description={
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog=f"mcorekit {command}", description={
         "status": "Table of this project's jobs: state, elapsed, restarts, last logged step, and a diagnosis for failures.",
         "logs": "Print a job's log for one rank (task). --follow streams it until the job ends, then exits 0 if the "
                 "job COMPLETED and 1 otherwise; it stops with an error if Slurm knows no such job or task, or if no "

@@ -211,7 +211,7 @@ def main(argv: list[str]) -> int:
     from mcorekit.config.cluster import load_profile
     from mcorekit.options import count, index, positive_float
 
-    parser = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(allow_abbrev=False,
         prog="mcorekit launch plan",
         description="Propose TP/PP/EP layouts (with the distributed optimizer, or Megatron-FSDP where that fits with "
         "fewer model-parallel ranks) that are valid for the model and fit in GPU memory, by the launcher's estimate.")

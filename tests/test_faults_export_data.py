@@ -458,6 +458,7 @@ def test_preprocess_bad_option_values(tok: Path, tmp_path: Path, args: list[str]
     (b'{"text": "hello"}\n\xff\xfe\x00binary\n', "in.jsonl:2: not UTF-8"),  # was UnicodeDecodeError
     ('{"text": "hello"}\n{"body": "no text key"}\n', "in.jsonl:2: not a JSON object with a 'text' string"),
     ('{"text": "hello"}\n"just a string"\n', "in.jsonl:2: expected a JSON object"),
+    ('{"text": "a pair \\ud83d\\ude00"}\n{"text": "hello \\ud800 world"}\n', "in.jsonl:2: holds a lone UTF-16 surrogate"),
     ('{"text": "hello"}\n[1, 2]\n', "in.jsonl:2: expected a JSON object"),
     ('{"text": "hello"\n', "in.jsonl:1: not valid JSON"),
     ('{"text": "hello"}\n\n\n{"text": 7}\n', "in.jsonl:4: field 'text' is int"),  # blank lines keep numbering exact
@@ -520,6 +521,13 @@ def test_no_reader_runs_a_tokenizer_folders_own_code(tok: Path, tmp_path: Path, 
         with pytest.raises(ConfigError if reader == "train data" else ExportError, match="custom code"):
             load_tokenizer(str(evil)) if reader == "train data" else _tokenizer(evil)
     assert not marker.exists()
+
+
+def test_preprocess_input_that_cannot_be_read_is_named(tok: Path, tmp_path: Path) -> None:
+    """/proc/self/mem opens but fails the first read (EIO), with no file name on the error: it was reported as the
+    output's ("cannot write p.{bin,idx,json}")."""
+    rc, err = run(*preprocess_args([Path("/proc/self/mem")], tok, tmp_path / "p"))
+    assert_error(rc, err, "/proc/self/mem: cannot read line 1: Input/output error", tmp_path / "p.bin")
 
 
 def test_preprocess_refuses_a_line_over_the_limit_before_reading_it(tok: Path, tmp_path: Path) -> None:

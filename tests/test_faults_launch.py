@@ -190,6 +190,7 @@ def test_malformed_experiment_is_one_line_naming_the_file(tmp_path: Path, case: 
     (b"[1, 2]", "not an HF model config of the expected shape"),
     (b'{"model_type": "llama", "hidden_size": 64}', "has no 'num_attention_heads'"),
     (b"\xff\xfe\x00binary", "not UTF-8 text"),
+    (b"[" * 100_000, "not valid JSON (nested too deeply)"),
 ])
 def test_broken_hf_config_is_one_line_naming_it(tmp_path: Path, config_json: bytes, expected: str) -> None:
     hf = tmp_path / "hf"
@@ -270,6 +271,20 @@ def test_paths_pathlib_cannot_resolve_are_one_line(tmp_path: Path, monkeypatch: 
               "a path starts with ~ and a user name this machine does not know")
 
 
+@pytest.mark.parametrize("argv,error", [
+    (["launch", "--resume", "RUN", "--clu", "example-h100", "--dry-run"], "unrecognized arguments: --clu"),  # was ignored
+    (["launch", "plan", "--mod", "llama-tiny", "--gpus", "8"], "the following arguments are required: --model"),
+    (["convert", "hf-to-mcore", "HF", "OUT", "--form", "torch"], "unrecognized arguments: --form torch"),
+    (["data", "preprocess", "in.jsonl", "--tok", "TOK", "--output-prefix", "p"],
+     "the following arguments are required: --tokenizer"),
+])
+def test_abbreviated_options_are_refused(tmp_path: Path, argv: list[str], error: str) -> None:
+    """Every parser takes options only as spelled (argparse's allow_abbrev off): a prefix is not silently taken for
+    an option, and adding an option never changes what an existing command line means."""
+    r = run_main(*[str(tmp_path / a) if a in ("RUN", "HF", "OUT") else a for a in argv])
+    assert r.code == 2 and "Traceback" not in r.err and r.err.splitlines()[-1].endswith(error), r.err
+
+
 # ---------------------------------------------------------------- invalid value accepted: numeric options
 
 LAUNCH = ["launch", "--config", str(TINY), "--dry-run"]
@@ -344,7 +359,7 @@ def test_a_torn_registry_line_is_skipped_and_never_swallows_the_next_entry(tmp_p
 def test_cancel_id_lists_are_parsed_whole(tmp_path: Path) -> None:
     assert jobs_cli.parse_cancel_ids("12_0,13,14_[1-3,5]") == [("12_0", 12, [0]), ("13", 13, None),
                                                                ("14_[1-3,5]", 14, [1, 2, 3, 5])]
-    for bad in ("12;rm", "12_", "12_[3-1]", "12_[0-99999999]", "-5", "12,,13"):
+    for bad in ("12;rm", "12_", "12_[3-1]", "12_[0-99999999]", "-5", "12,,13", "\u0661\u0662"):  # Arabic-Indic 12
         with pytest.raises(LaunchError, match="nothing was cancelled"):
             jobs_cli.parse_cancel_ids(bad)
     write(tmp_path / REGISTRY, '{"job_id": "12_0", "name": "a", "run_dir": "/r"}\n')
@@ -352,6 +367,22 @@ def test_cancel_id_lists_are_parsed_whole(tmp_path: Path) -> None:
     one_error(run_main("cancel", "--runs", tmp_path, "12_0,12;touch x"), "'12;touch x' is not a job id", "nothing was cancelled")
     one_error(run_main("cancel", "--runs", tmp_path, "12_0,999"), "not this project's job: 999", "nothing was cancelled")
     assert snapshot(tmp_path) == before
+
+
+def test_job_ids_are_ascii_digits(tmp_path: Path) -> None:
+    """Python's \\d matches any script's digits: `logs \u0661\u0662\u0663` showed job 123's log."""
+    write(tmp_path / REGISTRY, '{"job_id": "123", "name": "a", "run_dir": "/r"}\n')
+    r = run_main("logs", "--runs", tmp_path, "\u0661\u0662\u0663")
+    assert r.code == 2 and "Traceback" not in r.err and "argument job" in r.err.splitlines()[-1], r.err
+
+
+def test_a_failing_slurm_command_is_reported_in_one_line() -> None:
+    """sacct and squeue print several lines when the controller or slurmdbd is down; the error is one line."""
+    from mcorekit.launch.accounting import _run
+
+    with pytest.raises(LaunchError) as e:
+        _run(["sh", "-c", "echo 'sacct: error: Problem talking to the database' >&2; echo 'second line' >&2; exit 1"])
+    assert str(e.value).endswith("failed: sacct: error: Problem talking to the database second line"), str(e.value)
 
 
 # ---------------------------------------------------------------- on the dev cluster

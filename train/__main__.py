@@ -44,7 +44,7 @@ def check_layout(exp: Experiment) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mcorekit.train", description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m mcorekit.train", description=__doc__)
     p.add_argument("--config", required=True, help="experiment YAML")
     p.add_argument("--run-dir", default=None, help="where metrics and (by default) checkpoints go (default: the "
                    "config's run folder if `mcorekit launch` wrote it, else <run root>/<name>-local)")

@@ -16,7 +16,7 @@ from mcorekit.options import positive_int
 def _preprocess(argv: list[str]) -> int:
     from mcorekit.train.data.preprocess import MAX_LINE_MB, preprocess
 
-    p = argparse.ArgumentParser(prog="mcorekit data preprocess", formatter_class=HelpFormatter,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="mcorekit data preprocess", formatter_class=HelpFormatter,
                                 description="jsonl (one document per line) -> Megatron .bin/.idx with an end-of-document "
                                 "token after each document, tokenized on all cores. Use the prefix in data.paths.")
     p.add_argument("inputs", nargs="+", help="jsonl files, one document per line")

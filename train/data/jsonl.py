@@ -16,7 +16,16 @@ def raw_lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes]]:
     """(line number, bytes) of every line, blank ones included; a line longer than the limit is refused before
     it is read whole."""
     with open(path, "rb") as f:
-        for n, line in enumerate(iter(lambda: f.readline(max_line_bytes + 1), b""), start=1):
+        lines = iter(lambda: f.readline(max_line_bytes + 1), b"")
+        n = 0
+        while True:
+            try:
+                line = next(lines)
+            except StopIteration:
+                return
+            except OSError as e:  # a read that fails has no file name of its own: name the input
+                raise ConfigError(f"{path}: cannot read line {n + 1}: {e.strerror or e}") from None
+            n += 1
             if len(line) > max_line_bytes:
                 raise ConfigError(f"{path}:{n}: line longer than {max_line_bytes / 1024**2:g} MB; split the "
                                   f"document or raise the limit (--max-line-mb)")
@@ -39,6 +48,12 @@ def json_object(raw: bytes, where: str) -> dict[str, Any] | None:
         raise ConfigError(f"{where}: not valid JSON (nested too deeply)") from None
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: expected a JSON object, got a JSON {_json_type(record)}")
+    if "\\ud" in line or "\\uD" in line:  # a \uD800-\uDFFF escape: a pair is one character, a lone one is no text
+        try:
+            json.dumps(record, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{where}: holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF without its pair), "
+                              "which is not text; fix or drop the line") from None
     return record
 
 
