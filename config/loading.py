@@ -86,6 +86,8 @@ def _check_yaml_graph(root: yaml.Node, source: str) -> None:
         if child is None:
             stack.pop()
             on_path.discard(id(node))
+            if isinstance(node, yaml.MappingNode):
+                _no_repeated_keys(node, source)
             values[id(node)] = 1 + sum(values[id(c)] for c in _yaml_children(node))
             if values[id(node)] > MAX_YAML_VALUES:
                 raise YamlLimitError(f"{source}: holds more than {MAX_YAML_VALUES:,} values once its aliases (*name) are "
@@ -102,6 +104,18 @@ def _check_yaml_graph(root: yaml.Node, source: str) -> None:
             raise YamlLimitError(f"{source}: nested more than {MAX_YAML_DEPTH} levels deep")
         on_path.add(id(child))
         stack.append((child, iter(_yaml_children(child))))
+
+
+def _no_repeated_keys(node: yaml.MappingNode, source: str) -> None:
+    """PyYAML keeps the last of two equal keys without a word; a key written twice is an edit gone wrong."""
+    seen: dict[str, int] = {}
+    for key, _ in node.value:
+        if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+            line = key.start_mark.line + 1
+            if key.value in seen:
+                raise ConfigError(f"{source}: key {key.value!r} is given twice (lines {seen[key.value]} and {line}); "
+                                  f"keep one")
+            seen[key.value] = line
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

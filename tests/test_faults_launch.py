@@ -154,6 +154,8 @@ BAD_EXPERIMENTS = {
     "binary": (bytes(range(256)) * 8, "contains NUL bytes, so it is not a text file"),
     "not UTF-8": ("name: caf\u00e9\n".encode("latin-1"), "not UTF-8 text (byte 9)"),
     "unknown key": (b"name: x\nmodel: {preset: llama-tiny}\nschedul: {}\n", "unknown key 'schedul'; did you mean 'schedule'?"),
+    "key given twice": (b"name: x\nmodel: {preset: llama-tiny}\nparallel:\n  tp: 2\n  tp: 1\n",
+                        "key 'tp' is given twice (lines 4 and 5); keep one"),
     "section of wrong type": (b"name: x\nmodel: {preset: llama-tiny}\nschedule: 5\n", "schedule: Input should be a valid dictionary"),
     "time not a Slurm time": (b"name: x\nmodel: {preset: llama-tiny}\nresources: {time: soon}\n", "resources.time: time 'soon' is not a Slurm time"),
     "beta out of range": (b"name: x\nmodel: {preset: llama-tiny}\noptimizer: {adam_beta1: 1.5}\n", "optimizer.adam_beta1: Input should be less than 1"),
