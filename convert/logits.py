@@ -60,7 +60,8 @@ def megatron_logits(hf_dir: str | Path, ckpt: str | Path, ids: torch.Tensor) -> 
 def hf_logits(hf_dir: str | Path, ids: torch.Tensor) -> torch.Tensor:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=False).cuda().eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=False)
+    model = model.cuda().eval()
     with torch.no_grad():
         return model(ids.cuda()).logits.float().cpu()
 

@@ -133,7 +133,8 @@ def calibrate(hf_dir: str | Path, samples: list[torch.Tensor]) -> dict[str, floa
     import transformers
 
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=False).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                                  trust_remote_code=False).eval()
     except Exception as e:  # noqa: BLE001  (transformers raises many types for a model it cannot load)
         raise ExportError(f"{hf_dir}: transformers cannot load the model for the calibration pass: {_first_line(e)}") from None
     amax: dict[str, float] = {}

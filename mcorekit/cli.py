@@ -36,7 +36,8 @@ def _parser(prog: str, description: str | None, commands: dict[str, str]) -> arg
     """A parser that only names the commands: each command parses its own options (imported only when run)."""
     listing = "\n".join(f"  {name:<14}{text}" for name, text in commands.items())
     p = argparse.ArgumentParser(allow_abbrev=False, prog=prog, description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=f"commands:\n{listing}\n\nRun `{prog} COMMAND --help` for each command's options.")
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"commands:\n{listing}\n\nRun `{prog} COMMAND --help` for each command's options.")
     p.add_argument("command", metavar="COMMAND", choices=list(commands), help="one of the commands below")
     return p
 

@@ -22,7 +22,8 @@ def int_at_least(low: int) -> Callable[[str], int]:
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         if value > MAX_INT:
-            raise argparse.ArgumentTypeError(f"must be <= {MAX_INT:,}, got {text[:20]}{'...' if len(text) > 20 else ''}")
+            shown = text if len(text) <= 20 else text[:20] + "..."
+            raise argparse.ArgumentTypeError(f"must be <= {MAX_INT:,}, got {shown}")
         return value
 
     return parse

@@ -314,7 +314,8 @@ def test_export_from_hf_checks_the_weights_against_the_config(hf: Path, tmp_path
     if damage == "extra tensor":
         rewrite_tensor(src, "model.norm.weight", lambda t: t.update({"model.layers.0.foo.weight": torch.ones(4)}))
     elif damage == "integer head":
-        rewrite_tensor(src, "lm_head.weight", lambda t: t.update({"lm_head.weight": t["lm_head.weight"].to(torch.int16)}))
+        head = "lm_head.weight"
+        rewrite_tensor(src, head, lambda t: t.update({head: t[head].to(torch.int16)}))
     elif damage == "transposed k_proj":
         key = "model.layers.0.self_attn.k_proj.weight"
         rewrite_tensor(src, key, lambda t: t.update({key: t[key].t().contiguous()}))
@@ -458,7 +459,8 @@ def test_preprocess_bad_option_values(tok: Path, tmp_path: Path, args: list[str]
     (b'{"text": "hello"}\n\xff\xfe\x00binary\n', "in.jsonl:2: not UTF-8"),  # was UnicodeDecodeError
     ('{"text": "hello"}\n{"body": "no text key"}\n', "in.jsonl:2: not a JSON object with a 'text' string"),
     ('{"text": "hello"}\n"just a string"\n', "in.jsonl:2: expected a JSON object"),
-    ('{"text": "a pair \\ud83d\\ude00"}\n{"text": "hello \\ud800 world"}\n', "in.jsonl:2: holds a lone UTF-16 surrogate"),
+    ('{"text": "a pair \\ud83d\\ude00"}\n{"text": "hello \\ud800 world"}\n',
+     "in.jsonl:2: holds a lone UTF-16 surrogate"),
     ('{"text": "hello"}\n[1, 2]\n', "in.jsonl:2: expected a JSON object"),
     ('{"text": "hello"\n', "in.jsonl:1: not valid JSON"),
     ('{"text": "hello"}\n\n\n{"text": 7}\n', "in.jsonl:4: field 'text' is int"),  # blank lines keep numbering exact

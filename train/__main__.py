@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="experiment YAML")
     p.add_argument("--run-dir", default=None, help="where metrics and (by default) checkpoints go (default: the "
                    "config's run folder if `mcorekit launch` wrote it, else <run root>/<name>-local)")
-    p.add_argument("--peak-tflops", type=positive_float, default=989.0, help="per-GPU peak for MFU (H100/H200 bf16: 989)")
+    p.add_argument("--peak-tflops", type=positive_float, default=989.0,
+                   help="per-GPU peak for MFU (H100/H200 bf16: 989)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     prepare_training_process()  # before torch and Megatron-Core are imported (see there)

@@ -12,8 +12,8 @@ frees what generation allocated and switches back. Three backends, one result:
            StaticInferenceContext: KV cache of this call's batch and length, prefill then one token per step), as
            StaticInferenceEngine(legacy=True) runs it. Needs no flash-attn.
   plain    a sampling loop over the training forward with no KV cache (each step recomputes the whole prefix),
-           through Megatron's forward-only schedule: works at every layout GRPO trains (PP, SP, EP, FP8; the rules refuse
-           VPP for GRPO, whose interleaved schedule does not take one micro-batch).
+           through Megatron's forward-only schedule: works at every layout GRPO trains (PP, SP, EP, FP8; the
+           rules refuse VPP for GRPO, whose interleaved schedule does not take one micro-batch).
 auto picks static (the engine whose output has been checked against a hand-written greedy loop, tests/test_grpo.py),
 and plain where the engines do not apply: virtual pipeline stages (the engines take one model chunk), expert
 parallelism (direct-mode engines step each data-parallel rank on its own, while the experts' all-to-all needs every

@@ -39,7 +39,8 @@ def hf_generate(hf_dir: str, tok: Any, prompts: list[str], max_new: int, batch: 
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, trust_remote_code=False).cuda().eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, trust_remote_code=False)
+    model = model.cuda().eval()
     tok.padding_side = "left"
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
