@@ -18,6 +18,7 @@ from mcorekit.config.cluster import ClusterProfile, world_size
 from mcorekit.config.experiment import Experiment, layout_of
 from mcorekit.config.rules import Nodes, layout_problems, listed, model_of, problems
 from mcorekit.errors import LayoutError, ModelError
+from mcorekit.hub import is_hub_id
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec
 
@@ -31,7 +32,7 @@ def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str
     world = world_size(profile, exp.resources.nodes)
     if bad := problems(exp, world, Nodes.of(profile), model):
         raise LayoutError(listed("invalid layout", bad))
-    warnings: list[str] = []
+    warnings = unseen_inputs(exp)
     if profile.gpus_per_node > 0:
         mem = estimate_memory(model, layout_of(exp), world, exp.data.seq_length, exp.schedule.micro_batch_size,
                               exp.recompute.granularity, exp.optimizer.distributed, fp8=exp.precision.fp8_params,
@@ -43,6 +44,22 @@ def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str
                 f"(`mcorekit launch plan` proposes layouts)"
             )
     return model, warnings
+
+
+def unseen_inputs(exp: Experiment) -> list[str]:
+    """The files a job reads that this machine cannot see. Warnings, not errors: the nodes may mount paths this
+    machine lacks; but most often the path is wrong, and the job would fail at its start after waiting in the queue."""
+    d, out = exp.data, []
+    for key, prefixes in (("data.paths", d.paths), ("data.valid_paths", d.valid_paths)):
+        for p in prefixes:
+            files = [f"{p}.bin", f"{p}.idx"] if d.kind == "indexed" else [p]
+            if absent := [f for f in files if not Path(f).expanduser().is_file()]:
+                out.append(f"{key}: {', '.join(absent)} not found on this machine; the job fails at its start unless "
+                           f"its nodes see it")
+    for key, folder in (("data.tokenizer", d.tokenizer), ("checkpoint.load", exp.checkpoint.load)):
+        if folder and not is_hub_id(folder) and not Path(folder).expanduser().is_dir():
+            out.append(f"{key}: no folder {folder} on this machine; the job fails at its start unless its nodes see it")
+    return out
 
 
 # ---------------------------------------------------------------- memory

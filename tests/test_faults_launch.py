@@ -287,6 +287,24 @@ def test_abbreviated_options_are_refused(tmp_path: Path, argv: list[str], error:
     assert r.code == 2 and "Traceback" not in r.err and r.err.splitlines()[-1].endswith(error), r.err
 
 
+def test_inputs_this_machine_cannot_see_are_warned_of_before_queueing(tmp_path: Path) -> None:
+    """A data prefix, tokenizer or checkpoint that does not exist here: a warning per input at launch (the nodes may
+    mount what this machine lacks, so not an error), none once they exist."""
+    base = ["launch", "--config", TINY, "--dry-run", "--set", f"run_root={tmp_path / 'runs'}", "data.kind=indexed",
+            f"data.paths=[{tmp_path / 'corpus'}]", f"checkpoint.load={tmp_path / 'ckpt'}"]
+    r = run_main(*base)
+    assert r.code == 0 and r.err.splitlines() == [
+        f"mcorekit: warning: data.paths: {tmp_path / 'corpus.bin'}, {tmp_path / 'corpus.idx'} not found on this "
+        f"machine; the job fails at its start unless its nodes see it",
+        f"mcorekit: warning: checkpoint.load: no folder {tmp_path / 'ckpt'} on this machine; the job fails at its "
+        f"start unless its nodes see it"], r.err
+    for made in ("corpus.bin", "corpus.idx"):
+        (tmp_path / made).write_bytes(b"")
+    (tmp_path / "ckpt").mkdir()
+    r = run_main(*base)
+    assert r.code == 0 and r.err == "", r.err
+
+
 # ---------------------------------------------------------------- invalid value accepted: numeric options
 
 LAUNCH = ["launch", "--config", str(TINY), "--dry-run"]
