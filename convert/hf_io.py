@@ -80,6 +80,21 @@ def parse_entry(name: str, info: object, data_bytes: int) -> tuple[torch.dtype, 
     return dtype, tuple(shape), begin, end
 
 
+def check_tiling(spans: dict[str, tuple[int, int]], data_bytes: int) -> None:
+    """safetensors' own rule: in offset order the tensors cover the data bytes exactly, each starting where the
+    one before ends; else two tensors share bytes (one would read the other's values) or bytes belong to none."""
+    at, before = 0, None
+    for name, (begin, end) in sorted(spans.items(), key=lambda kv: kv[1]):
+        if begin < at:
+            raise ValueError(f"tensor {name!r}: data_offsets [{begin}, {end}] overlap tensor {before!r}, "
+                             f"which ends at {at}")
+        if begin > at:
+            raise ValueError(f"tensor {name!r} starts at data byte {begin}, leaving bytes {at}..{begin} to no tensor")
+        at, before = end, name
+    if at != data_bytes:
+        raise ValueError(f"the tensors end at data byte {at}, but the file holds {data_bytes} data bytes")
+
+
 class HFReader:
     """Reads one tensor at a time (files.read_flat): a tensor of MAP_BYTES or more is a private (copy-on-write) mapping of its own
     bytes of the shard, unmapped when the tensor is freed, so untouched shards never count against memory and
@@ -146,12 +161,16 @@ class HFReader:
                 header = json.loads(f.read(n))
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
+            spans = {}
             for name, info in header.items():
                 if name != "__metadata__":
                     dtype, shape, begin, end = parse_entry(name, info, size - 8 - n)
                     entries[name] = TensorEntry(shard, 8 + n + begin, dtype, shape, end - begin)
+                    spans[name] = (begin, end)
+            check_tiling(spans, size - 8 - n)
         except (ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors too
-            raise ConversionError(f"corrupt or truncated safetensors file {self.path / shard}: {e}") from None
+            raise ConversionError(f"corrupt or truncated safetensors file {self.path / shard}: {e}; "
+                                  f"re-download or re-save the checkpoint") from None
         return entries
 
     def names(self) -> list[str]:

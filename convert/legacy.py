@@ -255,12 +255,28 @@ class LegacyReader:
     def _sd(self, t: int, p: int, e: int, c: int) -> dict[str, Any]:
         return self.ranks[(t, p, e)][c]
 
+    def _file(self, t: int, p: int, e: int) -> Path:
+        return self.iter_dir / rank_dir(t, p, e, self.pp, self.ep) / "model_optim_rng.pt"
+
     def _get(self, t: int, p: int, e: int, c: int, name: str) -> torch.Tensor:
         value = self._sd(t, p, e, c).get(name)
         if not isinstance(value, torch.Tensor):
-            where = self.iter_dir / rank_dir(t, p, e, self.pp, self.ep) / "model_optim_rng.pt"
+            where = self._file(t, p, e)
             raise ConversionError(f"{where}: {'no tensor' if value is None else 'not a tensor:'} {name!r} (model chunk {c})")
         return value
+
+    def _parts(self, p: int, e: int, c: int, name: str) -> list[torch.Tensor]:
+        """Every TP rank's part of `name`. They are equal splits (or copies), so they must agree in dtype and shape:
+        torch.cat would promote a mixed dtype into wrong values, or fail on a mixed shape."""
+        parts = [self._get(t, p, e, c, name) for t in range(self.tp)]
+        for t, part in enumerate(parts[1:], start=1):
+            if part.dtype != parts[0].dtype or part.shape != parts[0].shape:
+                raise ConversionError(
+                    f"{name!r} (model chunk {c}) is {parts[0].dtype} {tuple(parts[0].shape)} in {self._file(0, p, e)} "
+                    f"but {part.dtype} {tuple(part.shape)} in {self._file(t, p, e)}; the tensor-parallel parts of a "
+                    f"tensor are equal splits, so these rank files do not make one checkpoint (re-save or "
+                    f"re-convert it)")
+        return parts
 
     def _global_sizes(self) -> dict[str, _Sized]:
         sizes: dict[str, _Sized] = {}
@@ -308,14 +324,12 @@ class LegacyReader:
         split = entry.split if entry else REPLICATED
         if not index:
             p, c = (0, 0) if key.startswith("embedding.") else (self.pp - 1, self.vpp - 1)
-            return unshard(split, [self._get(t, p, 0, c, key) for t in range(self.tp)])
+            return unshard(split, self._parts(p, 0, c, key))
         p, c, i = (self.pp - 1, self.vpp - 1, index[0]) if key.startswith(MTP) else self.layer_home[index[0]]
         if len(index) == 1:
-            name = local_name(key, i)
-            return unshard(split, [self._get(t, p, 0, c, name) for t in range(self.tp)])
+            return unshard(split, self._parts(p, 0, c, local_name(key, i)))
         e, j = divmod(index[1], self.local_experts)
-        name = local_name(key, i, j)
-        parts = [self._get(t, p, e, c, name) for t in range(self.tp)]
+        parts = self._parts(p, e, c, local_name(key, i, j))
         whole = entry is None or tuple(parts[0].shape) == entry.shape
         return parts[0] if whole else unshard(split, parts)  # expert TP 1 or = TP
 

@@ -169,6 +169,31 @@ def with_hf_mtp(reader: HFReader, spec: ModelSpec) -> ModelSpec:
     return declared_mtp(spec) if layers and max(layers) >= spec.num_layers else spec
 
 
+def check_carried_mtp(folder: Path, spec: ModelSpec, declared: int) -> None:
+    """What an old conversion carried through (MTP_DIR) must be the HF tensors of exactly the MTP layers the config
+    declares (the layers after the decoder's, as the family's map names them; floating point): anything else would
+    land in the HF output."""
+    carried = HFReader(folder)
+    carried.close()  # the headers are all this reads
+    amap, mtp = weight_map(spec), set(range(spec.num_layers, spec.num_layers + declared))
+    layers: set[int] = set()
+    for name in carried.names():
+        ids, _ = amap.stacked_ids([name])
+        file = carried.path / carried.entries[name].shard
+        if not ids or not ids <= mtp:
+            raise ConversionError(
+                f"{file}: {name!r} is not a tensor of the model's multi-token-prediction layers (layer "
+                f"{_listed(mtp)}, num_nextn_predict_layers={declared}), so it has no place in the HF model; remove it "
+                f"from {carried.path}")
+        if problem := dtype_problem(carried.entries[name].dtype):
+            raise ConversionError(f"{file}: {name} {problem}")
+        layers |= ids
+    if layers != mtp:
+        raise ConversionError(
+            f"{carried.path}: holds MTP layer(s) {_listed(layers)}, but the config declares num_nextn_predict_layers="
+            f"{declared} (layer {_listed(mtp)}); the carried layers are incomplete")
+
+
 def check_copies(reader: HFReader, amap: WeightMap) -> list[str]:
     """The HF tensors that must equal another (an MTP layer's embedding and head equal the main model's: Megatron-Core
     shares them); returns their names, or a ConversionError naming the first that differs."""
@@ -183,6 +208,18 @@ def check_copies(reader: HFReader, amap: WeightMap) -> list[str]:
                 f"embedding and output layer, so an MTP layer with its own would be lost; nothing was written "
                 f"(convert a checkpoint whose MTP layer holds copies of them, as DeepSeek's do)")
     return [name for name, _ in amap.copies]
+
+
+def check_tied_head(reader: HFReader, head: str, embedding: str) -> None:
+    """A tied model's checkpoint may hold its head too; Megatron keeps only the embedding, so the head must be a
+    bit-identical copy of it (else it would be lost without a word)."""
+    a, b = reader.get(head), reader.get(embedding)
+    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                   b.reshape(-1).view(torch.uint8)):
+        raise ConversionError(
+            f"{reader.path / reader.entries[head].shard}: {head} differs from {embedding}, but config.json says "
+            f"tie_word_embeddings=true, so Megatron would keep only the embedding and this head would be lost; nothing "
+            f"was written (set tie_word_embeddings to false if the model has its own output layer)")
 
 
 def check_hf_tensor(reader: HFReader, name: str, want: tuple[int, ...], m: Mapping, mcore_shape: tuple[int, ...]) -> torch.dtype:
@@ -240,6 +277,7 @@ def plan_from_hf(reader: HFReader, spec: ModelSpec, amap: WeightMap, ctx: Ctx, d
         head = registry.weight_map(_untied(spec)).get(gw.OUTPUT)
         for name in head.hf_names() if head else ():
             if name in unmapped:
+                check_tied_head(reader, name, amap.hf(gw.EMBEDDING)[0])
                 unmapped.remove(name)
     if unmapped:
         raise ConversionError(
@@ -459,6 +497,10 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
     out_dtype = dtypes.to_torch(dtype) if dtype else _config_dtype(config)
     summary = Summary()
     total = sum(int(torch.Size(s).numel()) for s in sizes.values()) * (out_dtype or torch.float32).itemsize
+    declared = declared_mtp(spec).mtp_layers  # only a model that declares MTP layers has any carried through
+    carried_mtp = not spec.mtp_layers and declared > 0 and (ckpt_root / MTP_DIR / "config.json").is_file()
+    if carried_mtp:
+        check_carried_mtp(ckpt_root / MTP_DIR, spec, declared)
     given_file = hf_config is not None and not Path(hf_config).is_dir()
     inputs = (root, iter_dir, config_file) if given_file else (root, iter_dir, assets)
     with (staged_output(Path(out_dir), force, inputs=inputs, command="mcorekit convert mcore-to-hf") as tmp,
@@ -502,7 +544,7 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
         for name, source_name in amap.copies:  # the MTP layers' copies of the embedding and head, from them
             summary.tensors += 1
             writer.add(name, _hf_tensor(source, amap, ctx, source_name, dtype, out_dtype))
-        if not spec.mtp_layers and (ckpt_root / MTP_DIR / "config.json").is_file():
+        if carried_mtp:
             # a conversion before commit 90d678a carried the MTP layers through unconverted: back as they came
             carried = HFReader(ckpt_root / MTP_DIR)
             try:

@@ -29,14 +29,33 @@ def compare_hf(a: str | Path, b: str | Path) -> list[TensorReport]:
             out.append(TensorReport(n, "dtype", f"{x.dtype} vs {y.dtype}"))
         elif x.shape != y.shape:
             out.append(TensorReport(n, "shape", f"{tuple(x.shape)} vs {tuple(y.shape)}"))
-        elif torch.equal(x.view(torch.uint8) if x.dtype != torch.bool else x, y.view(torch.uint8) if y.dtype != torch.bool else y):
+        elif torch.equal(bx := _bits(x), by := _bits(y)):
             out.append(TensorReport(n, "equal"))
         else:
-            diff = (x.float() - y.float()).abs()
-            out.append(TensorReport(n, "different", f"max |diff| {diff.max().item():.3e}, {int((diff > 0).sum())} elements differ"))
+            out.append(TensorReport(n, "different", _difference(x, y, (bx != by).any(dim=1))))
     ra.close()
     rb.close()
     return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Each element's bytes, one row per element (flattened first: a 0-dim tensor cannot be viewed as bytes)."""
+    return t.reshape(-1).view(torch.uint8).reshape(t.numel(), t.element_size())
+
+
+def _difference(x: torch.Tensor, y: torch.Tensor, differs: torch.Tensor) -> str:
+    """What differs, counted by bits: -0.0 vs 0.0 and NaNs with other payloads differ while equal as numbers."""
+    xs, ys = x.reshape(-1)[differs], y.reshape(-1)[differs]
+    if x.is_floating_point():
+        xs, ys = xs.double(), ys.double()
+        numeric = ~((xs == ys) | (xs.isnan() & ys.isnan()))
+    else:  # int64, exactly (a double would round large ones together)
+        xs, ys = xs.long(), ys.long()
+        numeric = xs != ys
+    line = f"{int(differs.sum())} elements differ in their bits"
+    if not numeric.any():
+        return line + ", all equal as numbers (signed zeros or NaN payloads)"
+    return line + f", {int(numeric.sum())} as numbers (max |diff| {(xs - ys)[numeric].abs().max().item():.3e})"
 
 
 @dataclass

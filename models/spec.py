@@ -153,6 +153,9 @@ def decoder_fields(config: dict[str, Any], rope_types: tuple[str, ...] = ("llama
 
 DECODER_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+# Switches the families read: a JSON string would read as true in Python ("false" included), so only true/false
+FLAGS = ("tie_word_embeddings", "attention_bias", "qkv_bias", "mlp_bias", "norm_topk_prob", "use_sliding_window",
+         "rope_interleave")
 
 
 def _positive(v: object) -> bool:
@@ -169,6 +172,8 @@ def size_problems(config: dict[str, Any], required: tuple[str, ...] = (), option
 def decoder_field_problems(config: dict[str, Any]) -> list[str]:
     """What makes the fields decoder_fields reads unusable (types, sizes, divisibility), before any is used."""
     out = size_problems(config, DECODER_SIZES, OPTIONAL_SIZES)
+    out += [f"{k}={config[k]!r} (needs true or false, a JSON boolean)" for k in FLAGS
+            if k in config and type(config[k]) is not bool]
     if out:
         return out
     heads, groups = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]

@@ -27,7 +27,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from hf_models import COMMON, make_model
+from hf_models import COMMON, add_mtp_layer, make_family_model, make_model
 from mcorekit import cli
 from mcorekit.convert import torch_dist
 from mcorekit.convert.hf_io import HFWriter
@@ -544,6 +544,10 @@ HF_CORRUPTIONS = {
     "config-heads-groups": (_set_config(num_key_value_heads=3), "not a multiple of num_key_value_heads=3"),
     "config-rope-not-object": (_set_config(rope_parameters=5), "unusable config"),
     "config-more-layers": (_set_config(num_hidden_layers=6), "num_hidden_layers=6, but the weights hold layers 0, 1, 2, 3"),
+    # bool("false") is True: the model would read as tied and its lm_head be dropped
+    "config-tie-string": (_set_config(tie_word_embeddings="false"),
+                          "config.json: tie_word_embeddings='false' (needs true or false, a JSON boolean)"),
+    "config-bias-null": (_set_config(attention_bias=None), "attention_bias=None (needs true or false, a JSON boolean)"),
     "index-invalid-json": (lambda hf: (hf / INDEX).write_text('{"weight_map": '), f"{INDEX}: invalid JSON"),
     "index-no-weight-map": (lambda hf: edit_json(hf / INDEX, lambda i: i.pop("weight_map")), 'no "weight_map" object'),
     "index-weight-map-list": (lambda hf: edit_json(hf / INDEX, lambda i: i.update(weight_map=["a"])), 'no "weight_map" object'),
@@ -702,3 +706,190 @@ def test_disk_full(base, tmp_path: Path) -> None:
                      ["mcore-to-hf", str(base["ckpt"]), str(small / "out")]):
             expect_error(args, small / "out", [base["llama"], base["ckpt"]], "o space left on device")
             assert list(small.iterdir()) == []
+
+
+# ---------------------------------------------------------------- inputs checked against each other (audit 2026-12)
+
+
+@pytest.fixture(scope="module")
+def legacy_tp2(base, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The llama as legacy per-rank files at TP 2 (read-only), which convert back as they are."""
+    root = tmp_path_factory.mktemp("tp2")
+    rc, err = convert("hf-to-mcore", str(base["llama"]), str(root / "legacy"), "--format", "torch", "--tp", "2")
+    assert rc == 0, err
+    rc, err = convert("mcore-to-hf", str(root / "legacy"), str(root / "back"))
+    assert rc == 0, err
+    assert verify_cli(base["llama"], root / "back")[0] == 0
+    return root / "legacy"
+
+
+def rank_file(ckpt: Path, tp_rank: int) -> Path:
+    return ckpt / f"release/mp_rank_{tp_rank:02d}/model_optim_rng.pt"
+
+
+@pytest.mark.parametrize("rank, name, change, needle", [
+    # torch.cat promoted the int16 part to bf16: wrong q/k/v, exit 0
+    (0, "decoder.layers.0.self_attention.linear_qkv.weight", lambda t: t.view(torch.int16),
+     "is torch.int16 (64, 64) in {r0} but torch.bfloat16 (64, 64) in {r1}"),
+    # torch.cat failed: a traceback (read while the output is written: layer 0 alone is read up front)
+    (1, "decoder.layers.1.self_attention.linear_proj.weight", lambda t: t[:63].clone(),
+     "is torch.bfloat16 (64, 32) in {r0} but torch.bfloat16 (63, 32) in {r1}"),
+], ids=["dtype", "shape"])
+def test_legacy_tensor_parallel_parts_must_agree(legacy_tp2, tmp_path: Path, rank: int, name: str,
+                                                 change: Callable[[torch.Tensor], torch.Tensor], needle: str) -> None:
+    ckpt = copy(legacy_tp2, tmp_path / "ckpt")
+    state = torch.load(rank_file(ckpt, rank), weights_only=True)
+    state["model"][name] = change(state["model"][name])
+    torch.save(state, rank_file(ckpt, rank))
+    needle = f"{name!r} (model chunk 0) " + needle.format(r0=rank_file(ckpt, 0), r1=rank_file(ckpt, 1))
+    err = expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out")], tmp_path / "out", [ckpt], needle)
+    assert "tensor-parallel parts of a tensor are equal splits" in err
+
+
+def single_file(src: Path, dst: Path) -> Path:
+    """A copy of the model as one model.safetensors (its shards and index gone)."""
+    hf = copy(src, dst)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(hf.glob("model-*.safetensors")):
+        tensors.update(load_file(shard))
+        shard.unlink()
+    (hf / INDEX).unlink()
+    save_file(tensors, hf / "model.safetensors", {"format": "pt"})
+    return hf
+
+
+def test_safetensors_offsets_must_tile_the_data(base, tmp_path: Path) -> None:
+    """Each tensor starts where the one before it ends, from 0 to the file's end (safetensors' own rule): an
+    embedding pointed at the head's bytes converted with exit 0 into a model whose embedding was its head."""
+    from safetensors import SafetensorError
+
+    hf = single_file(base["llama"], tmp_path / "hf")
+    file = hf / "model.safetensors"
+    edit_header(file, lambda h: h["model.embed_tokens.weight"].update(data_offsets=h["lm_head.weight"]["data_offsets"]))
+    with pytest.raises(SafetensorError, match="invalid offset for tensor"):
+        load_file(file)
+    expect_error(["hf-to-mcore", str(hf), str(tmp_path / "out")], tmp_path / "out", [hf],
+                 f"corrupt or truncated safetensors file {file}: tensor 'model.embed_tokens.weight': data_offsets "
+                 f"[0, 32000] overlap tensor 'lm_head.weight', which ends at 32000")
+
+    hf = single_file(base["llama"], tmp_path / "hf2")  # bytes after the last tensor belong to none
+    raw = (hf / "model.safetensors").read_bytes()
+    data = len(raw) - 8 - struct.unpack("<Q", raw[:8])[0]
+    with open(hf / "model.safetensors", "ab") as f:
+        f.write(bytes(64))
+    expect_error(["verify", str(base["llama"]), str(hf)], tmp_path / "out", [hf],
+                 f"the tensors end at data byte {data}, but the file holds {data + 64} data bytes")
+
+
+def test_tied_config_with_a_head_of_its_own(base, tmp_path: Path) -> None:
+    """Megatron keeps only the embedding of a tied model: a stored head must be an identical copy of it."""
+    hf = copy(base["llama"], tmp_path / "hf")
+    edit_json(hf / "config.json", lambda c: c.update(tie_word_embeddings=True))
+    expect_error(["hf-to-mcore", str(hf), str(tmp_path / "out")], tmp_path / "out", [hf],
+                 f"{shard_of(hf, 'lm_head.weight')}: lm_head.weight differs from model.embed_tokens.weight, but "
+                 f"config.json says tie_word_embeddings=true, so Megatron would keep only the embedding")
+    embed = load_file(shard_of(hf, "model.embed_tokens.weight"))["model.embed_tokens.weight"]
+    edit_tensor(hf, "lm_head.weight", lambda t: embed.clone())  # an identical copy is fine
+    rc, err = convert("hf-to-mcore", str(hf), str(tmp_path / "out"))
+    assert rc == 0, err
+    rc, err = convert("mcore-to-hf", str(tmp_path / "out"), str(tmp_path / "back"))
+    assert rc == 0, err
+    back = {k: v for f in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert torch.equal(back["model.embed_tokens.weight"], embed) and "lm_head.weight" not in back
+
+
+def verify_cli(a: Path, b: Path) -> tuple[int, str, str]:
+    """`mcorekit convert verify A B` in this process: (exit code, stdout, stderr)."""
+    out, err = StringIO(), StringIO()
+    with redirect_stderr(err), redirect_stdout(out):
+        rc = cli.main(["convert", "verify", str(a), str(b)])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def add_tensor(hf: Path, name: str, t: torch.Tensor) -> None:
+    """One more tensor in the embedding's shard and the index (as the FP8 export's 0-dim scales)."""
+    shard = shard_of(hf, "model.embed_tokens.weight")
+    save_file({**load_file(shard), name: t}, shard, {"format": "pt"})
+    edit_json(hf / INDEX, lambda i: i["weight_map"].update({name: shard.name}))
+
+
+def test_verify_compares_0_dim_tensors(base, tmp_path: Path) -> None:
+    """A 0-dim tensor cannot be viewed as bytes: verify crashed (exit 1, the code of "differs")."""
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+    a, b = copy(base["llama"], tmp_path / "a"), copy(base["llama"], tmp_path / "b")
+    add_tensor(a, name, torch.tensor(0.5))
+    add_tensor(b, name, torch.tensor(0.5))
+    rc, out, err = verify_cli(a, b)
+    assert (rc, err) == (0, "") and out.splitlines()[-1] == "verify: 40 of 40 tensors bitwise equal", out + err
+    add_tensor(b, name, torch.tensor(0.25))
+    rc, out, err = verify_cli(a, b)
+    assert (rc, err) == (1, ""), out + err
+    assert out.splitlines() == [f"different  {name}  1 elements differ in their bits, 1 as numbers "
+                                f"(max |diff| 2.500e-01)", "verify: 39 of 40 tensors bitwise equal, 1 not"]
+
+
+def test_verify_says_why_numerically_equal_tensors_differ(base, tmp_path: Path) -> None:
+    """-0.0 vs 0.0 and NaNs with other payloads are different bits: exit 1 with a line that says so (it said
+    "max |diff| 0.000e+00, 0 elements differ")."""
+    name = "model.norm.weight"
+    nan = torch.tensor([0x7FC0, 0x7FC1], dtype=torch.int16).view(torch.bfloat16)  # two NaN payloads
+    a, b = copy(base["llama"], tmp_path / "a"), copy(base["llama"], tmp_path / "b")
+    edit_tensor(a, name, lambda t: torch.cat([torch.tensor([0.0], dtype=t.dtype), nan[:1], t[2:]]))
+    edit_tensor(b, name, lambda t: torch.cat([torch.tensor([-0.0], dtype=t.dtype), nan[1:], t[2:]]))
+    rc, out, err = verify_cli(a, b)
+    assert (rc, err) == (1, ""), out + err
+    assert out.splitlines()[0] == (f"different  {name}  2 elements differ in their bits, all equal as numbers "
+                                   f"(signed zeros or NaN payloads)")
+
+
+@pytest.fixture(scope="module")
+def carried_mtp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """DeepSeek-V3-tiny as conversions before commit 90d678a left it (read-only): the decoder converted, its MTP
+    layer (model.layers.4.*) carried through as HF tensors in CKPT/mtp/; and the whole HF model ("hf")."""
+    root = tmp_path_factory.mktemp("carried")
+    decoder = make_family_model("deepseek_v3", root / "decoder")  # its config declares one MTP layer
+    assert json.loads((decoder / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    rc, err = convert("hf-to-mcore", str(decoder), str(root / "ckpt"))
+    assert rc == 0, err
+    hf = copy(decoder, root / "hf")
+    mtp = add_mtp_layer(hf)
+    (root / "ckpt/mtp").mkdir()
+    save_file(mtp, root / "ckpt/mtp/model.safetensors", {"format": "pt"})
+    shutil.copy(hf / "config.json", root / "ckpt/mtp/config.json")
+    return {"ckpt": root / "ckpt", "hf": hf}
+
+
+def test_carried_mtp_layer_comes_back(carried_mtp, tmp_path: Path) -> None:
+    rc, err = convert("mcore-to-hf", str(carried_mtp["ckpt"]), str(tmp_path / "back"))
+    assert rc == 0, err
+    assert verify_cli(carried_mtp["hf"], tmp_path / "back")[0] == 0
+
+
+@pytest.mark.parametrize("tensors, needle", [
+    ({"model.layers.7.anything.weight": torch.zeros(4, dtype=torch.int32)},
+     "'model.layers.7.anything.weight' is not a tensor of the model's multi-token-prediction layers (layer 4, "
+     "num_nextn_predict_layers=1)"),
+    ({"model.embed_tokens.scale": torch.zeros(4)},
+     "'model.embed_tokens.scale' is not a tensor of the model's multi-token-prediction"),
+    ({"model.layers.4.anything.weight": torch.zeros(4, dtype=torch.int32)},
+     "model.layers.4.anything.weight is stored as torch.int32"),
+    ({}, "holds MTP layer(s) none, but the config declares num_nextn_predict_layers=1 (layer 4)"),
+], ids=["other-layer", "not-a-layer", "int32", "empty"])
+def test_carried_mtp_folder_holds_only_the_mtp_layers(carried_mtp, tmp_path: Path, tensors: dict, needle: str) -> None:
+    """Whatever lay in CKPT/mtp/ was copied into the HF output."""
+    ckpt = copy(carried_mtp["ckpt"], tmp_path / "ckpt")
+    file = ckpt / "mtp/model.safetensors"
+    save_file({**(load_file(file) if tensors else {}), **tensors}, file, {"format": "pt"})
+    expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out")], tmp_path / "out", [ckpt], needle)
+
+
+def test_mtp_folder_of_a_model_without_mtp_layers_is_not_read(base, tmp_path: Path) -> None:
+    """Llama declares no MTP layers: an int32 `model.layers.7.anything.weight` in CKPT/mtp/ landed in its output."""
+    ckpt = copy(base["ckpt"], tmp_path / "ckpt")
+    (ckpt / "mtp").mkdir()
+    save_file({"model.layers.7.anything.weight": torch.zeros(4, dtype=torch.int32)}, ckpt / "mtp/model.safetensors")
+    shutil.copy(ckpt / "hf/config.json", ckpt / "mtp/config.json")
+    rc, err = convert("mcore-to-hf", str(ckpt), str(tmp_path / "back"))
+    assert rc == 0, err
+    rc, out, err = verify_cli(base["llama"], tmp_path / "back")
+    assert rc == 0, out + err
