@@ -10,8 +10,8 @@ from typing import Any
 from mcorekit.config.values import shown
 from mcorekit.errors import ModelError
 from mcorekit.hub import model_dir
-from mcorekit.models.registry import families
-from mcorekit.models.spec import ModelSpec, resolve
+from mcorekit.models.registry import config_problems, families
+from mcorekit.models.spec import ModelSpec, load_hf_config, resolve
 
 # ModelSpec is a plain dataclass filled from presets, HF configs and model.overrides, so its types are checked here.
 _MODEL_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -49,6 +49,9 @@ def resolve_model(preset: str | None, hf_config: str | None, overrides: dict[str
     if path.is_file() and path.stat().st_size > MAX_HF_CONFIG_BYTES:
         raise ModelError(f"{where}: larger than {MAX_HF_CONFIG_BYTES:,} bytes, so not an HF config.json")
     try:
+        config = load_hf_config(hf_config)
+        if isinstance(config, dict) and (problems := config_problems(config)):  # what we would build is not this
+            raise ModelError(f"{where}: " + "; ".join(problems))
         return resolve(preset, hf_config, overrides)
     except UnicodeDecodeError:
         raise ModelError(f"{where}: not UTF-8 text; name an HF model directory or its config.json") from None

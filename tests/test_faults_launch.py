@@ -190,9 +190,15 @@ def test_malformed_experiment_is_one_line_naming_the_file(tmp_path: Path, case: 
 @pytest.mark.parametrize("config_json,expected", [
     (b"{not json", "not valid JSON (line 1, column 2"),
     (b"[1, 2]", "not an HF model config of the expected shape"),
-    (b'{"model_type": "llama", "hidden_size": 64}', "has no 'num_attention_heads'"),
+    (b'{"model_type": "llama", "hidden_size": 64}', "num_attention_heads=None (needs a positive integer)"),
     (b"\xff\xfe\x00binary", "not UTF-8 text"),
     (b"[" * 100_000, "not valid JSON (nested too deeply)"),
+    (b'{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, '
+     b'"intermediate_size": 128, "vocab_size": 256, "tie_word_embeddings": "false"}',
+     "tie_word_embeddings='false' (needs true or false, a JSON boolean)"),  # was read as true
+    (b'{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, '
+     b'"intermediate_size": 128, "vocab_size": 256, "hidden_act": "gelu"}',
+     "hidden_act='gelu' is not supported"),  # a SwiGLU model was built for it
 ])
 def test_broken_hf_config_is_one_line_naming_it(tmp_path: Path, config_json: bytes, expected: str) -> None:
     hf = tmp_path / "hf"
