@@ -6,6 +6,7 @@ each); this file holds the description itself and the fields every decoder famil
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,12 @@ def decoder_field_problems(config: dict[str, Any]) -> list[str]:
     out = size_problems(config, DECODER_SIZES, OPTIONAL_SIZES)
     out += [f"{k}={config[k]!r} (needs true or false, a JSON boolean)" for k in FLAGS
             if k in config and type(config[k]) is not bool]
+    rope = config.get("rope_parameters")
+    numbers = {k: config[k] for k in ("rms_norm_eps", "rope_theta") if config.get(k) is not None}
+    if isinstance(rope, dict) and rope.get("rope_theta") is not None:
+        numbers["rope_parameters.rope_theta"] = rope["rope_theta"]
+    out += [f"{k}={v!r} (needs a positive number)" for k, v in numbers.items()
+            if type(v) not in (int, float) or not 0 < v < math.inf]  # NaN fails too
     if out:
         return out
     heads, groups = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]

@@ -548,6 +548,8 @@ HF_CORRUPTIONS = {
     "config-tie-string": (_set_config(tie_word_embeddings="false"),
                           "config.json: tie_word_embeddings='false' (needs true or false, a JSON boolean)"),
     "config-bias-null": (_set_config(attention_bias=None), "attention_bias=None (needs true or false, a JSON boolean)"),
+    "config-eps-text": (_set_config(rms_norm_eps="tiny"), "rms_norm_eps='tiny' (needs a positive number)"),
+    "config-theta-nan": (_set_config(rope_theta=float("nan")), "rope_theta=nan (needs a positive number)"),
     "index-invalid-json": (lambda hf: (hf / INDEX).write_text('{"weight_map": '), f"{INDEX}: invalid JSON"),
     "index-no-weight-map": (lambda hf: edit_json(hf / INDEX, lambda i: i.pop("weight_map")), 'no "weight_map" object'),
     "index-weight-map-list": (lambda hf: edit_json(hf / INDEX, lambda i: i.update(weight_map=["a"])), 'no "weight_map" object'),
