@@ -65,6 +65,10 @@ class YamlLimitError(ConfigError):
     """A YAML text is over one of the limits above (never retried as a plain string)."""
 
 
+class RepeatedKeyError(ConfigError):
+    """A YAML mapping gives one key twice (never retried as a plain string either)."""
+
+
 def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.SequenceNode):
         return list(node.value)
@@ -113,8 +117,8 @@ def _no_repeated_keys(node: yaml.MappingNode, source: str) -> None:
         if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
             line = key.start_mark.line + 1
             if key.value in seen:
-                raise ConfigError(f"{source}: key {key.value!r} is given twice (lines {seen[key.value]} and {line}); "
-                                  f"keep one")
+                raise RepeatedKeyError(f"{source}: key {key.value!r} is given twice (lines {seen[key.value]} and "
+                                       f"{line}); keep one")
             seen[key.value] = line
 
 
@@ -135,18 +139,28 @@ class _Loader(_SAFE_LOADER):  # type: ignore[misc,valid-type]
     written as, not 3600), no leading-zero octals, 1e-4 is a number, dates stay text."""
 
 
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag.rsplit(":", 1)[-1] not in ("bool", "int", "float", "timestamp")]
-    for first, resolvers in _SAFE_LOADER.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                              list("tTfF"))
-_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?(?:0|[1-9][0-9]*)|0x[0-9a-fA-F]+)$"),
-                              list("-+0123456789"))
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
-               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
+class _Dumper(yaml.SafeDumper):
+    """yaml.safe_dump's dumper, quoting what _Loader would read as another type (and only that)."""
+
+
+def _core_types(cls: type) -> None:
+    """Replace cls's plain-scalar types by YAML 1.2 core's (see _Loader)."""
+    cls.yaml_implicit_resolvers = {  # type: ignore[attr-defined]
+        first: [(tag, rx) for tag, rx in resolvers if tag.rsplit(":", 1)[-1] not in ("bool", "int", "float", "timestamp")]
+        for first, resolvers in _SAFE_LOADER.yaml_implicit_resolvers.items()}
+    cls.add_implicit_resolver("tag:yaml.org,2002:bool",  # type: ignore[attr-defined]
+                              re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    cls.add_implicit_resolver("tag:yaml.org,2002:int",  # type: ignore[attr-defined]
+                              re.compile(r"^(?:[-+]?(?:0|[1-9][0-9]*)|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+    cls.add_implicit_resolver(  # type: ignore[attr-defined]
+        "tag:yaml.org,2002:float",
+        re.compile(r"^(?:[-+]?(?:(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
+                   r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+        list("-+0123456789."))
+
+
+_core_types(_Loader)
+_core_types(_Dumper)
 
 
 def parse_yaml(text: str, source: str) -> Any:
@@ -204,7 +218,7 @@ def parse_value(raw: str, source: str) -> Any:
         return raw
     try:
         return parse_yaml(raw, source)
-    except YamlLimitError:
+    except (YamlLimitError, RepeatedKeyError):
         raise
     except ConfigError:
         return raw
@@ -246,4 +260,5 @@ def load(schema: type[Schema], path: str | Path, overrides: list[str] | None = N
 
 
 def dump(model: BaseModel) -> str:
-    return yaml.safe_dump(model.model_dump(mode="json"), sort_keys=False)
+    """YAML that _Loader reads back as the same values (a string such as "1e5" quoted)."""
+    return yaml.dump(model.model_dump(mode="json"), Dumper=_Dumper, sort_keys=False)

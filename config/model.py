@@ -25,7 +25,13 @@ _MODEL_OPTIONAL_POSITIVE_FLOATS = ("moe_router_topk_scaling_factor", "glu_clamp"
 _MODEL_FLAGS = ("tie_word_embeddings", "qkv_bias", "qk_layernorm", "moe_norm_topk_prob", "moe_shared_expert_gate",
                 "moe_router_expert_bias", "linear_bias", "attention_sinks")
 _MODEL_CHOICES = {"activation": ("silu", "gpt_oss"), "moe_router_score_function": ("softmax", "sigmoid")}
-MAX_MODEL_SIZE = 2**31  # no size of a real model comes near; larger ones overflow the arithmetic that follows
+MAX_MODEL_SIZE = 2**31 - 1  # no size of a real model comes near; larger ones overflow what follows (int32 included)
+
+
+def shown_value(v: object) -> str:
+    """A field's value in a message, cut to a readable length (a 4,000-digit number is possible)."""
+    text = repr(v)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def _is_int(v: object) -> bool:
@@ -50,8 +56,10 @@ def resolve_model(preset: str | None, hf_config: str | None, overrides: dict[str
         raise ModelError(f"{where}: larger than {MAX_HF_CONFIG_BYTES:,} bytes, so not an HF config.json")
     try:
         config = load_hf_config(hf_config)
-        if isinstance(config, dict) and (problems := config_problems(config)):  # what we would build is not this
-            raise ModelError(f"{where}: " + "; ".join(problems))
+        if isinstance(config, dict):  # the model we would build must be this one; how its weights are stored
+            # (quantization_config: GPT-OSS's mxfp4, DeepSeek-V3's fp8) is for conversion, not for training
+            if problems := config_problems({k: v for k, v in config.items() if k != "quantization_config"}):
+                raise ModelError(f"{where}: " + "; ".join(problems))
         return resolve(preset, hf_config, overrides)
     except UnicodeDecodeError:
         raise ModelError(f"{where}: not UTF-8 text; name an HF model directory or its config.json") from None
@@ -73,7 +81,7 @@ def model_problems(model: ModelSpec) -> list[str]:
         if v is None and name in _MODEL_OPTIONAL_SIZES:
             continue
         if not _is_int(v) or not low <= v <= MAX_MODEL_SIZE:
-            out.append(f"model {name}={v!r} must be a whole number from {low} to {MAX_MODEL_SIZE:,}")
+            out.append(f"model {name}={shown_value(v)} must be a whole number from {low} to {MAX_MODEL_SIZE:,}")
     for name in _MODEL_POSITIVE_FLOATS + _MODEL_OPTIONAL_POSITIVE_FLOATS:
         v = getattr(model, name)
         if v is None and name in _MODEL_OPTIONAL_POSITIVE_FLOATS:
@@ -89,10 +97,11 @@ def model_problems(model: ModelSpec) -> list[str]:
     if not (isinstance(model.mtp_loss_scale, (int, float)) and not isinstance(model.mtp_loss_scale, bool)
             and 0 <= model.mtp_loss_scale < float("inf")):
         out.append(f"model mtp_loss_scale={model.mtp_loss_scale!r} must be a number >= 0")
-    window = model.window_layers
+    window = model.window_layers  # Megatron-Core reads entry i for layer i: a longer list (fewer layers) is fine
     if window is not None and not (isinstance(window, (list, tuple)) and all(w in (0, 1) for w in window)
-                                   and len(window) == model.num_layers):
-        out.append(f"model window_layers={window!r} must be null or one 0 or 1 per layer (1: sliding window)")
+                                   and len(window) >= model.num_layers):
+        out.append(f"model window_layers={shown_value(window)} must be null or a 0 or 1 for each layer (1: sliding "
+                   f"window)")
     if model.rope_scaling is not None and not isinstance(model.rope_scaling, dict):
         out.append(f"model rope_scaling={model.rope_scaling!r} must be a mapping or null")
     if not isinstance(model.extra, dict):

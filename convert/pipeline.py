@@ -22,6 +22,7 @@ from tqdm import tqdm
 from mcorekit.convert import torch_dist
 from mcorekit.convert.files import model_file, read_json, tracked_iteration
 from mcorekit.convert.hf_io import HFReader, HFWriter, copy_assets
+from mcorekit.convert.verify import same_bits
 from mcorekit.errors import ConversionError, ModelError
 from mcorekit.models import dtypes, registry
 from mcorekit.models import gpt_weights as gw
@@ -201,8 +202,7 @@ def check_copies(reader: HFReader, amap: WeightMap) -> list[str]:
         for n in (name, source):
             if n not in reader.entries:
                 raise ConversionError(f"{reader.path}: tensor {n!r} is missing; the checkpoint is incomplete")
-        a, b = reader.get(name), reader.get(source)
-        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+        if not same_bits(reader.get(name), reader.get(source)):
             raise ConversionError(
                 f"{reader.path}: {name} differs from {source}: Megatron-Core's MTP layers share the main model's "
                 f"embedding and output layer, so an MTP layer with its own would be lost; nothing was written "
@@ -213,9 +213,7 @@ def check_copies(reader: HFReader, amap: WeightMap) -> list[str]:
 def check_tied_head(reader: HFReader, head: str, embedding: str) -> None:
     """A tied model's checkpoint may hold its head too; Megatron keeps only the embedding, so the head must be a
     bit-identical copy of it (else it would be lost without a word)."""
-    a, b = reader.get(head), reader.get(embedding)
-    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                   b.reshape(-1).view(torch.uint8)):
+    if not same_bits(reader.get(head), reader.get(embedding)):
         raise ConversionError(
             f"{reader.path / reader.entries[head].shard}: {head} differs from {embedding}, but config.json says "
             f"tie_word_embeddings=true, so Megatron would keep only the embedding and this head would be lost; nothing "

@@ -38,6 +38,11 @@ def compare_hf(a: str | Path, b: str | Path) -> list[TensorReport]:
     return out
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype, shape and bytes (so -0.0 is not 0.0, and NaNs must share their payload)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Each element's bytes, one row per element (flattened first: a 0-dim tensor cannot be viewed as bytes)."""
     return t.reshape(-1).view(torch.uint8).reshape(t.numel(), t.element_size())

@@ -41,11 +41,12 @@ def megatron_config(src: Path, hf_config: str | None) -> tuple[dict[str, Any], P
     return config, tokenizer_dir
 
 
-def check_hf_weights(reader: HFReader, spec: ModelSpec) -> None:
+def check_hf_weights(reader: HFReader, spec: ModelSpec, dtype: str) -> None:
     """Every tensor of an HF source against its config, from the shard headers (names, shapes, dtypes, nothing
-    unmapped): what hf-to-mcore checks before it writes. The vocabulary padding does not matter here."""
+    unmapped): what hf-to-mcore checks before it writes. The vocabulary padding does not matter here, and the
+    export casts to `dtype`, so tensors of one mapping may mix dtypes."""
     spec = with_hf_mtp(reader, spec)
-    plan_from_hf(reader, spec, registry.weight_map(spec), Ctx(spec, spec.vocab_size), None)
+    plan_from_hf(reader, spec, registry.weight_map(spec), Ctx(spec, spec.vocab_size), dtypes.to_torch(dtype))
 
 
 def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str = "bf16",
@@ -66,7 +67,7 @@ def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int =
     check_output(out, inputs, force)  # before a long conversion, not after it
     spec = spec_for(config)
     if reader is not None:  # an HF source is checked as hf-to-mcore checks it (a Megatron one is, by mcore_to_hf)
-        check_hf_weights(reader, spec)
+        check_hf_weights(reader, spec, dtype)
     layout = Layout(tp=tp, pp=pp, ep=ep)
     targets.check_layout(spec, layout)  # every target: TensorRT-LLM splits the model the same way
     if hasattr(writer, "check"):

@@ -32,11 +32,11 @@ def _run(cmd: list[str]) -> str:
         raise LaunchError(f"`{cmd[0]}` not found: run on a Slurm login node, or `make cluster-up` for the dev cluster")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise LaunchError(f"`{' '.join(cmd)}` failed: {_one_line(proc)}")
+        raise LaunchError(f"`{' '.join(cmd)}` failed: {_printed(proc)}")
     return proc.stdout
 
 
-def _one_line(proc: subprocess.CompletedProcess[str]) -> str:
+def _printed(proc: subprocess.CompletedProcess[str]) -> str:
     """What a Slurm command printed when it failed, as one line (sacct and squeue print several)."""
     return " ".join((proc.stderr.strip() or proc.stdout.strip()).split())
 
@@ -100,7 +100,7 @@ def _squeue_one(job_id: str) -> JobRecord | None:
     if proc.returncode != 0:
         if "invalid job id" in proc.stderr.lower():  # an id the controller does not know (any more)
             return None
-        raise LaunchError(f"`squeue` failed: {_one_line(proc)}; is the Slurm controller up (`sinfo`)?")
+        raise LaunchError(f"`squeue` failed: {_printed(proc)}; is the Slurm controller up (`sinfo`)?")
     for line in proc.stdout.splitlines():
         jid, name, state, elapsed = (line.split("|") + [""] * 4)[:4]
         if jid == job_id or in_array_range(job_id, jid):
@@ -112,7 +112,10 @@ def job_record(job_id: str) -> JobRecord | None:
     """One job or array task (ID or ID_N) as Slurm knows it now, or None when Slurm knows no such job or task.
     squeue answers for live jobs (sacct lags by a second or two, and lists a pending array only as ID_[a-b]);
     sacct for ended ones, with their exit code."""
-    live = _squeue_one(job_id)
+    try:
+        live, squeue_failed = _squeue_one(job_id), None
+    except LaunchError as e:  # the controller busy or restarting: accounting may still answer
+        live, squeue_failed = None, e
     if live is not None and not live.final:
         return live
     try:
@@ -123,6 +126,8 @@ def job_record(job_id: str) -> JobRecord | None:
                           for k, r in ranged.items() if in_array_range(job_id, k)), None)
     except LaunchError:
         ended = None
+    if ended is None and squeue_failed is not None:
+        raise squeue_failed  # neither squeue nor sacct answered: not the same as "no such job"
     return ended or live
 
 

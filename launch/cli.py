@@ -107,6 +107,8 @@ def main_sweep(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     points, sweep_dir = api.prepare_sweep(args.config, args.cluster, api.parse_axes(args.grid), args.overrides,
                                           args.profile_overrides, nodes=args.nodes)
+    for w in dict.fromkeys(w for p in points for w in p.warnings):  # each once, however many points share it
+        print(f"mcorekit: warning: {w}", file=sys.stderr)
     if args.dry_run:
         for i, (p, values) in enumerate(zip(points, api.grid(api.parse_axes(args.grid)))):
             print(f"# point {i}: {_resolved(p, values)} -> {p.spec.run_dir}")

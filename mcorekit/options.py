@@ -8,7 +8,7 @@ import math
 from typing import Callable
 
 
-MAX_INT = 2**31  # beyond any count, size or limit a command takes; larger ones overflow the float arithmetic after
+MAX_INT = 2**31 - 1  # int32's largest: beyond any count, size or limit a command takes (larger ones overflow)
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

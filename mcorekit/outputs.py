@@ -90,20 +90,25 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale(out: Path, inputs: Iterable[Path] = ()) -> None:
-    """Clear what killed runs left beside `out` (their process no longer exists): `.OUT.partial-PID`, and
-    `.OUT.old-PID`, the previous output moved aside just before the new one took its place. A kill between those two
-    renames leaves no `out`: the old output is moved back instead, so nothing complete is lost. An input that happens
-    to have such a name is left alone."""
+    """Clear what killed runs left beside `out` (their process no longer exists): `.OUT.partial-PID`, a staged output
+    (complete once it holds the marker, written before the two renames that put it in place), and `.OUT.old-PID`, the
+    previous output that the first rename moved aside. A kill between the renames leaves no `out`: the complete one
+    of the two, the new one first, is moved into place instead of removed. An input with such a name is left alone."""
+    stale = []
     for leftover in sorted(out.parent.glob(f".{out.name}.*-*")):
         kind, _, pid = leftover.name[len(out.name) + 2:].rpartition("-")
-        if kind not in ("partial", "old") or not pid.isdigit() or pid_alive(int(pid)):
-            continue
-        if any(overlaps(leftover, Path(src)) for src in inputs if src is not None):
-            continue
-        if kind == "old" and not out.exists() and (leftover / MARKER).is_file():
-            leftover.rename(out)
-        else:
-            shutil.rmtree(leftover, ignore_errors=True)
+        if kind in ("partial", "old") and pid.isdigit() and not pid_alive(int(pid)) \
+                and not any(overlaps(leftover, Path(src)) for src in inputs if src is not None):
+            stale.append((kind != "partial", leftover))  # sorts the staged (newer) output first
+    complete = [p for _, p in sorted(stale) if (p / MARKER).is_file()]
+    if complete and not out.exists():
+        try:
+            complete[0].rename(out)
+        except OSError:  # another run put an output there first, or moved this one: leave it be
+            pass
+        stale = [(k, p) for k, p in stale if p != complete[0]]
+    for _, leftover in stale:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 @contextmanager

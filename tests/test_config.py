@@ -93,6 +93,25 @@ def test_yaml_scalars_read_as_yaml_1_2_core(tmp_path: Path) -> None:
     assert load_profile("local", ["time_limit=2:00:00"]).time_limit == "2:00:00"
 
 
+@pytest.mark.parametrize("family, quantization", [("gpt_oss", {"quant_method": "mxfp4"}),
+                                                  ("deepseek_v3", {"quant_method": "fp8", "fmt": "e4m3"})])
+def test_training_takes_an_official_config_with_quantized_weights_and_fewer_layers(
+        tmp_path: Path, family: str, quantization: dict) -> None:
+    """The training path checks an HF config as conversion does, but how the weights are stored (the official
+    GPT-OSS and DeepSeek-V3 configs name mxfp4 and fp8) does not matter for a model built from its shape; fewer
+    layers (GPT-OSS's per-layer sliding-window list is then longer than the model) train as before."""
+    import json
+
+    from hf_models import FAMILY_CONFIGS
+
+    from mcorekit.config.model import model_problems, resolve_model
+
+    (tmp_path / "config.json").write_text(json.dumps({**FAMILY_CONFIGS[family]().to_dict(),
+                                                      "quantization_config": quantization}))
+    spec = resolve_model(None, str(tmp_path), {"num_layers": 2})
+    assert spec.num_layers == 2 and model_problems(spec) == []
+
+
 def test_model_from_hf_config_and_presets(tmp_path: Path) -> None:
     qwen3 = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128, "vocab_size": 100,

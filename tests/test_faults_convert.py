@@ -386,7 +386,7 @@ def test_hf_writer_reports_a_shard_it_cannot_create(tmp_path: Path) -> None:
     (["--tp", "0"], "argument --tp: must be >= 1, got 0"),
     (["--tp", "-1"], "argument --tp: must be >= 1, got -1"),
     (["--tp", "two"], "argument --tp: 'two' is not an integer"),
-    (["--tp", "1" + "0" * 400], "argument --tp: must be <= 2,147,483,648, got 10000000000000000000..."),
+    (["--tp", "1" + "0" * 400], "argument --tp: must be <= 2,147,483,647, got 10000000000000000000..."),
     (["--pp", "0"], "argument --pp"),
     (["--ep", "-1"], "argument --ep"),
     (["--etp", "0"], "argument --etp"),

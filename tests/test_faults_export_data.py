@@ -459,8 +459,8 @@ def test_preprocess_bad_option_values(tok: Path, tmp_path: Path, args: list[str]
     (b'{"text": "hello"}\n\xff\xfe\x00binary\n', "in.jsonl:2: not UTF-8"),  # was UnicodeDecodeError
     ('{"text": "hello"}\n{"body": "no text key"}\n', "in.jsonl:2: not a JSON object with a 'text' string"),
     ('{"text": "hello"}\n"just a string"\n', "in.jsonl:2: expected a JSON object"),
-    ('{"text": "a pair \\ud83d\\ude00"}\n{"text": "hello \\ud800 world"}\n',
-     "in.jsonl:2: holds a lone UTF-16 surrogate"),
+    ('{"text": "a pair \\ud83d\\ude00", "meta": "lone \\udc00 elsewhere"}\n{"text": "hello \\ud800 world"}\n',
+     "in.jsonl:2: field 'text' holds a lone UTF-16 surrogate"),
     ('{"text": "hello"}\n[1, 2]\n', "in.jsonl:2: expected a JSON object"),
     ('{"text": "hello"\n', "in.jsonl:1: not valid JSON"),
     ('{"text": "hello"}\n\n\n{"text": 7}\n', "in.jsonl:4: field 'text' is int"),  # blank lines keep numbering exact

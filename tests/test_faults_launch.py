@@ -173,8 +173,8 @@ BAD_EXPERIMENTS = {
                                     "invalid model: model sliding_window='abc' must be a whole number from 1"),
     "clamp not a number": (b"name: x\nmodel: {preset: llama-tiny, overrides: {glu_clamp: .nan}}\n",
                            "invalid model: model glu_clamp=nan must be a positive number"),
-    "window per layer": (b"name: x\nmodel: {preset: llama-tiny, overrides: {window_layers: [1, 0, 1, 0, 1]}}\n",
-                         "invalid model: model window_layers=[1, 0, 1, 0, 1] must be null or one 0 or 1 per layer"),
+    "window per layer": (b"name: x\nmodel: {preset: llama-tiny, overrides: {window_layers: [1, 0, 1]}}\n",
+                         "invalid model: model window_layers=[1, 0, 1] must be null or a 0 or 1 for each layer"),
 }
 
 

@@ -473,3 +473,12 @@ def test_generation_recasts_fp8_weights_after_the_update() -> None:
     with generation_mode([chunk], inference=False):
         assert inner.told == 1 and not chunk.training
     assert chunk.training and inner.told == 1
+
+
+def test_generation_refuses_virtual_pipeline_stages() -> None:
+    """Two model chunks (VPP): every backend refuses in one line instead of failing inside Megatron's schedule."""
+    from mcorekit.train.generate import choose_backend
+
+    for asked in ("auto", "plain", "static", "dynamic"):
+        with pytest.raises(ConfigError, match="generation with virtual pipeline stages is not built"):
+            choose_backend([object(), object()], asked)

@@ -1,10 +1,8 @@
-"""mcorekit/outputs.py: what a command finds beside its output from killed runs. Real folders and a real process
-that has ended (its PID is the dead run's); no conversion runs here (tests/test_faults_convert.py kills real ones)."""
+"""mcorekit/outputs.py: what a command finds beside its output from killed runs. Real folders, named with a PID no
+process can have (the dead run's); no conversion runs here (tests/test_faults_convert.py kills real ones)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +13,8 @@ from mcorekit.outputs import MARKER, staged_output
 
 @pytest.fixture(scope="module")
 def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
+    """A PID no process can have (above the kernel's limit), so no reuse can make it alive."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
 
 
 def folder(path: Path, text: str, marker: bool) -> Path:
@@ -44,17 +41,20 @@ def test_an_input_named_like_a_killed_runs_leftover_is_never_removed(tmp_path: P
     assert (tmp_path / "out" / "data.txt").read_text() == "the input, converted"
 
 
-def test_a_kill_between_the_two_renames_loses_no_complete_output(tmp_path: Path, dead_pid: int) -> None:
-    """Killed after the old output was moved aside and before the new one took its place: no `out`, the old one as
-    `.out.old-PID`, the new one as `.out.partial-PID`. The next run puts the old one back, and replaces it only with
-    --force, as any existing output."""
+@pytest.mark.parametrize("staged_complete", [True, False])
+def test_a_kill_between_the_two_renames_loses_no_complete_output(tmp_path: Path, dead_pid: int,
+                                                                 staged_complete: bool) -> None:
+    """Killed after the old output was moved aside and before the staged one took its place: no `out`, the old one as
+    `.out.old-PID`, the staged one as `.out.partial-PID` (complete: it holds the marker). The next run puts the
+    staged one in place, or the old one if the staged one is not complete, and replaces it only with --force."""
     out = tmp_path / "out"
     folder(tmp_path / f".out.old-{dead_pid}", "previous", marker=True)
-    folder(tmp_path / f".out.partial-{dead_pid}", "half", marker=False)
+    folder(tmp_path / f".out.partial-{dead_pid}", "staged", marker=staged_complete)
     with pytest.raises(OutputError, match="exists; pass --force"):
         with staged_output(out, False):
             pass
-    assert (out / "data.txt").read_text() == "previous" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / "data.txt").read_text() == ("staged" if staged_complete else "previous")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     with staged_output(out, True) as stage:
         (stage / "data.txt").write_text("new")
     assert (out / "data.txt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

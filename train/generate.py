@@ -12,12 +12,12 @@ frees what generation allocated and switches back. Three backends, one result:
            StaticInferenceContext: KV cache of this call's batch and length, prefill then one token per step), as
            StaticInferenceEngine(legacy=True) runs it. Needs no flash-attn.
   plain    a sampling loop over the training forward with no KV cache (each step recomputes the whole prefix),
-           through Megatron's forward-only schedule: works at every layout GRPO trains (PP, SP, EP, FP8; the
-           rules refuse VPP for GRPO, whose interleaved schedule does not take one micro-batch).
+           through Megatron's forward-only schedule: works at every layout GRPO trains (PP, SP, EP, FP8).
+Virtual pipeline stages are refused by every backend: the engines take one model chunk, and the interleaved schedule
+does not take the one micro-batch a generation step is (the rules refuse parallel.vpp with GRPO).
 auto picks static (the engine whose output has been checked against a hand-written greedy loop, tests/test_grpo.py),
-and plain where the engines do not apply: virtual pipeline stages (the engines take one model chunk), expert
-parallelism (direct-mode engines step each data-parallel rank on its own, while the experts' all-to-all needs every
-rank of the expert group in each step), sequence parallelism (the static engine refuses it for dense models), FP8
+and plain where the engines do not apply: expert parallelism (direct-mode engines step each data-parallel rank on
+its own, while the experts' all-to-all needs every rank of the expert group in each step), sequence parallelism (the static engine refuses it for dense models), FP8
 (the engines convert the model for FP8 inference). dynamic is chosen explicitly (grpo.generation: dynamic).
 
 Sampling is the same on every rank of a model-parallel group (TP ranks sample from the same gathered logits with
@@ -80,8 +80,6 @@ def flash_attn_ok() -> bool:
 def why_not_engine(chunks: list[Any]) -> str | None:
     """Why Megatron-Core's engines cannot run this model as built (None: they can)."""
     config = unwrap(chunks[0]).config
-    if len(chunks) > 1:
-        return "virtual pipeline stages (the engines take one model chunk)"
     if config.expert_model_parallel_size > 1:
         return "expert parallelism (direct-mode engines step each data-parallel rank on its own)"
     if config.sequence_parallel:
@@ -94,6 +92,9 @@ def why_not_engine(chunks: list[Any]) -> str | None:
 def choose_backend(chunks: list[Any], asked: str) -> str:
     if asked not in BACKENDS:
         raise ConfigError(f"generation backend {asked!r}: choose one of {', '.join(BACKENDS)}")
+    if len(chunks) > 1:
+        raise ConfigError("generation with virtual pipeline stages is not built (the engines take one model chunk; "
+                          "the interleaved schedule does not take one micro-batch); drop parallel.vpp")
     reason = why_not_engine(chunks)
     if asked == "auto":
         return "plain" if reason else "static"
@@ -329,7 +330,7 @@ def _plain(chunks: list[Any], prompts: list[list[int]], sampling: Sampling, eos_
         span = int(length.max())
         span += -span % tp
         tokens, positions = buf[:, :span], torch.arange(span, device=device).expand(rows, span)
-        if ps.get_pipeline_model_parallel_world_size() == 1 and len(chunks) == 1:
+        if ps.get_pipeline_model_parallel_world_size() == 1:
             logits = chunks[0](tokens, positions, None, runtime_gather_output=True)
             nxt = sample(logits[torch.arange(rows, device=device), length - 1].float(), sampling, vocab_size, gen)
         else:
@@ -344,7 +345,7 @@ def _plain(chunks: list[Any], prompts: list[list[int]], sampling: Sampling, eos_
 
 def _pipelined_next(chunks: list[Any], tokens: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
                     sampling: Sampling, vocab_size: int, gen: torch.Generator) -> torch.Tensor:
-    """The next token of every row with pipeline (or virtual pipeline) stages: one forward-only pass of Megatron's
+    """The next token of every row with pipeline stages: one forward-only pass of Megatron's
     schedule, sampled on the last stage and broadcast to the others."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -363,7 +364,7 @@ def _pipelined_next(chunks: list[Any], tokens: torch.Tensor, positions: torch.Te
         return out, pick
 
     result = get_forward_backward_func()(
-        forward_step_func=forward, data_iterator=[iter([batch]) for _ in chunks] if len(chunks) > 1 else iter([batch]),
+        forward_step_func=forward, data_iterator=iter([batch]),
         model=chunks, num_microbatches=1, seq_length=span, micro_batch_size=rows, forward_only=True)
     nxt = result[0]["next"] if ps.is_pipeline_last_stage() else torch.empty(rows, dtype=torch.long, device=tokens.device)
     dist.broadcast(nxt, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())

@@ -48,13 +48,20 @@ def json_object(raw: bytes, where: str) -> dict[str, Any] | None:
         raise ConfigError(f"{where}: not valid JSON (nested too deeply)") from None
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: expected a JSON object, got a JSON {_json_type(record)}")
-    if "\\ud" in line or "\\uD" in line:  # a \uD800-\uDFFF escape: a pair is one character, a lone one is no text
-        try:
-            json.dumps(record, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ConfigError(f"{where}: holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF without its pair), "
-                              "which is not text; fix or drop the line") from None
     return record
+
+
+def text_problem(text: str, raw: bytes) -> str | None:
+    """Why a string read from JSON line `raw` cannot be tokenized, or None: a \\uD800-\\uDFFF escape without its pair
+    (a pair is one character) decodes to a lone surrogate, which is not text. Looked for only where the line has such
+    an escape, so other lines cost nothing."""
+    if b"\\ud" not in raw and b"\\uD" not in raw:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF without its pair), which is not text"
+    return None
 
 
 def _json_type(value: Any) -> str:

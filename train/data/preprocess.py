@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from mcorekit.errors import ConfigError
-from mcorekit.train.data.jsonl import MAX_LINE_MB, json_object, raw_lines
+from mcorekit.train.data.jsonl import MAX_LINE_MB, json_object, raw_lines, text_problem
 
 BATCH_LINES = 512
 BATCH_BYTES = 8 * 1024**2
@@ -90,6 +90,8 @@ def _text(raw: bytes, where: str) -> str | None:
                           f"--key names the text field")
     if not isinstance(record[_key], str):
         raise ConfigError(f"{where}: field {_key!r} is {type(record[_key]).__name__}, not a string")
+    if problem := text_problem(record[_key], raw):  # only the field read: other fields may hold anything
+        raise ConfigError(f"{where}: field {_key!r} {problem}; fix or drop the line")
     return record[_key]
 
 
