@@ -146,7 +146,8 @@ class _Dumper(yaml.SafeDumper):
 def _core_types(cls: type) -> None:
     """Replace cls's plain-scalar types by YAML 1.2 core's (see _Loader)."""
     cls.yaml_implicit_resolvers = {  # type: ignore[attr-defined]
-        first: [(tag, rx) for tag, rx in resolvers if tag.rsplit(":", 1)[-1] not in ("bool", "int", "float", "timestamp")]
+        first: [(tag, rx) for tag, rx in resolvers
+                if tag.rsplit(":", 1)[-1] not in ("bool", "int", "float", "timestamp")]
         for first, resolvers in _SAFE_LOADER.yaml_implicit_resolvers.items()}
     cls.add_implicit_resolver("tag:yaml.org,2002:bool",  # type: ignore[attr-defined]
                               re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))

@@ -17,8 +17,9 @@ Virtual pipeline stages are refused by every backend: the engines take one model
 does not take the one micro-batch a generation step is (the rules refuse parallel.vpp with GRPO).
 auto picks static (the engine whose output has been checked against a hand-written greedy loop, tests/test_grpo.py),
 and plain where the engines do not apply: expert parallelism (direct-mode engines step each data-parallel rank on
-its own, while the experts' all-to-all needs every rank of the expert group in each step), sequence parallelism (the static engine refuses it for dense models), FP8
-(the engines convert the model for FP8 inference). dynamic is chosen explicitly (grpo.generation: dynamic).
+its own, while the experts' all-to-all needs every rank of the expert group in each step), sequence parallelism
+(the static engine refuses it for dense models), FP8 (the engines convert the model for FP8 inference). dynamic is
+chosen explicitly (grpo.generation: dynamic).
 
 Sampling is the same on every rank of a model-parallel group (TP ranks sample from the same gathered logits with
 the same seed; PP stages receive the last stage's logits or tokens), and seeded per call (Sampling.seed), so a
