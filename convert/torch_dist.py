@@ -25,7 +25,6 @@ import io
 import json
 import math
 import os
-import pickle
 import re
 import threading
 import warnings
@@ -64,6 +63,7 @@ from mcorekit.convert.direct_io import DirectFile
 from mcorekit.convert.files import model_file, read_json, write_failure
 from mcorekit.errors import ConversionError
 from mcorekit.outputs import without_crc32
+from mcorekit.train.checkpoint_reader import MetadataUnpickler, RefusedClass
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
@@ -290,40 +290,12 @@ def _thread_errors() -> Iterator[list[BaseException]]:
 
 # ---------------------------------------------------------------- reading .metadata without running it
 
-METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a dict lookup of torch's layouts by name (torch.strided)
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id as DCP writes it
-}
-TORCH_DTYPES = frozenset(name for name, v in vars(torch).items() if isinstance(v, torch.dtype))
-
-
-class _Refused(Exception):
-    pass
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata and nothing else: a class outside what DCP metadata is made of (the way a
-    crafted pickle reaches os.system & co.) is refused before it is looked up."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in METADATA_CLASSES or (module == "torch" and name in TORCH_DTYPES):
-            return super().find_class(module, name)
-        raise _Refused(f"{module}.{name}")
-
-
 def load_metadata(file: Path) -> Metadata:
     """The DCP metadata in `file`, unpickled with MetadataUnpickler (no code from the file runs)."""
     try:
         with open(file, "rb") as f:
             metadata = MetadataUnpickler(f).load()
-    except _Refused as e:
+    except RefusedClass as e:
         raise ConversionError(f"{file}: not a checkpoint metadata file (refusing to load class {e})") from None
     except OSError as e:
         raise ConversionError(f"{file}: cannot read ({e.strerror})") from None

@@ -13,11 +13,13 @@ import pytest
 from mcorekit.train import checkpoint
 
 
-def _checkpoints(root: Path, *steps: int) -> None:
+def _checkpoints(root: Path, *steps: int, complete: bool = True) -> None:
     for step in steps:
         d = checkpoint.iter_dir(root, step)
         d.mkdir(parents=True)
         (d / "__0_0.distcp").write_bytes(bytes(4096))
+        if complete:  # Megatron-Core writes metadata.json once every rank's part is on disk
+            (d / "metadata.json").write_text("{}")
 
 
 def test_superseded_checkpoints_leave_at_once_and_are_deleted_behind(tmp_path: Path,
@@ -83,3 +85,29 @@ def test_this_process_does_not_delete_twice_what_it_is_deleting(tmp_path: Path) 
     mine.mkdir()
     assert checkpoint.prune(tmp_path, checkpoint.iter_dir(tmp_path, 40), keep_last=2) is None
     assert mine.exists()
+
+
+def test_only_complete_checkpoints_count_and_none_newer_than_the_latest_goes(tmp_path: Path) -> None:
+    """A save that never completed (no metadata.json) is no checkpoint: it neither fills a keep_last place nor survives
+    a later save, and one newer than `latest` is left alone. Before, incomplete folders counted by name: a fresh
+    run's first save kept an incomplete iter_400 and deleted the complete iter_100 and iter_200."""
+    _checkpoints(tmp_path, 100, 200)
+    _checkpoints(tmp_path, 150, 400, complete=False)
+    _checkpoints(tmp_path, 300)
+    thread = checkpoint.prune(tmp_path, checkpoint.iter_dir(tmp_path, 300), keep_last=2)
+    thread.join(30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000200", "iter_0000300", "iter_0000400"]
+
+
+@pytest.mark.parametrize("tracker", [None, "abc", "", "-1", "99999999", "20"])
+def test_resume_finds_the_newest_complete_checkpoint_whatever_the_tracker_says(tmp_path: Path, tracker: str | None,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A tracker that is missing (a kill between a save and its tracker), unreadable, or names a checkpoint that is
+    not complete: resume from the newest complete one, with a warning. Before: step 0 (or a traceback for `abc`)."""
+    _checkpoints(tmp_path, 10, 20, 30)
+    _checkpoints(tmp_path, 40, complete=False)
+    if tracker is not None:
+        (tmp_path / checkpoint.TRACKER).write_text(tracker)
+    expected = 20 if tracker == "20" else 30  # a tracker naming a complete checkpoint is followed
+    assert checkpoint.latest(tmp_path) == checkpoint.iter_dir(tmp_path, expected)
+    assert ("resuming from" in caplog.text) == (tracker != "20")

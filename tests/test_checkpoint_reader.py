@@ -105,3 +105,57 @@ def test_a_failing_target_stops_the_reader(model_parallel: None, tmp_path: Path,
     with pytest.raises(BaseException, match="the target's copy failed"):
         _load(tmp_path / "ckpt", ahead=True)
     assert not _readers()
+
+
+class Evil:
+    """Pickles as a call to os.system (what a crafted checkpoint file does)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_checked_metadata_passes_a_real_checkpoint(model_parallel: None, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    _save(tmp_path / "ckpt", ours=True)
+    md = checkpoint_reader.checked_metadata(tmp_path / "ckpt")
+    assert "w.bf16" in md.state_dict_metadata
+    assert any(isinstance(m, BytesStorageMetadata) for m in md.state_dict_metadata.values())  # a bytes record checked
+
+
+def test_a_crafted_metadata_file_is_refused_before_any_loader_reads_it(model_parallel: None, tmp_path: Path) -> None:
+    """torch's and Megatron-Core's loaders unpickle .metadata without restriction: training's loads (train/
+    checkpoint.read, load, load_fsdp_weights; build's MTP check) run checked_metadata first."""
+    import pickle
+
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint
+
+    _save(tmp_path / "ckpt", ours=True)
+    marker = tmp_path / "MARKER"
+    with open(tmp_path / "ckpt" / ".metadata", "rb") as f:
+        md = checkpoint_reader.MetadataUnpickler(f).load()
+    md.planner_data = Evil(marker)
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(ConfigError, match="refusing to load class posix.system"):
+        checkpoint.read(_zeroed(), tmp_path / "ckpt")
+    assert not marker.exists()
+
+
+def test_a_crafted_bytes_record_is_refused(tmp_path: Path) -> None:
+    """Megatron-Core's common state and TE's extra states are torch.save blobs that DCP's loader unpickles."""
+    import io
+
+    from mcorekit.convert import torch_dist
+    from mcorekit.errors import ConfigError
+
+    marker = tmp_path / "MARKER"
+    blob = io.BytesIO()
+    torch.save([Evil(marker)], blob)
+    torch_dist.write(tmp_path / "ckpt", [], {"common_state/shard_0_1": blob.getvalue()})
+    with pytest.raises(ConfigError, match="bytes record 'common_state/shard_0_1' does not load with weights_only"):
+        checkpoint_reader.checked_metadata(tmp_path / "ckpt")
+    assert not marker.exists()

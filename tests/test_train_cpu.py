@@ -565,15 +565,15 @@ def test_where_training_starts(tmp_path: Any, monkeypatch: Any, tracker: str, fi
     monkeypatch.setattr(checkpoint, "load_weights", rec.load_weights)
     monkeypatch.setattr(loop, "mtp_weights_check", lambda path, spec: None)  # reads DCP metadata these dirs lack
     e = exp(f"checkpoint.load={src}", f"checkpoint.finetune={str(finetune).lower()}")
-    step = loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None, "weights_from": None, "spec": None})(), tmp_path / "own", e)
-    assert rec.calls == expected and step == (7 if expected[0][0] == "everything" else 0)
+    step, own = loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None, "weights_from": None, "spec": None})(), tmp_path / "own", e)
+    assert rec.calls == expected and step == (7 if expected[0][0] == "everything" else 0) and not own
     # this run's own checkpoint wins over checkpoint.load (a requeued fine-tune resumes, it does not restart)
     own = tmp_path / "own"
     (own / "iter_0000004").mkdir(parents=True)
     (own / "iter_0000004" / "metadata.json").write_text("{}")
     (own / checkpoint.TRACKER).write_text("4")
     rec.calls.clear()
-    assert loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None, "weights_from": None, "spec": None})(), own, e) == 7
+    assert loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None, "weights_from": None, "spec": None})(), own, e) == (7, True)
     assert rec.calls == [("everything", "iter_0000004")]
 
 

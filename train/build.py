@@ -131,14 +131,13 @@ def mtp_weights_check(path: Any, spec: ModelSpec) -> str | None:
     rest and leaves them unused (the line returned says so, for the log)."""
     from pathlib import Path
 
-    from torch.distributed.checkpoint import FileSystemReader
-
     from mcorekit.errors import ConfigError
     from mcorekit.train.checkpoint import TORCH_DIST, format_of
+    from mcorekit.train.checkpoint_reader import checked_metadata
 
     if format_of(Path(path)) != TORCH_DIST:
         return None
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    keys = checked_metadata(Path(path)).state_dict_metadata
     held = len({k.split(".")[2] for k in keys if k.startswith("mtp.layers.")})
     if held < spec.mtp_layers:
         raise ConfigError(f"{path} holds {held} multi-token-prediction layer(s) (mtp.layers.*), but "

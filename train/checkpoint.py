@@ -55,13 +55,23 @@ def iter_dir(root: Path, step: int) -> Path:
     return root / f"iter_{step:07d}"
 
 
+def step_of(path: Path) -> int | None:
+    """N of an iter_N directory (None for release or any other name)."""
+    digits = path.name.removeprefix("iter_")
+    return int(digits) if path.name.startswith("iter_") and digits.isascii() and digits.isdigit() else None
+
+
 def tracked(root: Path) -> Path | None:
-    """The iteration directory a checkpoint root's tracker names (iter_N or release); None without a tracker."""
+    """The iteration directory a checkpoint root's tracker names (iter_N or release); None without a tracker, or with
+    one that holds neither (a warning: latest() then looks for the checkpoints themselves)."""
     tracker = root / TRACKER
     if not tracker.is_file():
         return None
-    value = tracker.read_text().strip()
-    return root / value if value == RELEASE else iter_dir(root, int(value))
+    value = tracker.read_bytes()[:64].decode("utf-8", "replace").strip()
+    if value == RELEASE or (value.isascii() and value.isdigit()):
+        return root / value if value == RELEASE else iter_dir(root, int(value))
+    log.warning("%s holds %r, not a step number or %s: ignored", tracker, value, RELEASE)
+    return None
 
 
 def format_of(path: Path) -> str | None:
@@ -73,16 +83,29 @@ def format_of(path: Path) -> str | None:
     return None
 
 
+def complete_steps(root: Path) -> list[Path]:
+    """The complete iter_N checkpoints under root (torch_dist or fsdp_dtensor), oldest first."""
+    found = [p for p in root.glob("iter_*") if step_of(p) is not None and format_of(p) is not None]
+    return sorted(found, key=lambda p: step_of(p) or 0)
+
+
 def latest(root: Path) -> Path | None:
-    """The tracked checkpoint (torch_dist or fsdp_dtensor), if it is complete on disk."""
+    """The checkpoint to resume from: the one the tracker names, if complete on disk; else (no tracker, one that
+    holds no step, or one that names a checkpoint that is not complete: a kill between a save and its tracker, a
+    damaged folder) the newest complete iter_N, with a warning. Starting afresh beside complete checkpoints would
+    resume none of them, and its first save would prune them."""
     path = tracked(root)
-    if path is None:
-        return None
-    if format_of(path) is None:
+    if path is not None and format_of(path) is not None:
+        return path
+    if path is not None:
         log.warning("%s names %s, which is not a complete checkpoint (no metadata.json or %s)", root / TRACKER,
                     path, FSDP_JSON)
+    complete = complete_steps(root) if root.is_dir() else []
+    if not complete:
         return None
-    return path
+    log.warning("resuming from %s, the newest complete checkpoint under %s (its tracker %s)", complete[-1], root,
+                "names another" if path is not None else "is missing or unreadable")
+    return complete[-1]
 
 
 def unwrap(model: Any) -> Any:
@@ -180,7 +203,10 @@ class Saver:
                      "gb": round(size / 1e9, 3), "gb_per_s": round(size / 1e9 / seconds, 3),
                      "waited_for_previous_s": round(waited, 2), "end": time.time()})
             tmp = self.root / (TRACKER + ".tmp")
-            tmp.write_text(str(step))
+            with open(tmp, "w") as f:  # on disk before it replaces the tracker: a crash leaves the old or the new
+                f.write(str(step))
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, self.root / TRACKER)  # only now is this the latest checkpoint
             if (path / LORA_JSON).is_file():
                 log.warning("saved LoRA checkpoint %s: %.2f MB (adapters, their optimizer state, scheduler, step)",
@@ -195,9 +221,13 @@ def prune(root: Path, latest: Path, keep_last: int) -> threading.Thread | None:
     that a process stopped mid-deletion left behind. Every rank waits for rank 0 after a save, and deleting a 36.6 GB
     checkpoint took 10.2 s on an H200 machine's disk (bench/start_save.py, 2026-12-02). Not a daemon thread: the
     process ends only when it is done (a normal exit and train/shutdown.shut_down join it). Returns the thread."""
-    done = sorted(p for p in root.glob("iter_*") if p != latest)
+    newest = step_of(latest)
+    older = [p for p in root.glob("iter_*") if newest is not None and (n := step_of(p)) is not None and n < newest]
+    complete = [p for p in complete_steps(root) if p in older]
+    # the complete ones beyond keep_last, and what saves that never completed left; never one newer than `latest`
+    superseded = complete[: max(0, len(complete) - (keep_last - 1))] + [p for p in older if p not in complete]
     doomed, mine = [], f".{os.getpid()}."
-    for p in done[: max(0, len(done) - (keep_last - 1))]:
+    for p in superseded:
         try:
             doomed.append(p.rename(p.with_name(f"{DELETING}{p.name}{mine}{time.time_ns()}")))
         except OSError as e:  # keeping too many checkpoints must not fail a save (nor hang the other ranks' barrier)
@@ -327,8 +357,9 @@ def read(sharded: dict[str, Any], path: Path, **kwargs: Any) -> dict[str, Any]:
     deserializing (train/checkpoint_reader.py)."""
     from megatron.core import dist_checkpointing
 
-    from mcorekit.train.checkpoint_reader import read_ahead
+    from mcorekit.train.checkpoint_reader import checked_metadata, read_ahead
 
+    checked_metadata(path)  # Megatron-Core's loader unpickles .metadata and the bytes records: nothing unsafe in them
     with read_ahead():
         return dist_checkpointing.load(sharded, str(path), **kwargs)
 
@@ -379,6 +410,9 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
     model whose weights build loaded from `path` before wrapping."""
     from megatron.core import dist_checkpointing
 
+    from mcorekit.train.checkpoint_reader import checked_metadata
+
+    checked_metadata(path)  # every path below unpickles it (DCP, Megatron-Core's common state)
     fmt, fsdp = format_of(path), is_fsdp(chunks)
     if fmt == FSDP_DTENSOR and fsdp:
         return _load_fsdp(path, chunks, optimizer, scheduler)
@@ -567,8 +601,10 @@ def load_fsdp_weights(path: Path, chunks: list[Any]) -> None:
     model = unwrap(chunks[0])
     own = model.state_dict()
     names = fsdp_model_keys(list(own), model.config.num_moe_experts)
+    from mcorekit.train.checkpoint_reader import checked_metadata
+
+    meta = checked_metadata(path).state_dict_metadata  # before DCP's reader unpickles it
     reader = dcp.FileSystemReader(str(path))
-    meta = reader.read_metadata().state_dict_metadata
     absent = [saved_key for saved_key in names.values() if f"model.{saved_key}" not in meta]
     if absent:
         raise ConfigError(f"{path} lacks {len(absent)} of this model's tensors (e.g. {absent[:3]}): a different model")

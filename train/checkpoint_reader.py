@@ -15,16 +15,23 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import queue
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index  # as torch's FileSystemReader
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+from mcorekit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 # records read and queued, not yet taken by the deserializing (one record larger than this still passes); the record
 # being deserialized is held on top of it, twice for a moment (its bytes and torch.load's tensor)
@@ -123,6 +130,76 @@ def read_exactly(fd: int, length: int, offset: int, name: str) -> bytes:
         parts.append(part)
         got += len(part)
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+# ---------------------------------------------------------------- reading a checkpoint's pickles without running them
+
+METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a dict lookup of torch's layouts by name (torch.strided)
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id as DCP writes it
+}
+TORCH_DTYPES = frozenset(name for name, v in vars(torch).items() if isinstance(v, torch.dtype))
+
+
+class RefusedClass(Exception):
+    """A pickle asked for a class that DCP metadata is not made of."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: a class outside what DCP metadata is made of (the way a
+    crafted pickle reaches os.system & co.) is refused before it is looked up."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_CLASSES or (module == "torch" and name in TORCH_DTYPES):
+            return super().find_class(module, name)
+        raise RefusedClass(f"{module}.{name}")
+
+
+def checked_metadata(iter_dir: Path) -> Metadata:
+    """A checkpoint's DCP metadata (torch_dist or fsdp_dtensor), unpickled with MetadataUnpickler, once each of its
+    bytes records (Megatron-Core's common state, TE's extra states: torch.save blobs that DCP's loader unpickles
+    without restriction) has loaded with weights_only=True. Run before torch's or Megatron-Core's loaders read the
+    checkpoint: a crafted file is one error line, and nothing in it runs."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    file = iter_dir / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            md = MetadataUnpickler(f).load()
+    except RefusedClass as e:
+        raise ConfigError(f"{file}: not a checkpoint's metadata (refusing to load class {e}); nothing in it was "
+                          f"run") from None
+    except OSError as e:
+        raise ConfigError(f"{file}: cannot read ({e.strerror or e})") from None
+    except Exception as e:  # noqa: BLE001 - unpickling arbitrary bytes can raise anything: all mean "not metadata"
+        raise ConfigError(f"{file}: not a readable checkpoint metadata file ({type(e).__name__})") from None
+    if not isinstance(md, Metadata) or not isinstance(md.storage_data, dict):
+        raise ConfigError(f"{file}: not a checkpoint's metadata (it holds a {type(md).__name__})")
+    for index, info in md.storage_data.items():
+        if not isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        where = f"{iter_dir / info.relative_path}: bytes record {index.fqn!r}"
+        if info.transform_descriptors:
+            raise ConfigError(f"{where} is stored transformed ({info.transform_descriptors}), so it cannot be checked")
+        try:
+            fd = os.open(iter_dir / info.relative_path, os.O_RDONLY)
+            try:
+                data = read_exactly(fd, info.length, info.offset, str(info.relative_path))
+            finally:
+                os.close(fd)
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a refused global, a truncated file, corrupt bytes
+            first = str(e).strip().splitlines()
+            raise ConfigError(f"{where} does not load with weights_only, so the checkpoint is not read "
+                              f"({type(e).__name__}: {first[0] if first else ''})") from None
+    return md
 
 
 @contextmanager

@@ -41,7 +41,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     task = task_for(exp, t.spec, run_dir)
     stop = StopSignal()
     saver = checkpoint.Saver(root, exp.checkpoint.keep_last, exp.checkpoint.async_save)
-    step = _resume(t, saver.root, exp)
+    step, saved = _resume(t, saver.root, exp)  # saved: this run's own checkpoint holds `step`
     startup.mark("resume")
     if dist.get_rank() == 0:
         RestartGuard(run_dir, exp.resources.max_restarts).check(step)
@@ -54,11 +54,14 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     losses: list[float] = []
     while step < s.train_iters:
         if stop.requested():  # USR2 before the time limit, or preemption: save together, then requeue
-            saver.save(step, t.model, t.optimizer, t.scheduler, wait=True)
+            if saved:  # a signal right after a save or a resume: that checkpoint is this step's; never rewrite it
+                saver.wait()
+            else:
+                saver.save(step, t.model, t.optimizer, t.scheduler, wait=True)
             requeue_and_exit(dist.get_rank())
         saver.poll()
         metrics = train_step(t, task, data)
-        step += 1
+        step, saved = step + 1, False
         stop_on_nan(metrics, step)
         losses.append(metrics["loss"])
         log.step(step, metrics)
@@ -70,6 +73,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
             stop_compile_workers()  # beside the final save, not after it
         if step % exp.checkpoint.save_interval == 0 or step == s.train_iters:
             saver.save(step, t.model, t.optimizer, t.scheduler, wait=step == s.train_iters)
+            saved = True
     saver.close()
     stop.work_done()
     log.close()
@@ -206,16 +210,17 @@ def forward_pre_hooks_off(chunks: list[Any]) -> Iterator[None]:
             chunk.enable_forward_pre_hook()
 
 
-def _resume(t: Trainer, root: Path, exp: Experiment) -> int:
-    """The step to start from: this run's own latest checkpoint (everything) wins; else checkpoint.load, as
-    weights only (finetune, or a converted `release` checkpoint, which has nothing else) or as a whole."""
+def _resume(t: Trainer, root: Path, exp: Experiment) -> tuple[int, bool]:
+    """The step to start from, and whether it is this run's own checkpoint: this run's own latest checkpoint
+    (everything) wins; else checkpoint.load, as weights only (finetune, or a converted `release` checkpoint, which
+    has nothing else) or as a whole."""
     found = checkpoint.latest(root)
     if found is not None:
         step = checkpoint.load(found, t.model, t.optimizer, t.scheduler, weights_loaded=t.weights_from == found)
         log.warning("resumed from %s at step %d", found, step)
-        return step
+        return step, True
     if not exp.checkpoint.load:
-        return 0
+        return 0, False
     start = checkpoint.latest(Path(exp.checkpoint.load)) or Path(exp.checkpoint.load)
     if note := mtp_weights_check(start, t.spec):
         log.warning(note)
@@ -223,10 +228,10 @@ def _resume(t: Trainer, root: Path, exp: Experiment) -> int:
         if t.weights_from != start:  # parallel.fsdp: build loaded them before wrapping
             checkpoint.load_weights(start, t.model, t.optimizer)
         log.warning("initialised weights from %s (fresh optimizer, step 0)", start)
-        return 0
+        return 0, False
     step = checkpoint.load(start, t.model, t.optimizer, t.scheduler)
     log.warning("continuing from %s at step %d (checkpoint.finetune=true would take its weights only)", start, step)
-    return step
+    return step, False
 
 
 def _mean_metrics(out: list[dict[str, torch.Tensor]], names: tuple[str, ...]) -> dict[str, float]:
