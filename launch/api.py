@@ -334,6 +334,16 @@ def prepare_sweep(config: str | Path, cluster: str | Path, axes: dict[str, list[
         except (ConfigError, ModelError) as e:
             what = str(e).removeprefix(f"{shown(config)}: ")  # load_experiment names the file already
             raise type(e)(f"{shown(config)}: sweep point {i} {point}: {what}") from None
+    shared: dict[Path, int] = {}
+    for i, p in enumerate(points):  # each point resumes from, and prunes, what is in its checkpoint folder
+        if p.experiment.checkpoint.dir is None:
+            continue  # its own, under its run folder
+        folder = Path(p.experiment.checkpoint.dir).expanduser().resolve()
+        if folder in shared:
+            raise ConfigError(f"{shown(config)}: sweep points {shared[folder]} and {i} share checkpoint.dir {folder}: "
+                              f"each would resume from and prune the other's checkpoints; drop checkpoint.dir (each "
+                              f"point then keeps its own in its run folder) or make it one of the grid's axes")
+        shared[folder] = i
     resources = {(p.spec.nodes, p.spec.time, p.spec.exclusive, p.spec.max_restarts) for p in points}
     if len(resources) > 1:
         raise ConfigError("sweep points differ in resources (nodes/time/exclusive/max_restarts); one array job needs "
