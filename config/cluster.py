@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from mcorekit.config.loading import load
-from mcorekit.config.values import ENV_KEY_RE, NAME_RE, Strict, no_control, slurm_time
+from mcorekit.config.values import ENV_KEY_RE, NAME_RE, Strict, no_control, shown, slurm_time
 from mcorekit.errors import ConfigError
 
 PROFILES = Path(__file__).resolve().parent.parent / "slurm" / "clusters"  # mcorekit.slurm's data, next to this part
@@ -120,6 +120,8 @@ def load_profile(name_or_path: str | Path, overrides: list[str] | None = None) -
         if not p.is_file():
             known = sorted(q.stem for q in PROFILES.glob("*.yaml"))
             raise ConfigError(f"no cluster profile named {str(name_or_path)!r}; known: {', '.join(known)} (or give a path)")
+    if not p.exists():
+        raise ConfigError(f"cluster profile not found: {shown(p)} (a profile name from {PROFILES} or a YAML path)")
     profile = load(ClusterProfile, p, overrides)
     return profile.model_copy(update={"run_root": _absolute_run_root(profile, p, overrides or [])})
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -38,11 +38,17 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _format_errors(err: ValidationError, schema: type[BaseModel], source: str) -> ConfigError:
+def _format_errors(err: ValidationError, schema: type[BaseModel], source: str,
+                   overrides: Sequence[str] = ()) -> ConfigError:
+    """One line for every error; a value that a command-line override set is said to come from it, not the file."""
+    overridden = [item.split("=", 1)[0].strip() for item in overrides]
     lines = []
     for e in err.errors():
         loc = [str(p) for p in e["loc"]]
         where = ".".join(loc)
+        by = next((k for k in reversed(overridden) if where == k or where.startswith(k + ".")), None)
+        if by is not None and e["type"] != "extra_forbidden":
+            where = f"{where} (from the override {by}=...)"
         if e["type"] == "extra_forbidden":
             parent = _schema_at(schema, loc[:-1])
             options = sorted(parent.model_fields) if parent else []
@@ -257,7 +263,7 @@ def load(schema: type[Schema], path: str | Path, overrides: list[str] | None = N
     try:
         return schema.model_validate(data)
     except ValidationError as e:
-        raise _format_errors(e, schema, str(path)) from None
+        raise _format_errors(e, schema, str(path), overrides or []) from None
 
 
 def dump(model: BaseModel) -> str:

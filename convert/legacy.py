@@ -371,4 +371,8 @@ def load_rank_file(file: Path) -> dict[str, Any]:
         raise ConversionError(f"{file}: cannot load it as a weights-only checkpoint, so it is not read ({reason})") from None
     if not isinstance(state, dict) or not _models(state) or not all(isinstance(v, dict) for v in _models(state).values()):
         raise ConversionError(f"{file}: not a Megatron rank file (no `model` state dict in it)")
+    names = [k for k in state if isinstance(k, str) and re.fullmatch(r"model\d*", k)]
+    if len(names) != len(_models(state)):  # `model` and `model0` are both chunk 0: one would be read, one ignored
+        raise ConversionError(f"{file}: holds a model chunk twice ({', '.join(sorted(names))}): `model` for one "
+                              f"chunk, `model0`, `model1`, ... for several; re-save it")
     return state

@@ -319,6 +319,7 @@ def extra_state_blobs(amap: WeightMap, spec: ModelSpec) -> dict[str, bytes]:
 
 
 FORMATS = ("torch_dist", "torch")
+MAX_VOCAB_DIVISOR = 65536
 
 
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, fmt: str = "torch_dist", dtype: str | None = None,
@@ -331,8 +332,9 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, fmt: str = "torch_dist"
         raise ConversionError(f"unknown format {fmt!r}; supported: {', '.join(FORMATS)}")
     if dtype is not None and dtype not in dtypes.NAMES:
         raise ConversionError(f"unknown dtype {dtype!r}; supported: {', '.join(dtypes.NAMES)}")
-    if vocab_divisible_by < 1:
-        raise ConversionError(f"--vocab-divisible-by {vocab_divisible_by}: must be at least 1")
+    if not 1 <= vocab_divisible_by <= MAX_VOCAB_DIVISOR:  # a larger one pads the embedding to an absurd size
+        raise ConversionError(f"--vocab-divisible-by {vocab_divisible_by}: must be from 1 to {MAX_VOCAB_DIVISOR:,} "
+                              f"(Megatron's default is 128)")
     reader = HFReader(hf_dir)
     try:
         spec = with_hf_mtp(reader, spec_for(reader.config, reader.path / "config.json"))

@@ -52,6 +52,11 @@ def _choose(p: argparse.ArgumentParser, argv: list[str]) -> int | None:
     if argv[0] in ("-h", "--help"):
         p.print_help()
         return 0
+    if argv[0].startswith("-"):  # argparse would only say that COMMAND is missing
+        p.print_usage(sys.stderr)
+        print(f"{p.prog}: error: unknown option {argv[0]}; a command comes first, its options after it "
+              f"(`{p.prog} COMMAND --help`)", file=sys.stderr)
+        return 2
     try:
         p.parse_args(argv[:1])
     except SystemExit as e:

@@ -38,6 +38,15 @@ def test_a_missing_or_unknown_command_is_a_usage_error(argv: list[str]) -> None:
     assert proc.stderr.startswith("usage: mcorekit") and "error:" in proc.stderr.splitlines()[-1], proc.stderr
 
 
+@pytest.mark.parametrize("argv", [["--nope"], ["convert", "--tp", "2"]])
+def test_an_option_before_the_command_is_named(argv: list[str]) -> None:
+    """argparse said only that COMMAND was missing."""
+    proc = run_cli(*argv)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1].endswith(
+        f"error: unknown option {argv[-2] if len(argv) > 1 else argv[0]}; a command comes first, its options after it "
+        f"(`mcorekit {argv[0] + ' ' if len(argv) > 1 else ''}COMMAND --help`)"), proc.stderr
+
+
 def test_version() -> None:
     from importlib.metadata import version
 

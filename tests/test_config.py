@@ -42,7 +42,7 @@ def test_override_typo_and_types() -> None:
         load_experiment(TINY, ["optimizer.learning_rate=1e-3"])
     with pytest.raises(ConfigError, match=r"did you mean 'micro_batch_size'"):
         load_experiment(TINY, ["schedule.micro_batch=2"])
-    with pytest.raises(ConfigError, match=r"parallel.tp: .*integer"):
+    with pytest.raises(ConfigError, match=r"parallel.tp \(from the override parallel.tp=...\): .*integer"):
         load_experiment(TINY, ["parallel.tp=two"])
     with pytest.raises(ConfigError, match=r"precision.fp8"):
         load_experiment(TINY, ["precision.fp8=e5m2"])

@@ -216,6 +216,17 @@ def test_malicious_legacy_rank_file(base, tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def test_legacy_rank_file_holding_a_chunk_twice(base, tmp_path: Path) -> None:
+    """`model` and `model0` both name chunk 0: one was read and the other ignored."""
+    ckpt = copy(base["legacy"], tmp_path / "ckpt")
+    file = ckpt / "release/mp_rank_00/model_optim_rng.pt"
+    state = torch.load(file, weights_only=True)
+    chunk = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state["model"].items()}
+    torch.save({**state, "model0": chunk}, file)
+    expect_error(["mcore-to-hf", str(ckpt), str(tmp_path / "out")], tmp_path / "out", [ckpt],
+                 f"{file}: holds a model chunk twice (model, model0)")
+
+
 def test_malicious_bytes_entry_is_loaded_weights_only(tmp_path: Path) -> None:
     """common_state and TE extra states are torch.save blobs: read with weights_only, never plain unpickling."""
     marker = tmp_path / "MARKER"
@@ -396,6 +407,12 @@ def test_hf_writer_reports_a_shard_it_cannot_create(tmp_path: Path) -> None:
 def test_bad_layout_numbers_are_usage_errors(base, tmp_path: Path, args: list[str], needle: str) -> None:
     expect_error(["hf-to-mcore", str(base["llama"]), str(tmp_path / "out"), *args], tmp_path / "out", [base["llama"]],
                  needle, usage=True)
+
+
+def test_a_vocabulary_divisor_beyond_any_padding_is_refused(base, tmp_path: Path) -> None:
+    """10**9 tried to allocate a 128 GB embedding for the tiny model, reported as a failed write."""
+    expect_error(["hf-to-mcore", str(base["llama"]), str(tmp_path / "out"), "--vocab-divisible-by", str(10**9)],
+                 tmp_path / "out", [base["llama"]], "--vocab-divisible-by 1000000000: must be from 1 to 65,536")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "big"])

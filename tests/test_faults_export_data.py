@@ -525,6 +525,12 @@ def test_no_reader_runs_a_tokenizer_folders_own_code(tok: Path, tmp_path: Path, 
     assert not marker.exists()
 
 
+def test_preprocess_input_that_is_a_folder(tok: Path, tmp_path: Path) -> None:
+    corpus(tmp_path / "a.jsonl", 3)
+    rc, err = run(*preprocess_args([tmp_path], tok, tmp_path / "out" / "p"))
+    assert_error(rc, err, f"input {tmp_path} is a folder; give its .jsonl files", tmp_path / "out")  # "not found"
+
+
 def test_preprocess_input_that_cannot_be_read_is_named(tok: Path, tmp_path: Path) -> None:
     """/proc/self/mem opens but fails the first read (EIO), with no file name on the error: it was reported as the
     output's ("cannot write p.{bin,idx,json}")."""

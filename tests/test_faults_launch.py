@@ -234,6 +234,11 @@ def test_malformed_cluster_profile_is_one_line_naming_the_file(tmp_path: Path, c
     assert snapshot(tmp_path) == before
 
 
+def test_a_missing_profile_file_is_named_as_a_profile(tmp_path: Path) -> None:
+    one_error(run_main("launch", "--config", TINY, "--cluster", tmp_path / "nope.yaml", "--dry-run"),
+              f"cluster profile not found: {tmp_path / 'nope.yaml'} (a profile name from ")  # was "config file"
+
+
 def test_paths_and_values_with_control_characters_are_one_line(tmp_path: Path) -> None:
     # A newline in a file name must not split the message: the name is shown escaped.
     r = run_main("launch", "--config", tmp_path / "a\nb.yaml", "--dry-run")
@@ -356,7 +361,12 @@ def test_sweep_grid_limits(tmp_path: Path) -> None:
     one_error(run_main(*base, "--grid", f"optimizer.lr={many}", "--grid", f"optimizer.min_lr={many}"),
               "the grid has 1,089 points", "at most 1000")
     one_error(run_main(*base, "--grid", "optimizer.lr=1e-4,-1"), f"{TINY}: sweep point 1 {{'optimizer.lr': -1}}: optimizer.lr")
-    assert list(tmp_path.iterdir()) == []
+    # one checkpoint folder for every point: they would resume from and prune each other's checkpoints
+    one_error(run_main(*base, "--grid", "optimizer.lr=1e-4,3e-4", f"checkpoint.dir={tmp_path / 'ckpt'}"),
+              f"sweep points 0 and 1 share checkpoint.dir {tmp_path / 'ckpt'}")
+    r = run_main(*base, "--grid", f"checkpoint.dir={tmp_path / 'a'},{tmp_path / 'b'}")  # one each: fine
+    assert r.code == 0, r.err
+    assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
 
 
 def test_chain_outputs_are_checked_at_submission(tmp_path: Path) -> None:

@@ -259,6 +259,8 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
     if max_line_mb < 1:
         raise ConfigError(f"max_line_mb={max_line_mb}: must be >= 1")
     paths = [Path(p) for p in inputs]
+    if folders := [str(p) for p in paths if p.is_dir()]:
+        raise ConfigError(f"input {', '.join(folders)} is a folder; give its .jsonl files (e.g. {folders[0]}/*.jsonl)")
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise ConfigError(f"input not found: {', '.join(missing)}")
