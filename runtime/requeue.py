@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mcorekit.errors import MCoreKitError
+
 log = logging.getLogger("mcorekit.requeue")
 
 
@@ -36,17 +38,7 @@ class StopSignal:
 
     def requested(self, group: Any = None) -> bool:
         """True on every rank as soon as any rank got a signal (one tiny all-reduce when distributed)."""
-        local = self.signum is not None
-        import torch.distributed as dist
-
-        if group is not False and dist.is_available() and dist.is_initialized():
-            import torch
-
-            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            flag = torch.tensor([1 if local else 0], device=device, dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            return bool(flag.item())
-        return local
+        return any_rank(self.signum is not None) if group is not False else self.signum is not None
 
     def work_done(self) -> None:
         """The job's work is complete: a time-limit warning from now on changes nothing, so it is ignored. Left to
@@ -61,8 +53,25 @@ class StopSignal:
         return self.signum == signal.SIGUSR2
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is on any rank: one tiny all-reduce (the flag itself without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    import torch
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([1 if flag else 0], device=device, dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def restart_count() -> int:
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    value = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if not (value.isascii() and value.isdigit()):
+        raise MCoreKitError(f"SLURM_RESTART_COUNT={value!r} is not a whole number (Slurm sets it on a requeued job)")
+    return int(value)
 
 
 @dataclass
@@ -77,22 +86,37 @@ class RestartGuard:
         return self.run_dir / "restarts.json"
 
     def check(self, start_step: int) -> None:
-        """Call once at start with the step the job resumes from; raises RuntimeError to stop for good."""
+        """Call once at start (rank 0) with the step the job resumes from; raises MCoreKitError to stop for good."""
         restarts = restart_count()
-        history = json.loads(self.path.read_text()) if self.path.exists() else []
+        history = self._history()
         if restarts > self.max_restarts:
-            raise RuntimeError(
+            raise MCoreKitError(
                 f"restart {restarts} exceeds resources.max_restarts={self.max_restarts}; not resuming "
                 f"(raise resources.max_restarts or resources.time)"
             )
         if restarts > 0 and history and history[-1]["start_step"] == start_step and history[-1]["restart"] < restarts:
-            raise RuntimeError(
+            raise MCoreKitError(
                 f"restart {restarts} would resume from step {start_step}, the same step as the previous start: no "
                 f"progress was saved in between (a checkpoint save that fails or takes longer than the signal lead "
                 f"time?); stopping instead of looping"
             )
         history.append({"restart": restarts, "start_step": start_step, "job_id": os.environ.get("SLURM_JOB_ID")})
         _write_atomic(self.path, json.dumps(history, indent=1))
+
+    def _history(self) -> list[dict[str, Any]]:
+        """The starts so far ([] before the first); a file that is not that list is one error line, not a guess."""
+        if not self.path.exists():
+            return []
+        try:
+            history = json.loads(self.path.read_text())
+        except (OSError, ValueError) as e:
+            raise MCoreKitError(f"{self.path}: unreadable ({type(e).__name__}); it holds this run's restarts: delete "
+                                f"it to start the count afresh") from None
+        if not (isinstance(history, list) and all(isinstance(h, dict) and type(h.get("restart")) is int
+                                                  and type(h.get("start_step")) is int for h in history)):
+            raise MCoreKitError(f"{self.path}: not a list of {{restart, start_step}} records; delete it to start the "
+                                f"count afresh")
+        return history
 
     def allow_requeue(self) -> bool:
         return restart_count() < self.max_restarts

@@ -1,11 +1,13 @@
 """A time-limit warning (USR2) that arrives once a job's work is done must not kill it: Python's exit restores the
 default action of the signals it handles (terminate) before the process ends, and a finished job killed that way is
 FAILED to Slurm, so its afterok children never run (the requeue test on the dev cluster hit it on 2026-12-02).
-Real processes and real signals; the warning is sent over and over from the moment the work is done until exit."""
+Real processes and real signals; the warning is sent over and over from the moment the work is done until exit.
+Also the restart guard (runtime/requeue.RestartGuard): its refusals and a damaged restarts.json are one line."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,3 +59,38 @@ def test_work_done_leaves_termination_handled() -> None:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{", "restarts.json: unreadable (JSONDecodeError)"),
+    ("{}", "restarts.json: not a list of {restart, start_step} records"),
+    ('[{"restart": 0}]', "restarts.json: not a list of {restart, start_step} records"),
+])
+def test_a_damaged_restart_history_is_one_line(tmp_path, monkeypatch, content: str, needle: str) -> None:
+    """It gave a JSONDecodeError, AttributeError or KeyError traceback on rank 0, the other ranks left waiting."""
+    from mcorekit.errors import MCoreKitError
+    from mcorekit.runtime.requeue import RestartGuard
+
+    (tmp_path / "restarts.json").write_text(content)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with pytest.raises(MCoreKitError, match=re.escape(needle)):
+        RestartGuard(tmp_path, 5).check(10)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "x")
+    (tmp_path / "restarts.json").unlink()
+    with pytest.raises(MCoreKitError, match="SLURM_RESTART_COUNT='x' is not a whole number"):
+        RestartGuard(tmp_path, 5).check(10)
+
+
+def test_the_guard_refuses_in_one_line_and_records_each_start(tmp_path, monkeypatch) -> None:
+    from mcorekit.errors import MCoreKitError
+    from mcorekit.runtime.requeue import RestartGuard
+
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    RestartGuard(tmp_path, 1).check(0)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with pytest.raises(MCoreKitError, match="would resume from step 0, the same step as the previous start"):
+        RestartGuard(tmp_path, 1).check(0)
+    RestartGuard(tmp_path, 1).check(5)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    with pytest.raises(MCoreKitError, match="restart 2 exceeds resources.max_restarts=1"):
+        RestartGuard(tmp_path, 1).check(9)

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from mcorekit.config.experiment import Experiment, layout_of
-from mcorekit.runtime.requeue import RestartGuard, StopSignal, requeue_and_exit
+from mcorekit.errors import MCoreKitError
+from mcorekit.runtime.requeue import RestartGuard, StopSignal, any_rank, requeue_and_exit
 from mcorekit.train import checkpoint
 from mcorekit.train.build import Trainer, build, mtp_weights_check
 from mcorekit.train.flops import train_flops_per_token
@@ -43,8 +44,14 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     saver = checkpoint.Saver(root, exp.checkpoint.keep_last, exp.checkpoint.async_save)
     step, saved = _resume(t, saver.root, exp)  # saved: this run's own checkpoint holds `step`
     startup.mark("resume")
+    refused = None
     if dist.get_rank() == 0:
-        RestartGuard(run_dir, exp.resources.max_restarts).check(step)
+        try:
+            RestartGuard(run_dir, exp.resources.max_restarts).check(step)
+        except MCoreKitError as e:
+            refused = e
+    if any_rank(refused is not None):  # every rank stops, not only rank 0 (the others would wait for it)
+        raise refused or MCoreKitError("rank 0 refused this restart (its log says why)")
     s = exp.schedule
     dataset = task.dataset()
     valid = task.dataset(validation=True) if s.eval_interval else None
