@@ -669,6 +669,8 @@ def test_indexed_dataset_damage_is_one_line_naming_the_file(dataset: Path, tmp_p
     ('{"prompt": "a", "response": "b"}\n[1]\n', "sft.jsonl:2: expected a JSON object"),
     ('{"messages": [{"role": "user"}, "hello"]}\n', "sft.jsonl:1: 'messages' must be a list"),
     ('{"messages": "hello"}\n', "sft.jsonl:1: 'messages' must be a list"),
+    ('{"prompt": null, "response": 5}\n', "sft.jsonl:1: 'prompt', 'response' must be text, got NoneType, int"),
+    ('{"prompt": "a \\ud800", "response": "b"}\n', "sft.jsonl:1: holds a lone UTF-16 surrogate escape"),  # TypeError
 ])
 def test_sft_jsonl_damage_is_one_line_naming_the_file(tok: Path, tmp_path: Path, content: str | bytes,
                                                       needle: str) -> None:
@@ -682,3 +684,23 @@ def test_sft_jsonl_damage_is_one_line_naming_the_file(tok: Path, tmp_path: Path,
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="not a usable HF tokenizer directory"):
         SFTDataset([str(path)], str(tmp_path / "empty"), 64, 0, False, 256)
+
+
+def test_sft_examples_skipped_are_counted_with_the_reason(tok: Path, tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """ShareGPT roles (human/gpt) give no assistant turn: such examples were dropped without a word, and the
+    truncation warning counted against the kept examples ("3 of 1")."""
+    from mcorekit.train.data.sft import SFTDataset
+
+    path = tmp_path / "sft.jsonl"
+    gpt = [{"role": "human", "content": "hello"}, {"role": "gpt", "content": "answer"}]
+    lines = [{"messages": gpt}] * 2 + [{"prompt": "the " * 40, "response": "yes"},
+                                       {"prompt": "hello", "response": "the " * 40}, {"prompt": "a", "response": "b"}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with caplog.at_level("WARNING"):
+        ds = SFTDataset([str(path)], str(tok), 16, 0, False, 256)
+    assert len(ds.examples) == 2
+    assert "2 of 5 SFT examples have no response to learn and were skipped (roles seen: gpt, human; the loss is on " \
+           "'assistant' turns)" in caplog.text
+    assert "2 of 5 SFT examples were longer than seq_length=16 and were truncated (1 of them kept no response and " \
+           "were skipped)" in caplog.text

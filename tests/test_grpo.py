@@ -351,6 +351,9 @@ def test_prompt_dataset_order_resumes_and_splits_over_ranks(example: Path) -> No
     (example / "bad.jsonl").write_text('{"question": "1+1="}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:1: expected a 'prompt' string or 'messages'"):
         PromptDataset([str(example / "bad.jsonl")], tok, 16, 6, 3)
+    (example / "bad.jsonl").write_text('{"prompt": "1+1=\\ud800"}\n')  # the tokenizer's TypeError before
+    with pytest.raises(ConfigError, match=r"bad.jsonl:1: holds a lone UTF-16 surrogate"):
+        PromptDataset([str(example / "bad.jsonl")], tok, 16, 6, 3)
 
 
 def test_example_experiments_pass_the_rules(example: Path) -> None:

@@ -51,17 +51,31 @@ def json_object(raw: bytes, where: str) -> dict[str, Any] | None:
     return record
 
 
+LONE_SURROGATE = "holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF without its pair), which is not text"
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """Whether a JSON value holds, at any depth, a string that tokenizers refuse: one with a lone surrogate."""
+    if isinstance(value, str):
+        if value.isascii():
+            return False
+        try:
+            value.encode("utf-8")  # at C speed: only a surrogate makes it fail
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(v) for v in value.values())
+    return isinstance(value, list) and any(has_lone_surrogate(v) for v in value)
+
+
 def text_problem(text: str, raw: bytes) -> str | None:
     """Why a string read from JSON line `raw` cannot be tokenized, or None: a \\uD800-\\uDFFF escape without its pair
     (a pair is one character) decodes to a lone surrogate, which is not text. Looked for only where the line has such
     an escape, so other lines cost nothing."""
     if b"\\ud" not in raw and b"\\uD" not in raw:
         return None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return "holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF without its pair), which is not text"
-    return None
+    return LONE_SURROGATE if has_lone_surrogate(text) else None
 
 
 def _json_type(value: Any) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mcorekit.errors import ConfigError
-from mcorekit.train.data.jsonl import records
+from mcorekit.train.data.jsonl import LONE_SURROGATE, has_lone_surrogate, records
 from mcorekit.train.data.packing import EpochOrder, Example, first_fit_decreasing, pack, pad_one
 from mcorekit.train.data.tokenizer import load_tokenizer
 
@@ -54,7 +54,12 @@ def tokenize_pair(tok: Any, prompt: str, response: str) -> Example:
     return Example(list(p) + list(r), [0] * len(p) + [1] * len(r))
 
 
+TEXT_FIELDS = ("messages", "prompt", "response", "instruction", "input", "output")
+
+
 def tokenize_record(tok: Any, record: dict[str, Any], where: str) -> Example:
+    if has_lone_surrogate([record.get(k) for k in TEXT_FIELDS]):  # tokenizers fail on it with a TypeError
+        raise ConfigError(f"{where}: {LONE_SURROGATE}; fix or drop the line")
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(
@@ -71,11 +76,18 @@ def tokenize_record(tok: Any, record: dict[str, Any], where: str) -> Example:
             lines = str(e).strip().splitlines()
             raise ConfigError(f"{where}: the tokenizer's chat template failed on this conversation: "
                               f"{lines[0] if lines else type(e).__name__}") from None
+    for keys in (("prompt", "response"), ("instruction", "output")):
+        if all(k in record for k in keys):
+            wrong = [k for k in (*keys, "input") if k in record and not isinstance(record[k], str)
+                     and not (k == "input" and record[k] is None)]
+            if wrong:  # str() made text of them: "None" -> "5" was trained on
+                raise ConfigError(f"{where}: {', '.join(repr(k) for k in wrong)} must be text, got "
+                                  f"{', '.join(type(record[k]).__name__ for k in wrong)}")
     if "prompt" in record and "response" in record:
-        return tokenize_pair(tok, str(record["prompt"]), str(record["response"]))
+        return tokenize_pair(tok, record["prompt"], record["response"])
     if "instruction" in record and "output" in record:
-        prompt = str(record["instruction"]) + ("\n\n" + str(record["input"]) if record.get("input") else "")
-        return tokenize_pair(tok, prompt + "\n\n", str(record["output"]))
+        prompt = record["instruction"] + ("\n\n" + record["input"] if record.get("input") else "")
+        return tokenize_pair(tok, prompt + "\n\n", record["output"])
     raise ConfigError(f"{where}: expected 'messages', 'prompt'+'response' or 'instruction'+'output' "
                       f"(got keys {sorted(record)[:8]})")
 
@@ -88,19 +100,30 @@ class SFTDataset:
                  vocab_size: int) -> None:
         tok = load_tokenizer(tokenizer_dir, vocab_size)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        examples, truncated = [], 0
+        examples, read, truncated, nothing, cut_off = [], 0, 0, 0, 0
+        roles: set[str] = set()
         for path in paths:
             for n, record in _read(Path(path)):
-                ex = tokenize_record(tok, record, f"{path}:{n}")
+                ex, read = tokenize_record(tok, record, f"{path}:{n}"), read + 1
+                if not sum(ex.mask[1:]):  # no assistant turn to learn from (roles other than "assistant"?)
+                    nothing += 1
+                    roles |= {m.get("role") for m in record.get("messages") or [] if isinstance(m, dict)}
+                    continue
                 if ex.positions > seq_length:
                     ex, truncated = Example(ex.ids[: seq_length + 1], ex.mask[: seq_length + 1]), truncated + 1
-                if sum(ex.mask[1:]) and ex.positions > 0:
-                    examples.append(ex)
+                    if not sum(ex.mask[1:]):  # the prompt alone fills seq_length
+                        cut_off += 1
+                        continue
+                examples.append(ex)
+        if nothing:
+            log.warning("%d of %d SFT examples have no response to learn and were skipped%s", nothing, read,
+                        f" (roles seen: {', '.join(sorted(map(str, roles)))}; the loss is on 'assistant' turns)"
+                        if roles else "")
+        if truncated:
+            log.warning("%d of %d SFT examples were longer than seq_length=%d and were truncated (%d of them kept no "
+                        "response and were skipped)", truncated, read, seq_length, cut_off)
         if not examples:
             raise ConfigError(f"no usable SFT examples (with a response to learn) in {', '.join(paths)}")
-        if truncated:
-            log.warning("%d of %d SFT examples were longer than seq_length=%d and were truncated", truncated,
-                        len(examples), seq_length)
         self.examples, self.seq_length, self.seed, self.packing = examples, seq_length, seed, packing
         self.bins = first_fit_decreasing([e.positions for e in examples], seq_length) if packing else \
             [[i] for i in range(len(examples))]
