@@ -671,6 +671,8 @@ def test_indexed_dataset_damage_is_one_line_naming_the_file(dataset: Path, tmp_p
     ('{"messages": "hello"}\n', "sft.jsonl:1: 'messages' must be a list"),
     ('{"prompt": null, "response": 5}\n', "sft.jsonl:1: 'prompt', 'response' must be text, got NoneType, int"),
     ('{"prompt": "a \\ud800", "response": "b"}\n', "sft.jsonl:1: holds a lone UTF-16 surrogate escape"),  # TypeError
+    ('{"messages": ' + "[" * 800 + "]" * 800 + "}\n", "sft.jsonl:1: 'messages' must be a list"),  # no RecursionError
+    ('{"instruction": "a", "output": "b", "input": 3}\n', "sft.jsonl:1: 'input' must be text, got int"),
 ])
 def test_sft_jsonl_damage_is_one_line_naming_the_file(tok: Path, tmp_path: Path, content: str | bytes,
                                                       needle: str) -> None:
@@ -694,7 +696,7 @@ def test_sft_examples_skipped_are_counted_with_the_reason(tok: Path, tmp_path: P
 
     path = tmp_path / "sft.jsonl"
     gpt = [{"role": "human", "content": "hello"}, {"role": "gpt", "content": "answer"}]
-    lines = [{"messages": gpt}] * 2 + [{"prompt": "the " * 40, "response": "yes"},
+    lines = [{"messages": gpt}] * 2 + [{"prompt": "the " * 40, "response": "yes", "input": 3},  # input: not read
                                        {"prompt": "hello", "response": "the " * 40}, {"prompt": "a", "response": "b"}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     with caplog.at_level("WARNING"):

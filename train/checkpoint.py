@@ -359,7 +359,7 @@ def read(sharded: dict[str, Any], path: Path, **kwargs: Any) -> dict[str, Any]:
 
     from mcorekit.train.checkpoint_reader import checked_metadata, read_ahead
 
-    checked_metadata(path)  # Megatron-Core's loader unpickles .metadata and the bytes records: nothing unsafe in them
+    checked_metadata(path)  # Megatron-Core's loader unpickles .metadata without restriction: nothing unsafe in it
     with read_ahead():
         return dist_checkpointing.load(sharded, str(path), **kwargs)
 
@@ -412,7 +412,7 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
 
     from mcorekit.train.checkpoint_reader import checked_metadata
 
-    checked_metadata(path)  # every path below unpickles it (DCP, Megatron-Core's common state)
+    checked_metadata(path)  # every path below has DCP unpickle its .metadata
     fmt, fsdp = format_of(path), is_fsdp(chunks)
     if fmt == FSDP_DTENSOR and fsdp:
         return _load_fsdp(path, chunks, optimizer, scheduler)

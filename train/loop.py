@@ -48,7 +48,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     if dist.get_rank() == 0:
         try:
             RestartGuard(run_dir, exp.resources.max_restarts).check(step)
-        except MCoreKitError as e:
+        except Exception as e:  # noqa: BLE001 - a refusal, or restarts.json unwritable: every rank must stop
             refused = e
     if any_rank(refused is not None):  # every rank stops, not only rank 0 (the others would wait for it)
         raise refused or MCoreKitError("rank 0 refused this restart (its log says why)")

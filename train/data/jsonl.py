@@ -55,18 +55,21 @@ LONE_SURROGATE = "holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF without 
 
 
 def has_lone_surrogate(value: Any) -> bool:
-    """Whether a JSON value holds, at any depth, a string that tokenizers refuse: one with a lone surrogate."""
-    if isinstance(value, str):
-        if value.isascii():
-            return False
-        try:
-            value.encode("utf-8")  # at C speed: only a surrogate makes it fail
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(has_lone_surrogate(v) for v in value.values())
-    return isinstance(value, list) and any(has_lone_surrogate(v) for v in value)
+    """Whether a JSON value holds, at any depth, a string that tokenizers refuse: one with a lone surrogate. Walked
+    with a stack, not recursion: json.loads accepts deeper nesting than Python's recursion limit leaves here."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str) and not item.isascii():
+            try:
+                item.encode("utf-8")  # at C speed: only a surrogate makes it fail
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def text_problem(text: str, raw: bytes) -> str | None:

@@ -76,13 +76,14 @@ def tokenize_record(tok: Any, record: dict[str, Any], where: str) -> Example:
             lines = str(e).strip().splitlines()
             raise ConfigError(f"{where}: the tokenizer's chat template failed on this conversation: "
                               f"{lines[0] if lines else type(e).__name__}") from None
-    for keys in (("prompt", "response"), ("instruction", "output")):
-        if all(k in record for k in keys):
-            wrong = [k for k in (*keys, "input") if k in record and not isinstance(record[k], str)
+    for keys in (("prompt", "response"), ("instruction", "output", "input")):  # the first pair present is read
+        if all(k in record for k in keys[:2]):
+            wrong = [k for k in keys if k in record and not isinstance(record[k], str)
                      and not (k == "input" and record[k] is None)]
             if wrong:  # str() made text of them: "None" -> "5" was trained on
                 raise ConfigError(f"{where}: {', '.join(repr(k) for k in wrong)} must be text, got "
                                   f"{', '.join(type(record[k]).__name__ for k in wrong)}")
+            break
     if "prompt" in record and "response" in record:
         return tokenize_pair(tok, record["prompt"], record["response"])
     if "instruction" in record and "output" in record:
