@@ -632,6 +632,8 @@ def test_preprocess_killed_mid_write_then_rerun(tok: Path, tmp_path: Path) -> No
     ("idx cut short", ".idx: truncated or corrupt"),
     ("idx foreign", ".idx: not a Megatron indexed-dataset index"),
     ("bin cut short", ".bin: "),
+    ("bin longer than its index", "(truncated, or the pair does not belong together)"),  # an .idx of a smaller set
+    ("idx with no documents", ".idx: holds no documents"),  # Megatron's reader: an mmap traceback
     ("json invalid", ".json: not a valid JSON side-car"),
     ("json without eod", ".json: eod missing or not an integer"),
     ("json a list", ".json: expected a JSON object"),
@@ -652,6 +654,14 @@ def test_indexed_dataset_damage_is_one_line_naming_the_file(dataset: Path, tmp_p
         idx.write_bytes(b"NOTANIDX!" + idx.read_bytes()[9:])
     elif damage == "bin cut short":
         bin_.write_bytes(bin_.read_bytes()[:-2])
+    elif damage == "bin longer than its index":
+        bin_.write_bytes(bin_.read_bytes() + bytes(64))
+    elif damage == "idx with no documents":
+        from mcorekit.train.data.indexed import HEAD, INDEX_HEADER
+
+        code = HEAD.unpack(idx.read_bytes()[:HEAD.size])[2]
+        idx.write_bytes(HEAD.pack(INDEX_HEADER, 1, code, 0, 1) + bytes(8))  # no sequences, the document index [0]
+        bin_.write_bytes(b"")
     elif damage == "json invalid":
         meta.write_text('{"eod": ')
     elif damage == "json without eod":

@@ -187,10 +187,12 @@ def test_reward_loading_errors_are_one_line(spec: str, needle: str) -> None:
 def test_a_failing_reward_is_reported_with_its_function_and_prompt(tmp_path: Path) -> None:
     (tmp_path / "bad.py").write_text("def boom(prompt, completion, **f):\n    return 1 / 0\n"
                                      "def nan(prompt, completion, **f):\n    return float('nan')\n"
-                                     "def text(prompt, completion, **f):\n    return 'yes'\n")
+                                     "def text(prompt, completion, **f):\n    return 'yes'\n"
+                                     "def huge(prompt, completion, **f):\n    return 10**400\n")
     for name, needle in (("boom", "raised ZeroDivisionError on prompt '12+30=': division by zero"),
                          ("nan", "returned nan on prompt '12+30='; a reward must return a finite float"),
-                         ("text", "returned 'yes' on prompt '12+30='")):
+                         ("text", "returned 'yes' on prompt '12+30='"),
+                         ("huge", "returned 100000000000000000000000000000000000000000000000000000000... on prompt")):
         r = Rewards([(f"{tmp_path}/bad.py:{name}", 1.0, {})])
         with pytest.raises(RewardError) as e:
             r.score("12+30=", "42", {})

@@ -635,3 +635,18 @@ def test_masked_mean_is_the_mean_over_unmasked_tokens() -> None:
     mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
     assert masked_mean(per_token, mask).item() == torch.tensor(10.0 / 3).item()  # fp32
     assert masked_mean(per_token, torch.zeros_like(mask)).item() == 0.0  # an all-masked batch is no NaN
+
+
+def test_metrics_lines_are_json_after_a_kill_and_a_nan(tmp_path: Any) -> None:
+    """A process killed mid-write left a line without its newline, and the next job's first line was glued to it;
+    a NaN validation loss was written as NaN, which is not JSON."""
+    import json
+
+    from mcorekit.train.metrics import MetricsWriter
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')  # the killed job's last line
+    writer = MetricsWriter(tmp_path, tensorboard=False, enabled=True)
+    writer.write(3, 10, {"step": 3, "loss": float("nan"), "valid_loss": float("inf"), "lr": 1e-4})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[1] == '{"step": 2, "lo' and json.loads(lines[2]) == {"step": 3, "loss": None, "valid_loss": None,
+                                                                         "lr": 1e-4}

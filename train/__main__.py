@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     startup.mark("imports")
     try:
         train(exp, run_dir, a.peak_tflops)
-    except MCoreKitError as e:  # found while building (layout vs ranks, backend, FP8 vs GPU): still one line
-        return _error(e)
+    except (MCoreKitError, OSError) as e:
+        return _error(e)  # a build problem (layout vs ranks, backend, FP8 vs GPU), or a full or read-only disk
     shut_down()
     return 0
 

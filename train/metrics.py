@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -66,6 +67,19 @@ def _wandb_run(run_dir: Path, config: Any, name: str) -> Any:
                       dir=str(run_dir), id=run_id, resume="allow")
 
 
+def end_lines(path: Path) -> None:
+    """A process killed mid-write left a line without its newline: end it, so the next line starts its own."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+    except FileNotFoundError:
+        pass
+
+
 class MetricsWriter:
     """Rank 0 writes metrics.jsonl, and TensorBoard and W&B where asked (`wandb`: an experiment's logging.wandb;
     `name`: the run's W&B name when that names none); other ranks hold a no-op writer."""
@@ -73,6 +87,8 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool, wandb: Any = None, name: str | None = None) -> None:
         self.enabled = enabled
         self.jsonl = run_dir / "metrics.jsonl"
+        if enabled:
+            end_lines(self.jsonl)
         self.tb = None
         self.wandb = None
         if enabled and tensorboard:
@@ -87,8 +103,9 @@ class MetricsWriter:
             return
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         print(f"step {step}/{total_steps} " + " ".join(f"{k} {v:.4g}" for k, v in scalars.items()), flush=True)
-        with open(self.jsonl, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+        with open(self.jsonl, "a") as f:  # NaN and inf as null: JSON has no such numbers
+            f.write(json.dumps(finite) + "\n")
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)

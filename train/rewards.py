@@ -125,6 +125,14 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _finite(value: object) -> bool:
+    """A number a float holds finitely (bool is an int: True = 1.0; 10**400 is an int no float holds)."""
+    try:
+        return isinstance(value, (int, float)) and math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def _shown(text: str, limit: int = 120) -> str:
     short = text if len(text) <= limit else text[: limit - 3] + "..."
     return repr(short)
@@ -163,8 +171,9 @@ class Rewards:
             except Exception as e:  # noqa: BLE001  (the user's code: report what it raised and where)
                 raise RewardError(f"reward {r.spec} raised {type(e).__name__} on prompt {_shown(prompt)}: "
                                   f"{_one_line(e)}") from None
-            if not isinstance(value, (int, float)) or not math.isfinite(value):  # bool is an int: True = 1.0
-                raise RewardError(f"reward {r.spec} returned {value!r} on prompt {_shown(prompt)}; a reward must "
+            if not _finite(value):
+                returned = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+                raise RewardError(f"reward {r.spec} returned {returned} on prompt {_shown(prompt)}; a reward must "
                                   f"return a finite float")
             values.append(float(value))
         return sum(r.weight * v for r, v in zip(self.rewards, values)), values

@@ -85,14 +85,14 @@ def check_index(prefix: str) -> None:
         if documents < 1 or size < need:
             raise ConfigError(f"{idx}: truncated or corrupt ({size} bytes; {sequences} sequences and {documents - 1} "
                               f"documents need {need}); {fix}")
-        if sequences == 0:
-            return
+        if sequences == 0:  # Megatron's reader would fail on mapping an empty .bin, with a traceback
+            raise ConfigError(f"{idx}: holds no documents; {fix}, or drop the prefix from data.paths")
         f.seek(HEAD.size + (sequences - 1) * 4)
         (last_len,) = struct.unpack("<i", f.read(4))
         f.seek(HEAD.size + sequences * 4 + (sequences - 1) * 8)
         (last_ptr,) = struct.unpack("<q", f.read(8))
     end = last_ptr + last_len * ITEM_SIZES[code]
-    if last_len < 0 or last_ptr < 0 or bin_.stat().st_size < end:
+    if last_len < 0 or last_ptr < 0 or bin_.stat().st_size != end:  # the .bin ends where its last document does
         raise ConfigError(f"{bin_}: {bin_.stat().st_size} bytes, but {idx.name} places its last document at bytes "
                           f"{last_ptr}..{end} (truncated, or the pair does not belong together); {fix}")
 
