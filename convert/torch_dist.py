@@ -63,7 +63,7 @@ from mcorekit.convert.direct_io import DirectFile
 from mcorekit.convert.files import model_file, read_json, write_failure
 from mcorekit.errors import ConversionError
 from mcorekit.outputs import without_crc32
-from mcorekit.train.checkpoint_reader import MetadataUnpickler, RefusedClass
+from mcorekit.train.checkpoint_reader import load_metadata as checked_load_metadata
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
@@ -291,19 +291,8 @@ def _thread_errors() -> Iterator[list[BaseException]]:
 # ---------------------------------------------------------------- reading .metadata without running it
 
 def load_metadata(file: Path) -> Metadata:
-    """The DCP metadata in `file`, unpickled with MetadataUnpickler (no code from the file runs)."""
-    try:
-        with open(file, "rb") as f:
-            metadata = MetadataUnpickler(f).load()
-    except RefusedClass as e:
-        raise ConversionError(f"{file}: not a checkpoint metadata file (refusing to load class {e})") from None
-    except OSError as e:
-        raise ConversionError(f"{file}: cannot read ({e.strerror})") from None
-    except Exception as e:  # noqa: BLE001 - unpickling arbitrary bytes can raise anything; all mean "not metadata"
-        raise ConversionError(f"{file}: not a readable checkpoint metadata file ({type(e).__name__}: {_first_line(e)})") from None
-    if not isinstance(metadata, Metadata):
-        raise ConversionError(f"{file}: not a checkpoint metadata file (it holds a {type(metadata).__name__})")
-    return metadata
+    """The DCP metadata in `file`, read without running anything in it (train/checkpoint_reader.load_metadata)."""
+    return checked_load_metadata(file, ConversionError)
 
 
 def _size(v: object) -> tuple[int, ...] | None:

@@ -14,6 +14,7 @@ import torch
 from mcorekit.train import checkpoint_reader
 from mcorekit.train.checkpoint_reader import ReadAheadReader, read_ahead
 from test_checkpoint_writer import _finalize_on_cpu, _save, _state  # noqa: F401  # the fixture applies here too
+from test_faults_convert import Evil
 
 
 def _zeroed() -> dict:
@@ -105,16 +106,6 @@ def test_a_failing_target_stops_the_reader(model_parallel: None, tmp_path: Path,
     with pytest.raises(BaseException, match="the target's copy failed"):
         _load(tmp_path / "ckpt", ahead=True)
     assert not _readers()
-
-
-class Evil:
-    """Pickles as a call to os.system (what a crafted checkpoint file does)."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple:
-        return os.system, (f"touch {self.marker}",)
 
 
 def test_checked_metadata_passes_a_real_checkpoint(model_parallel: None, tmp_path: Path) -> None:

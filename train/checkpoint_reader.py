@@ -162,29 +162,35 @@ class MetadataUnpickler(pickle.Unpickler):
         raise RefusedClass(f"{module}.{name}")
 
 
+def load_metadata(file: Path, error: type[Exception] = ConfigError) -> Metadata:
+    """The DCP metadata in `file`, unpickled with MetadataUnpickler (no code from the file runs); what is not
+    metadata raises `error` (conversion's own error type there)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(file, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except RefusedClass as e:
+        raise error(f"{file}: not a checkpoint metadata file (refusing to load class {e})") from None
+    except OSError as e:
+        raise error(f"{file}: cannot read ({e.strerror or e})") from None
+    except Exception as e:  # noqa: BLE001 - unpickling arbitrary bytes can raise anything; all mean "not metadata"
+        first = str(e).strip().splitlines()
+        raise error(f"{file}: not a readable checkpoint metadata file ({type(e).__name__}: "
+                    f"{first[0] if first else ''})") from None
+    if not isinstance(metadata, Metadata):
+        raise error(f"{file}: not a checkpoint metadata file (it holds a {type(metadata).__name__})")
+    return metadata
+
+
 def checked_metadata(iter_dir: Path) -> Metadata:
-    """A checkpoint's DCP metadata (torch_dist or fsdp_dtensor), unpickled with MetadataUnpickler: run before torch's
-    or Megatron-Core's loaders read the checkpoint, which unpickle `.metadata` without restriction, so a crafted one
+    """A checkpoint's DCP metadata (torch_dist or fsdp_dtensor), read by load_metadata: run before torch's or
+    Megatron-Core's loaders read the checkpoint, which unpickle `.metadata` without restriction, so a crafted one
     is one error line and nothing in it runs. The bytes records are not checked here: Megatron-LM's hold `args` and
     numpy RNG states (which weights_only refuses, while Megatron-Core reads them), and TE's extra states hold pickles
     inside tensors, which TE unpickles itself; a checkpoint from an untrusted source is still to be converted
     (`mcorekit convert`, which reads every record safely) rather than loaded."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    file = iter_dir / ".metadata"
-    try:
-        with open(file, "rb") as f:
-            md = MetadataUnpickler(f).load()
-    except RefusedClass as e:
-        raise ConfigError(f"{file}: not a checkpoint's metadata (refusing to load class {e}); nothing in it was "
-                          f"run") from None
-    except OSError as e:
-        raise ConfigError(f"{file}: cannot read ({e.strerror or e})") from None
-    except Exception as e:  # noqa: BLE001 - unpickling arbitrary bytes can raise anything: all mean "not metadata"
-        raise ConfigError(f"{file}: not a readable checkpoint metadata file ({type(e).__name__})") from None
-    if not isinstance(md, Metadata):
-        raise ConfigError(f"{file}: not a checkpoint's metadata (it holds a {type(md).__name__})")
-    return md
+    return load_metadata(iter_dir / ".metadata")
 
 
 @contextmanager

@@ -305,9 +305,9 @@ def _dynamic(model: Any, prompts: list[list[int]], sampling: Sampling, eos_id: i
 def _plain(chunks: list[Any], prompts: list[list[int]], sampling: Sampling, eos_id: int, vocab_size: int) -> list[list[int]]:
     """Sampling over the training forward, no KV cache: each step runs the model on every row's whole prefix
     (right-padded; causal attention keeps padding out of the positions that matter) through Megatron's forward-only
-    schedule (pipeline stages, virtual stages), samples on the last stage and broadcasts the tokens to the other
-    stages. Every rank takes the same number of steps (an all-reduce of "anyone still generating"), so expert-
-    parallel all-to-alls always find their peers."""
+    schedule (pipeline stages; one model chunk: choose_backend refuses more), samples on the last stage and
+    broadcasts the tokens to the other stages. Every rank takes the same number of steps (an all-reduce of "anyone
+    still generating"), so expert-parallel all-to-alls always find their peers."""
     from megatron.core import parallel_state as ps
 
     config = unwrap(chunks[0]).config

@@ -72,6 +72,13 @@ def has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+def refuse_lone_surrogates(values: list[Any], where: str) -> None:
+    """The fields a reader tokenizes, refused in one line if one holds a lone surrogate (tokenizers raise a
+    TypeError on it)."""
+    if has_lone_surrogate(values):
+        raise ConfigError(f"{where}: {LONE_SURROGATE}; fix or drop the line")
+
+
 def text_problem(text: str, raw: bytes) -> str | None:
     """Why a string read from JSON line `raw` cannot be tokenized, or None: a \\uD800-\\uDFFF escape without its pair
     (a pair is one character) decodes to a lone surrogate, which is not text. Looked for only where the line has such

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from mcorekit.errors import ConfigError
-from mcorekit.train.data.jsonl import LONE_SURROGATE, has_lone_surrogate, records
+from mcorekit.train.data.jsonl import records, refuse_lone_surrogates
 from mcorekit.train.data.packing import EpochOrder, Example, first_fit_decreasing, pack, pad_one
 from mcorekit.train.data.tokenizer import load_tokenizer
 
@@ -51,8 +51,7 @@ def tokenize_preference(tok: Any, record: dict[str, Any], where: str) -> tuple[l
     if missing:
         raise ConfigError(f"{where}: a preference pair needs 'prompt', 'chosen' and 'rejected' (missing "
                           f"{', '.join(repr(k) for k in missing)}; got keys {sorted(record)[:8]})")
-    if has_lone_surrogate([record[k] for k in ("prompt", "chosen", "rejected")]):  # tokenizers fail on it
-        raise ConfigError(f"{where}: {LONE_SURROGATE}; fix or drop the line")
+    refuse_lone_surrogates([record[k] for k in ("prompt", "chosen", "rejected")], where)
     prompt = record["prompt"]
     if isinstance(prompt, str):
         for key in ("chosen", "rejected"):

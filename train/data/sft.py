@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mcorekit.errors import ConfigError
-from mcorekit.train.data.jsonl import LONE_SURROGATE, has_lone_surrogate, records
+from mcorekit.train.data.jsonl import records, refuse_lone_surrogates
 from mcorekit.train.data.packing import EpochOrder, Example, first_fit_decreasing, pack, pad_one
 from mcorekit.train.data.tokenizer import load_tokenizer
 
@@ -58,8 +58,7 @@ TEXT_FIELDS = ("messages", "prompt", "response", "instruction", "input", "output
 
 
 def tokenize_record(tok: Any, record: dict[str, Any], where: str) -> Example:
-    if has_lone_surrogate([record.get(k) for k in TEXT_FIELDS]):  # tokenizers fail on it with a TypeError
-        raise ConfigError(f"{where}: {LONE_SURROGATE}; fix or drop the line")
+    refuse_lone_surrogates([record.get(k) for k in TEXT_FIELDS], where)
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(

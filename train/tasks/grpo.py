@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from mcorekit.errors import ConfigError
-from mcorekit.train.data.jsonl import LONE_SURROGATE, has_lone_surrogate, records
+from mcorekit.train.data.jsonl import records, refuse_lone_surrogates
 from mcorekit.train.data.packing import EpochOrder, Example, pad_one
 from mcorekit.train.data.tokenizer import load_tokenizer
 from mcorekit.train.rewards import RewardError, Rewards
@@ -153,8 +153,7 @@ class PromptDataset:
 
     @staticmethod
     def _prompt(tok: Any, record: dict[str, Any], where: str, seq_length: int, max_new: int) -> Prompt:
-        if has_lone_surrogate([record.get("messages"), record.get("prompt")]):  # tokenizers fail on it
-            raise ConfigError(f"{where}: {LONE_SURROGATE}; fix or drop the line")
+        refuse_lone_surrogates([record.get("messages"), record.get("prompt")], where)
         if isinstance(record.get("messages"), list):
             if not tok.chat_template:
                 raise ConfigError(f"{where}: chat prompts need a tokenizer with a chat template")
