@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mcorekit.errors import MCoreKitError
+from mcorekit.runtime.ranks import any_rank
 
 log = logging.getLogger("mcorekit.requeue")
 
@@ -51,20 +52,6 @@ class StopSignal:
     @property
     def is_time_limit(self) -> bool:
         return self.signum == signal.SIGUSR2
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is on any rank: one tiny all-reduce (the flag itself without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    import torch
-
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    value = torch.tensor([1 if flag else 0], device=device, dtype=torch.int32)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
 
 
 def restart_count() -> int:

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 from mcorekit.outputs import without_crc32
+from mcorekit.runtime.ranks import rank_zero_choice
 from mcorekit.train.checkpoint_writer import background_writes, results_queue, save_strategy, stage_per_tensor
 from mcorekit.train.fsdp import is_fsdp
 from mcorekit.train.lora import is_adapter_key
@@ -93,7 +94,12 @@ def latest(root: Path) -> Path | None:
     """The checkpoint to resume from: the one the tracker names, if complete on disk; else (no tracker, one that
     holds no step, or one that names a checkpoint that is not complete: a kill between a save and its tracker, a
     damaged folder) the newest complete iter_N, with a warning. Starting afresh beside complete checkpoints would
-    resume none of them, and its first save would prune them."""
+    resume none of them, and its first save would prune them. Rank 0 looks and every rank takes its answer: ranks
+    on other nodes may see the folder differently (NFS caches), and each must load the same checkpoint."""
+    return rank_zero_choice(lambda: _latest_on_disk(root))
+
+
+def _latest_on_disk(root: Path) -> Path | None:
     path = tracked(root)
     if path is not None and format_of(path) is not None:
         return path

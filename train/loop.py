@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from mcorekit.config.experiment import Experiment, layout_of
 from mcorekit.errors import MCoreKitError
-from mcorekit.runtime.requeue import RestartGuard, StopSignal, any_rank, requeue_and_exit
+from mcorekit.runtime.ranks import any_rank
+from mcorekit.runtime.requeue import RestartGuard, StopSignal, requeue_and_exit
 from mcorekit.train import checkpoint
 from mcorekit.train.build import Trainer, build, mtp_weights_check
 from mcorekit.train.flops import train_flops_per_token
