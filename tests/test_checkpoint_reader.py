@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -134,3 +135,36 @@ def test_a_crafted_metadata_file_is_refused_before_any_loader_reads_it(model_par
     with pytest.raises(ConfigError, match="refusing to load class posix.system"):
         checkpoint.read(_zeroed(), tmp_path / "ckpt")
     assert not marker.exists()
+
+
+def _gpt(layers: int = 2, hidden: int = 64, qk_layernorm: bool = False) -> Any:
+    from mcorekit.models.megatron import build_gpt, transformer_config
+    from mcorekit.models.spec import ModelSpec
+
+    spec = ModelSpec("llama", layers, hidden, 4, 2, 16, 128, 256, qk_layernorm=qk_layernorm)
+    return build_gpt(spec, transformer_config(spec, cpu_init=True), 256, use_te=False)
+
+
+@pytest.mark.parametrize("other, expected", [
+    (dict(layers=3), r"linear_proj.weight is \[2, 64, 64\] in it, \[3, 64, 64\] here;.*\(and 2 more\); it was saved "
+                     r"with other model settings"),
+    (dict(hidden=96), r"linear_qkv.weight is \[2, 128, 64\] in it, \[2, 128, 96\] here"),
+    (dict(qk_layernorm=True), r"q_layernorm.weight is not in it; decoder.layers.self_attention.k_layernorm.weight is "
+                              r"not in it; it was saved"),
+])
+def test_a_checkpoint_of_another_model_shape_is_one_line_before_anything_is_read(
+        model_parallel: None, tmp_path: Path, other: dict, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume or checkpoint.load of another model's checkpoint: Megatron-Core's planner raised a traceback, one
+    tensor at a time; checkpoint.read names the tensors that differ first, one line, and reads nothing."""
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint
+
+    torch.manual_seed(0)
+    saved = _gpt()
+    path = tmp_path / "iter_0000010"
+    _save(path, ours=True, state=checkpoint._model_state([saved]))
+    same = checkpoint.read(checkpoint._model_state([_gpt()]), path)
+    assert all(torch.equal(same[k], v) for k, v in saved.state_dict().items() if torch.is_tensor(v) and "extra" not in k)
+    monkeypatch.setattr(checkpoint_reader, "ReadAheadReader", None)  # reading anything now fails the test
+    with pytest.raises(ConfigError, match=f"^checkpoint {path} does not fit this model: .*{expected}"):
+        checkpoint.read(checkpoint._model_state([_gpt(**other)]), path)

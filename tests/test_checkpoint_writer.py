@@ -41,13 +41,13 @@ def _state(device: str = "cpu") -> dict:
     return state
 
 
-def _save(path: Path, ours: bool) -> None:
+def _save(path: Path, ours: bool, state: dict | None = None) -> None:
     from megatron.core import dist_checkpointing
 
     path.mkdir()
     if ours:
         with without_crc32(), results_queue():
-            request = dist_checkpointing.save(_state(), str(path), sharded_strategy=save_strategy(),
+            request = dist_checkpointing.save(state or _state(), str(path), sharded_strategy=save_strategy(),
                                               async_sharded_save=True, async_strategy="mcore")
             with stage_per_tensor(request) as staged:
                 staged.execute_sync()

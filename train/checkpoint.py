@@ -363,9 +363,10 @@ def read(sharded: dict[str, Any], path: Path, **kwargs: Any) -> dict[str, Any]:
     deserializing (train/checkpoint_reader.py)."""
     from megatron.core import dist_checkpointing
 
-    from mcorekit.train.checkpoint_reader import checked_metadata, read_ahead
+    from mcorekit.train.checkpoint_reader import check_fit, checked_metadata, read_ahead
 
-    checked_metadata(path)  # Megatron-Core's loader unpickles .metadata without restriction: nothing unsafe in it
+    # Megatron-Core's loader unpickles .metadata without restriction: nothing unsafe in it, and what it describes fits
+    check_fit(sharded, path, checked_metadata(path))
     with read_ahead():
         return dist_checkpointing.load(sharded, str(path), **kwargs)
 

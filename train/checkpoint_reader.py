@@ -193,6 +193,38 @@ def checked_metadata(iter_dir: Path) -> Metadata:
     return load_metadata(iter_dir / ".metadata")
 
 
+def fit_problems(sharded: dict[str, Any], metadata: Metadata) -> list[str]:
+    """The tensors this run loads that the checkpoint lacks or holds at another global shape, as Megatron-Core's
+    planner would find them one at a time in a traceback (factories and tensors allowed another shape, such as
+    a padded vocabulary, are left to it). One line each, a key once."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    saved, problems, seen = metadata.state_dict_metadata, [], set()
+    for t in nested_values(sharded):
+        if not isinstance(t, ShardedTensor) or t.allow_shape_mismatch or t.key in seen:
+            continue
+        seen.add(t.key)
+        if t.key not in saved:
+            problems.append(f"{t.key} is not in it")
+        elif tuple(saved[t.key].size) != tuple(t.global_shape):
+            problems.append(f"{t.key} is {list(saved[t.key].size)} in it, {list(t.global_shape)} here")
+    return problems
+
+
+def check_fit(sharded: dict[str, Any], path: Path, metadata: Metadata) -> None:
+    """fit_problems as one error on every rank (a pipeline stage may hold the only tensor that differs: the other
+    ranks would otherwise go on and wait for it), before anything is read."""
+    from mcorekit.runtime.ranks import any_rank
+
+    problems = fit_problems(sharded, metadata)
+    if any_rank(bool(problems)):
+        shown = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+        raise ConfigError(f"checkpoint {path} does not fit this model: {shown or 'another rank says which tensors differ'}; it was saved with other "
+                          f"model settings (model, model.overrides, peft.lora) or another optimizer: load it with "
+                          f"the settings it was saved with")
+
+
 @contextmanager
 def read_ahead() -> Iterator[None]:
     """Megatron-Core's torch_dist loads inside the block read through ReadAheadReader (Megatron-Core builds its
