@@ -46,3 +46,28 @@ class Task:
         from the task's persistent ones. Most tasks use them as they are; DPO first runs its reference model over
         the step's micro-batches and attaches the reference log-probs."""
         return data
+
+
+def read_step(data: list[Iterator[dict[str, Any]]], num_microbatches: int) -> list[dict[str, Any]]:
+    """This step's micro-batches, read from the first model chunk's iterator; the other chunks' iterators (virtual
+    pipeline stages read the same micro-batches) are moved past them, and the caller hands every chunk the list."""
+    step = [next(data[0]) for _ in range(num_microbatches)]
+    for other in data[1:]:
+        for _ in range(num_microbatches):
+            next(other)
+    return step
+
+
+def step_share(counts: list[Any], device: Any) -> torch.Tensor:
+    """What each micro-batch divides its summed loss by so that the step's loss is the mean over all the step's
+    tokens (or pairs): their count over the step's micro-batches and the data-parallel ranks, over micro-batches x
+    DP ranks (Megatron's schedule then averages the micro-batches, DDP the DP ranks). A mean per micro-batch would
+    weigh a token of a micro-batch with few response tokens (or a pair of a packed row with few pairs) more than one
+    of a full one. One all-reduce over the DP group, on the device: no host synchronisation."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    total = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device) for c in counts]).sum()
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    return total.clamp(min=1) / (len(counts) * ps.get_data_parallel_world_size())

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from mcorekit.errors import ConfigError
 from mcorekit.train.data.preference import TOKEN_KEYS, collate, pair_batches
-from mcorekit.train.tasks.base import LossFunc, Task
+from mcorekit.train.tasks.base import LossFunc, Task, read_step, step_share
 from mcorekit.train.tasks.lm import next_token_losses
 
 if TYPE_CHECKING:
@@ -89,12 +89,17 @@ def sequence_logps(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, seq_id
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0, sft_weight: float = 0.0,
-             chosen_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The micro-batch's loss (mean over its pairs) and its metrics (TRL's names). Inputs: per-pair summed
-    log-probs [pairs]; chosen_tokens: the chosen responses' token counts (for sft_weight's per-token NLL)."""
+             chosen_tokens: torch.Tensor | None = None,
+             share: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The micro-batch's loss (mean over its pairs, or their sum over `share`: base.step_share, the step's mean over
+    all its pairs) and its metrics (TRL's names, taken the same way). Inputs: per-pair summed log-probs [pairs];
+    chosen_tokens: the chosen responses' token counts (for sft_weight's per-token NLL)."""
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return x.mean() if share is None else x.sum() / share
+
     margin = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     losses = -(1 - label_smoothing) * F.logsigmoid(beta * margin) - label_smoothing * F.logsigmoid(-beta * margin)
-    loss = losses.mean()
+    loss = mean(losses)
     nll = None
     if sft_weight:
         assert chosen_tokens is not None, "sft_weight needs the chosen responses' token counts"
@@ -104,12 +109,12 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
     metrics = {
         "loss": loss.detach().clone(),
-        "rewards/chosen": chosen_rewards.mean(),
-        "rewards/rejected": rejected_rewards.mean(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-        "logps/chosen": policy_chosen.detach().mean(),
-        "logps/rejected": policy_rejected.detach().mean(),
+        "rewards/chosen": mean(chosen_rewards),
+        "rewards/rejected": mean(rejected_rewards),
+        "rewards/accuracies": mean((chosen_rewards > rejected_rewards).float()),
+        "rewards/margins": mean(chosen_rewards - rejected_rewards),
+        "logps/chosen": mean(policy_chosen.detach()),
+        "logps/rejected": mean(policy_rejected.detach()),
     }
     if nll is not None:
         metrics["nll_loss"] = nll.detach()
@@ -118,14 +123,15 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 
 def micro_batch_loss(per_token_loss: torch.Tensor, batch: dict[str, Any], loss_mask: torch.Tensor, beta: float,
                      label_smoothing: float = 0.0, sft_weight: float = 0.0,
-                     cp_group: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     cp_group: Any = None,
+                     share: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """dpo_loss of one micro-batch from the model's per-token losses: its sequences are [chosen of its pairs...,
     rejected of its pairs...] (preference.collate), the reference's in batch["ref_logps"] in the same order."""
     pairs = batch["pair_ids"].numel()
     logps, tokens = sequence_logps(per_token_loss, loss_mask, batch.get("seq_ids"), 2 * pairs, cp_group)
     ref = batch["ref_logps"]
     return dpo_loss(logps[:pairs], logps[pairs:], ref[:pairs], ref[pairs:], beta, label_smoothing, sft_weight,
-                    tokens[:pairs])
+                    tokens[:pairs], share)
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
@@ -168,14 +174,14 @@ class DirectPreferenceOptimization(Task):
                 for name, data_set in sorted(self.datasets.items()):
                     self._precompute(t, name, data_set, num_microbatches)
                 self.reference.release()
-        if self.exp.dpo.reference == "precomputed":
-            return data
-        step = [next(data[0]) for _ in range(num_microbatches)]
-        for other in data[1:]:  # virtual pipeline stages read the same micro-batches: keep their iterators in step
-            for _ in range(num_microbatches):
-                next(other)
-        for batch, logps in zip(step, self.reference.logps(step)):  # the last pipeline stage gets them
-            batch["ref_logps"] = logps
+        step = read_step(data, num_microbatches)
+        if self.exp.dpo.reference == "live":
+            for batch, logps in zip(step, self.reference.logps(step)):  # the last pipeline stage gets them
+                batch["ref_logps"] = logps
+        # a mean over the step's pairs: packed rows hold different numbers of pairs
+        share = step_share([b["pair_ids"].numel() for b in step], step[0]["tokens"].device)
+        for batch in step:
+            batch["pair_share"] = share
         return [iter(step) for _ in data]
 
     def forward_step(self, data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, LossFunc]:
@@ -184,7 +190,8 @@ class DirectPreferenceOptimization(Task):
         d = self.exp.dpo
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            return micro_batch_loss(output, batch, mask, d.beta, d.label_smoothing, d.sft_weight, cp_group)
+            return micro_batch_loss(output, batch, mask, d.beta, d.label_smoothing, d.sft_weight, cp_group,
+                                    batch.get("pair_share"))
 
         return per_token, loss_func
 

@@ -19,10 +19,12 @@ class LanguageModelling(Task):
         return build_dataset(self.exp, self.spec, self.run_dir, validation=validation)
 
     def forward_step(self, data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, LossFunc]:
-        per_token, mask, cp_group = next_token_losses(next(data_iterator), model)
+        batch = next(data_iterator)
+        per_token, mask, cp_group = next_token_losses(batch, model)
+        share = batch.get("token_share")  # SFT: a mean over the step's response tokens (tasks/sft.py)
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            loss = masked_mean(output, mask, cp_group)
+            loss = masked_mean(output, mask, cp_group, share)
             return loss, {"loss": loss.detach().clone()}
 
         return per_token, loss_func
@@ -50,11 +52,13 @@ def next_token_losses(batch: dict[str, Any], model: Any) -> tuple[torch.Tensor, 
     return per_token, batch["loss_mask"], cp_group
 
 
-def masked_mean(per_token: torch.Tensor, mask: torch.Tensor, cp_group: Any = None) -> torch.Tensor:
-    """Mean loss over the masked tokens of the whole sequence (all CP ranks' chunks). Returned unscaled: Megatron's
-    schedule divides it by the number of micro-batches and multiplies it by the CP size in place (DDP averages
-    gradients over DP x CP ranks while each CP rank holds only its chunks' part of the gradient)."""
+def masked_mean(per_token: torch.Tensor, mask: torch.Tensor, cp_group: Any = None,
+                share: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean loss over the masked tokens of the whole sequence (all CP ranks' chunks), or their sum over `share`
+    (base.step_share: the step's mean over all its masked tokens). Returned unscaled: Megatron's schedule divides it
+    by the number of micro-batches and multiplies it by the CP size in place (DDP averages gradients over DP x CP
+    ranks while each CP rank holds only its chunks' part of the gradient)."""
     total = torch.stack([(per_token.float() * mask).sum(), mask.sum()])
     if cp_group is not None:  # no gradient flows through the all-reduce
         torch.distributed.all_reduce(total, group=cp_group)
-    return total[0] / total[1].clamp(min=1)
+    return total[0] / (total[1].clamp(min=1) if share is None else share)

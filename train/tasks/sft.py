@@ -1,12 +1,28 @@
 """Supervised fine-tuning on chat jsonl: the language-modelling loss on the assistant's tokens only (the dataset's
-loss masks), with optional packing of several examples into one sequence (data.packing)."""
+loss masks), with optional packing of several examples into one sequence (data.packing). The step's loss is the mean
+over all of its response tokens, as TRL's and NeMo's SFT take it: examples have different numbers of response tokens,
+and a mean per micro-batch would weigh the tokens of a micro-batch with few of them more."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Iterator
+
+from mcorekit.train.tasks.base import read_step, step_share
 from mcorekit.train.tasks.lm import LanguageModelling
+
+if TYPE_CHECKING:
+    from mcorekit.train.build import Trainer
 
 
 class SupervisedFineTuning(LanguageModelling):
-    """Same step as LanguageModelling; its data (train/data/sft.py, chosen by data.kind=sft) carries the masks."""
+    """LanguageModelling's step; its data (train/data/sft.py, chosen by data.kind=sft) carries the masks."""
 
     name = "sft"
+
+    def prepare_step(self, t: Trainer, data: list[Iterator[dict[str, Any]]],
+                     num_microbatches: int) -> list[Iterator[dict[str, Any]]]:
+        step = read_step(data, num_microbatches)
+        share = step_share([b["loss_mask"].sum() for b in step], step[0]["loss_mask"].device)
+        for batch in step:
+            batch["token_share"] = share
+        return [iter(step) for _ in data]

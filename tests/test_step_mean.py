@@ -1,0 +1,82 @@
+"""SFT's and DPO's step loss is the mean over all of the step's response tokens (pairs), whatever their split into
+micro-batches and data-parallel ranks (tasks/base.step_share), as TRL and NeMo take it: the micro-batch losses that
+Megatron's schedule averages (and DDP over DP ranks) are checked against the formula over the whole step. On CPU
+with real gloo ranks (one in-process, two as processes); the model's per-token losses are given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mcorekit.train.tasks.base import step_share
+from mcorekit.train.tasks.dpo import micro_batch_loss, sequence_logps
+from mcorekit.train.tasks.lm import masked_mean
+from mcorekit.train.tasks.sft import SupervisedFineTuning
+from test_dpo import expected, fixed_batch, sums
+
+
+def _sft_micro_batches() -> list[dict[str, torch.Tensor]]:
+    """Two micro-batches of two rows: 2 response tokens in the first, 9 in the second."""
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.zeros(2, 8), torch.zeros(2, 8)
+    first[0, 6:] = 1
+    second[0, 2:7], second[1, 4:8] = 1, 1
+    return [{"loss_mask": m, "per_token": torch.rand(2, 8, generator=g) * 5} for m in (first, second)]
+
+
+def test_sft_step_loss_is_the_mean_over_the_steps_response_tokens(model_parallel: None) -> None:
+    batches = _sft_micro_batches()
+    chunks = [iter(batches), iter(batches)]  # two virtual pipeline stages read the same micro-batches
+    step = SupervisedFineTuning.prepare_step(None, None, chunks, 2)  # type: ignore[arg-type]
+    assert [list(c) for c in step] == [batches, batches] and next(chunks[1], None) is None
+    assert float(batches[0]["token_share"]) == 11 / 2
+    losses = [masked_mean(b["per_token"], b["loss_mask"], None, b["token_share"]) for b in batches]
+    every = torch.cat([b["per_token"][b["loss_mask"] == 1] for b in batches])
+    assert abs(float(sum(losses) / 2) - float(every.mean())) < 1e-6  # the schedule's mean over micro-batches
+    per_micro_batch = sum(masked_mean(b["per_token"], b["loss_mask"]) for b in batches) / 2
+    assert abs(float(per_micro_batch) - float(every.mean())) > 0.1  # what a mean per micro-batch gave
+
+
+def test_dpo_step_loss_and_metrics_are_means_over_the_steps_pairs(model_parallel: None) -> None:
+    """Packed rows hold different numbers of pairs: micro-batches of 1 and 5 pairs here."""
+    pairs, beta, ls = 6, 0.3, 0.1
+    policy, reference, mask = fixed_batch(pairs, 20, seed=7)
+    ref, _ = sequence_logps(-reference, mask, None, 2 * pairs)
+    share = step_share([1, 5], "cpu")
+    results = []
+    for ids in ([0], [1, 2, 3, 4, 5]):
+        rows = ids + [pairs + i for i in ids]
+        batch = {"pair_ids": torch.tensor(ids), "ref_logps": ref[rows]}
+        results.append(micro_batch_loss(-policy[rows], batch, mask[rows], beta, ls, 0.0, None, share))
+    p, r = sums(policy, mask), sums(reference, mask)
+    want = expected(p[:pairs], p[pairs:], r[:pairs], r[pairs:], beta, ls, 0.0, [1] * pairs)
+    assert abs(float(sum(loss for loss, _ in results) / 2) - want["loss"]) < 1e-5
+    for name in results[0][1]:
+        assert abs(float(sum(m[name] for _, m in results) / 2) - want[name]) < 1e-5, name
+
+
+def _rank(rank: int, tmp: Path) -> None:
+    from megatron.core import parallel_state as ps
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=2)
+    ps.initialize_model_parallel()
+    try:
+        share = step_share([[2.0, 6.0], [4.0, 0.0]][rank], "cpu")
+        (tmp / f"rank{rank}.txt").write_text(repr(float(share)))
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_the_share_counts_every_data_parallel_rank(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(tmp_path,), nprocs=2)
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["3.0", "3.0"]  # 12 over 2 x 2
+
+
+@pytest.mark.parametrize("counts", [[0, 0], [0.0]])
+def test_a_step_without_response_tokens_is_no_nan(model_parallel: None, counts: list) -> None:
+    assert float(step_share(counts, "cpu")) == 1 / len(counts)
