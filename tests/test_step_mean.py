@@ -16,6 +16,7 @@ from mcorekit.train.tasks.base import step_share
 from mcorekit.train.tasks.dpo import micro_batch_loss, sequence_logps
 from mcorekit.train.tasks.lm import masked_mean
 from mcorekit.train.tasks.sft import SupervisedFineTuning
+from test_checkpoint_writer import _finalize_on_cpu  # noqa: F401  # a fixture
 from test_dpo import expected, fixed_batch, sums
 
 
@@ -80,3 +81,23 @@ def test_the_share_counts_every_data_parallel_rank(tmp_path: Path) -> None:
 @pytest.mark.parametrize("counts", [[0, 0], [0.0]])
 def test_a_step_without_response_tokens_is_no_nan(model_parallel: None, counts: list) -> None:
     assert float(step_share(counts, "cpu")) == 1 / len(counts)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_grpo_log_probs_are_those_of_the_tempered_distribution(model_parallel: None, temperature: float,
+                                                               _finalize_on_cpu: None) -> None:
+    """lm.next_token_losses at a temperature against log_softmax(logits / T) of the same model's logits."""
+    from mcorekit.train.tasks.lm import next_token_losses
+    from test_checkpoint_reader import _gpt
+
+    torch.manual_seed(0)
+    model = _gpt().eval()
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(0, 256, (2, 12), generator=g), torch.randint(0, 256, (2, 12), generator=g)
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(2, 12),
+             "position_ids": torch.arange(12).expand(2, 12)}
+    with torch.no_grad():
+        per_token, _, _ = next_token_losses(batch, model, temperature)
+        logits = model(tokens, batch["position_ids"], attention_mask=None)
+    want = -torch.log_softmax(logits.float() / temperature, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    assert per_token.shape == (2, 12) and torch.allclose(per_token, want, atol=1e-5)

@@ -23,8 +23,8 @@ The loss per completion token t of rollout i (pure functions below, CPU-tested a
   kl = exp(ref_logp - logp) - (ref_logp - logp) - 1   (the k3 estimator, as in GRPO);  l = pg + kl_coeff * kl
   token aggregation (default, DAPO): sum of l over every completion token of the global batch / their number
   sequence aggregation (the original GRPO): mean over completions of (mean of l over the completion's tokens)
-Log-probs are those of the model's own distribution (temperature 1); with grpo.temperature != 1 the rollouts come
-from the tempered distribution (a known simplification; the example samples at temperature 1).
+Log-probs (the policy's and the reference's) are those of the distribution the rollouts were sampled from,
+softmax(logits / grpo.temperature), as TRL takes them (top_p's truncation is not applied to them, as in TRL).
 
 The reference (kl_coeff > 0) is DPO's (train/tasks/dpo.py Reference): a frozen copy of the starting weights
 (checkpoint.load, weights only) on the same GPUs, or with LoRA the policy with its adapters off.
@@ -355,8 +355,8 @@ class GroupRelativePolicyOptimization(Task):
 
     def forward_step(self, data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, LossFunc]:
         batch = next(data_iterator)
-        per_token, mask, _ = next_token_losses(model_inputs(batch), model)
         g = self.exp.grpo
+        per_token, mask, _ = next_token_losses(model_inputs(batch), model, g.temperature)
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             logp = -output.float()
@@ -369,7 +369,7 @@ class GroupRelativePolicyOptimization(Task):
     def logps_step(self, data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, LossFunc]:
         """The reference's forward (dpo.Reference runs it): each micro-batch's per-token log-probs [rows, tokens]."""
         batch = next(data_iterator)
-        per_token, _, _ = next_token_losses(model_inputs(batch), model)
+        per_token, _, _ = next_token_losses(model_inputs(batch), model, self.exp.grpo.temperature)
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             return torch.zeros((), device=output.device), {"logps": -output.float().detach()}

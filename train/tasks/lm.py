@@ -30,9 +30,11 @@ class LanguageModelling(Task):
         return per_token, loss_func
 
 
-def next_token_losses(batch: dict[str, Any], model: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def next_token_losses(batch: dict[str, Any], model: Any,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """The model's per-token loss on this rank's part of the batch, the loss mask of that part, and the CP group
-    (None without context parallelism) over which a mean must be taken."""
+    (None without context parallelism) over which a mean must be taken. With a temperature (GRPO sampling at one),
+    the loss of the tempered distribution, softmax(logits / temperature): the one the rollouts were drawn from."""
     from megatron.core import parallel_state as ps
 
     packed = None
@@ -47,9 +49,25 @@ def next_token_losses(batch: dict[str, Any], model: Any) -> tuple[torch.Tensor, 
 
         cp_group = ps.get_context_parallel_group()
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    if temperature != 1.0:
+        return tempered_losses(batch, model, temperature, packed), batch["loss_mask"], cp_group
     per_token = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
                       loss_mask=batch["loss_mask"], packed_seq_params=packed)  # loss_mask: read by the MTP loss only
     return per_token, batch["loss_mask"], cp_group
+
+
+def tempered_losses(batch: dict[str, Any], model: Any, temperature: float, packed: Any) -> torch.Tensor:
+    """-log softmax(logits / temperature)[label] per token: the model's logits (its vocabulary-parallel shards under
+    TP) scaled, then Megatron's vocabulary-parallel cross entropy, as the model computes its own loss. A pipeline
+    stage before the last returns its activations unchanged."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from mcorekit.train.checkpoint import unwrap
+
+    out = model(batch["tokens"], batch["position_ids"], attention_mask=None, packed_seq_params=packed)
+    if not unwrap(model).post_process:
+        return out
+    return vocab_parallel_cross_entropy(out.float() / temperature, batch["labels"])  # logits [b, s, v]: labels [b, s]
 
 
 def masked_mean(per_token: torch.Tensor, mask: torch.Tensor, cp_group: Any = None,
