@@ -402,3 +402,39 @@ def test_metric_names_with_a_slash_reach_jsonl_and_tensorboard(tmp_path: Path) -
     acc.Reload()
     assert {"loss", "rewards/accuracies", "logps/chosen"} <= set(acc.Tags()["scalars"])
     assert acc.Scalars("logps/chosen")[0].value == -12.5
+
+
+def test_stored_log_probs_follow_the_iteration_checkpoint_load_resolves_to(tmp_path: Path, tok: Path,
+                                                                          pairs_file: Path,
+                                                                          datasets: dict[bool, PreferenceDataset]
+                                                                          ) -> None:
+    """A checkpoint.load folder that gains a newer iteration gives another reference: its stored log-probs are
+    computed again, not read back."""
+    from types import SimpleNamespace
+
+    from mcorekit.train import checkpoint
+    from mcorekit.train.tasks import task_for
+
+    base = tmp_path / "base"
+    for step in (10, 20):
+        checkpoint.iter_dir(base, step).mkdir(parents=True)
+        (checkpoint.iter_dir(base, step) / "metadata.json").write_text("{}")
+        (base / checkpoint.TRACKER).write_text(str(step))
+        task = task_for(dpo_exp(f"data.paths=[{pairs_file}]", f"data.tokenizer={tok}", f"checkpoint.load={base}",
+                                "checkpoint.finetune=true"), SimpleNamespace(vocab_size=256), tmp_path)
+        key = task._fingerprint("train", datasets[False])
+        assert task._start() == str(checkpoint.iter_dir(base, step))
+        assert step == 10 or key != first
+        first = key
+
+
+def test_building_the_reference_leaves_the_policys_random_streams_as_they_were() -> None:
+    from mcorekit.train.tasks.dpo import random_states_kept
+
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    with random_states_kept():
+        torch.manual_seed(123)  # frozen_copy seeds the copy as the policy was seeded
+        torch.rand(100)
+    assert torch.equal(torch.rand(4), expected)

@@ -250,6 +250,14 @@ class DirectPreferenceOptimization(Task):
             dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())
         return values.cpu().numpy()
 
+    def _start(self) -> str | None:
+        """The checkpoint the reference's weights come from, as frozen_copy resolves it: a checkpoint.load folder
+        that gained a newer iteration since the log-probs were stored gives another reference."""
+        from mcorekit.train import checkpoint
+
+        load = self.exp.checkpoint.load
+        return str(checkpoint.latest(Path(load)) or load) if load else None
+
     def _fingerprint(self, name: str, data: PreferenceDataset) -> str:
         """What the stored log-probs depend on: the data files, the tokenizer, how pairs were cut and packed, the
         model and its starting weights, the precision."""
@@ -261,7 +269,7 @@ class DirectPreferenceOptimization(Task):
             files.append([str(Path(p).resolve()), st.st_size, st.st_mtime_ns])
         what = {"files": files, "tokenizer": e.data.tokenizer, "seq_length": e.data.seq_length,
                 "packing": e.data.packing, "pairs": len(data.pairs), "model": e.model.model_dump(mode="json"),
-                "load": e.checkpoint.load, "dtype": e.precision.dtype, "fp8": e.precision.fp8,
+                "load": self._start(), "dtype": e.precision.dtype, "fp8": e.precision.fp8,
                 "lora": e.peft.lora is not None}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
@@ -361,10 +369,8 @@ def frozen_copy(t: Trainer) -> list[Any]:
     The schedule reads its sync hooks from the model's config: the copy gets a config without the policy's."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.module import Float16Module
 
-    from mcorekit.config.rules import Nodes, use_torch_expert_gemm, uses_te
-    from mcorekit.models.megatron import build_gpt
+    from mcorekit.config.rules import Nodes, uses_te
     from mcorekit.train import checkpoint
 
     exp = t.exp
@@ -374,9 +380,43 @@ def frozen_copy(t: Trainer) -> list[Any]:
     nodes = Nodes.here(t.env.local_rank)
     use_te = uses_te(exp, nodes)
     seed = exp.data.seed + 100 * ps.get_pipeline_model_parallel_rank()  # as build.init_distributed seeds the policy
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-    chunks = []
+    with random_states_kept():
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        chunks = _chunks(t, config, use_te, nodes)
+    if exp.checkpoint.load:
+        start = checkpoint.latest(Path(exp.checkpoint.load)) or Path(exp.checkpoint.load)
+        checkpoint.load_weights(start, chunks)
+    return chunks
+
+
+@contextmanager
+def random_states_kept() -> Iterator[None]:
+    """torch's CPU and CUDA generators and Megatron-Core's CUDA RNG tracker (dropout's streams) as they were before
+    the block: the reference copy is built from the policy's seeds mid-run, and reseeding would restart the policy's
+    dropout streams at that step (a resumed run then no longer follows the one that was not interrupted)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    tracker = get_cuda_rng_tracker().get_states()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+        get_cuda_rng_tracker().set_states(tracker)
+
+
+def _chunks(t: Trainer, config: Any, use_te: bool, nodes: Any) -> list[Any]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import Float16Module
+
+    from mcorekit.config.rules import use_torch_expert_gemm
+    from mcorekit.models.megatron import build_gpt
+
+    exp, chunks = t.exp, []
     for vp in range(exp.parallel.vpp or 1):
         vp_stage = vp if exp.parallel.vpp else None
         chunk = build_gpt(t.spec, config, t.padded_vocab, use_te=use_te, grouped_gemm=config.moe_grouped_gemm,
@@ -387,7 +427,4 @@ def frozen_copy(t: Trainer) -> list[Any]:
             chunk = Float16Module(config, chunk)
         chunk.requires_grad_(False)
         chunks.append(chunk.eval())
-    if exp.checkpoint.load:
-        start = checkpoint.latest(Path(exp.checkpoint.load)) or Path(exp.checkpoint.load)
-        checkpoint.load_weights(start, chunks)
     return chunks
