@@ -188,8 +188,10 @@ def test_a_failing_reward_is_reported_with_its_function_and_prompt(tmp_path: Pat
     (tmp_path / "bad.py").write_text("def boom(prompt, completion, **f):\n    return 1 / 0\n"
                                      "def nan(prompt, completion, **f):\n    return float('nan')\n"
                                      "def text(prompt, completion, **f):\n    return 'yes'\n"
-                                     "def huge(prompt, completion, **f):\n    return 10**400\n")
+                                     "def huge(prompt, completion, **f):\n    return 10**400\n"
+                                     "def leave(prompt, completion, **f):\n    raise SystemExit(3)\n")
     for name, needle in (("boom", "raised ZeroDivisionError on prompt '12+30=': division by zero"),
+                         ("leave", "raised SystemExit on prompt '12+30=': 3"),  # not the process's exit
                          ("nan", "returned nan on prompt '12+30='; a reward must return a finite float"),
                          ("text", "returned 'yes' on prompt '12+30='"),
                          ("huge", "returned 100000000000000000000000000000000000000000000000000000000... on prompt")):

@@ -168,7 +168,7 @@ class Rewards:
         for r in self.rewards:
             try:
                 value = r.fn(prompt, completion, **{**fields, **r.kwargs})
-            except Exception as e:  # noqa: BLE001  (the user's code: report what it raised and where)
+            except (Exception, SystemExit) as e:  # noqa: BLE001  (the user's code: report what it raised and where)
                 raise RewardError(f"reward {r.spec} raised {type(e).__name__} on prompt {_shown(prompt)}: "
                                   f"{_one_line(e)}") from None
             if not _finite(value):

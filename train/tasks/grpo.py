@@ -310,7 +310,7 @@ class GroupRelativePolicyOptimization(Task):
         group = ps.get_model_parallel_group()
         first = dist.get_global_rank(group, 0)
         values = torch.zeros(len(completions), k + 1, dtype=torch.float64)
-        failed = ""
+        error: Exception | None = None
         if dist.get_rank() == first:
             try:
                 for i, ids in enumerate(completions):
@@ -318,13 +318,15 @@ class GroupRelativePolicyOptimization(Task):
                     text = self.tok.decode([x for x in ids if x != self.eos], skip_special_tokens=True)
                     total, parts = self.rewards.score(p.text, text, p.fields)
                     values[i, 0], values[i, 1:] = total, torch.tensor(parts, dtype=torch.float64)
-            except RewardError as e:
-                failed = str(e)
-        status = torch.tensor([1.0 if failed else 0.0], device=here())
+            except Exception as e:  # noqa: BLE001 - any failure: the group's other ranks must stop too, not wait
+                error = e
+        status = torch.tensor([1.0 if error is not None else 0.0], device=here())
         dist.all_reduce(status, group=group)
+        if error is not None:
+            raise error
         if status.item():
-            raise RewardError(failed or "a reward function failed on the first rank of this model-parallel group "
-                                        "(its log has the message)")
+            raise RewardError("a reward function failed on the first rank of this model-parallel group (its log has "
+                              "the message)")
         shared = values.to(here())
         dist.broadcast(shared, src=first, group=group)
         values = shared.cpu()
