@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,15 +90,23 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _aside(out: Path, kind: str) -> Path:
+    """`.OUT.KIND-PID@HOST`: the host too, as a process id says nothing about a process on another node of a shared
+    file system."""
+    return out.with_name(f".{out.name}.{kind}-{os.getpid()}@{socket.gethostname()}")
+
+
 def remove_stale(out: Path, inputs: Iterable[Path] = ()) -> None:
-    """Clear what killed runs left beside `out` (their process no longer exists): `.OUT.partial-PID`, a staged output
-    (complete once it holds the marker, written before the two renames that put it in place), and `.OUT.old-PID`, the
-    previous output that the first rename moved aside. A kill between the renames leaves no `out`: the complete one
-    of the two, the new one first, is moved into place instead of removed. An input with such a name is left alone."""
-    stale = []
+    """Clear what killed runs of this host left beside `out` (their process no longer exists): `.OUT.partial-PID@HOST`,
+    a staged output (complete once it holds the marker, written before the two renames that put it in place), and
+    `.OUT.old-PID@HOST`, the previous output that the first rename moved aside. A kill between the renames leaves no
+    `out`: the complete one of the two, the new one first, is moved into place instead of removed. Another host's
+    are left alone (whether its process lives cannot be told from here), and so is an input with such a name."""
+    stale, here = [], socket.gethostname()
     for leftover in sorted(out.parent.glob(f".{out.name}.*-*")):
-        kind, _, pid = leftover.name[len(out.name) + 2:].rpartition("-")
-        if kind in ("partial", "old") and pid.isdigit() and not pid_alive(int(pid)) \
+        name, _, host = leftover.name[len(out.name) + 2:].partition("@")
+        kind, _, pid = name.rpartition("-")
+        if kind in ("partial", "old") and pid.isdigit() and host in ("", here) and not pid_alive(int(pid)) \
                 and not any(overlaps(leftover, Path(src)) for src in inputs if src is not None):
             stale.append((kind != "partial", leftover))  # sorts the staged (newer) output first
     complete = [p for _, p in sorted(stale) if (p / MARKER).is_file()]
@@ -123,7 +132,7 @@ def staged_output(out: Path, force: bool, inputs: Iterable[Path] = (), command: 
         raise OutputError(f"cannot create {out.parent}: {e.strerror}") from None
     remove_stale(out, inputs)
     check_output(out, inputs, force)  # again: remove_stale may have moved an earlier output back into place
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    tmp = _aside(out, "partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
@@ -136,7 +145,7 @@ def staged_output(out: Path, force: bool, inputs: Iterable[Path] = (), command: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        old = _aside(out, "old")
         out.rename(old)
         tmp.rename(out)
         shutil.rmtree(old, ignore_errors=True)

@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -428,7 +429,7 @@ def test_export_killed_mid_write_then_rerun(hf: Path, tmp_path: Path) -> None:
     out = tmp_path / "exports" / "out"
     out.parent.mkdir()
     proc = spawn("export", "trtllm", str(mcore), str(out), "--target", "pytorch", "--quiet")
-    stage = out.parent / f".out.partial-{proc.pid}"
+    stage = out.parent / f".out.partial-{proc.pid}@{socket.gethostname()}"
     kill_when(proc, lambda: stage.is_dir() and any(p.is_file() for p in stage.rglob("*")), "the export wrote a file")
     assert not out.exists() and stage.exists()  # nothing complete-looking; the dead run's stage is still there
     rc, err = run("export", "trtllm", mcore, out, "--target", "pytorch", "--quiet")

@@ -58,3 +58,20 @@ def test_a_kill_between_the_two_renames_loses_no_complete_output(tmp_path: Path,
     with staged_output(out, True) as stage:
         (stage / "data.txt").write_text("new")
     assert (out / "data.txt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_another_hosts_leftovers_are_left_alone_and_this_hosts_cleared(tmp_path: Path, dead_pid: int) -> None:
+    """On a shared file system a PID names a process of the host that wrote it: a run on another node may be alive
+    with a PID that is free here. Legacy names without a host count as this host's."""
+    import socket
+
+    here = socket.gethostname()
+    theirs = [folder(tmp_path / f".out.partial-{dead_pid}@node-other-17", "theirs", marker=True),
+              folder(tmp_path / f".out.old-{dead_pid}@node-other-17", "theirs, old", marker=True)]
+    folder(tmp_path / f".out.partial-{dead_pid}@{here}", "ours", marker=False)
+    folder(tmp_path / f".out.old-{dead_pid}", "ours, old", marker=False)
+    with staged_output(tmp_path / "out", False) as stage:
+        assert stage.name.endswith(f"@{here}")
+        (stage / "data.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", *(p.name for p in theirs)])
+    assert (tmp_path / "out" / "data.txt").read_text() == "new"
