@@ -526,6 +526,41 @@ def test_no_reader_runs_a_tokenizer_folders_own_code(tok: Path, tmp_path: Path, 
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("model_type", ["llama", "evil_arch"])
+@pytest.mark.parametrize("reader", ["export calibration", "convert logits"])
+def test_no_reader_runs_a_model_folders_own_code(hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 reader: str, model_type: str) -> None:
+    """A config.json whose auto_map points at the folder's own module: transformers' own class for a type it knows,
+    an error for one it does not; the module never runs (every prompt answered "y")."""
+    from mcorekit.convert.logits import hf_logits
+    from mcorekit.errors import ExportError
+    from mcorekit.export.fp8 import calibrate
+
+    marker, folder = tmp_path / "ran", tmp_path / "evil-model"
+    shutil.copytree(hf, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type=model_type, auto_map={"AutoConfig": "evil.EvilConfig",
+                                                   "AutoModelForCausalLM": "evil.EvilModel"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                                    "from transformers import LlamaConfig as EvilConfig, LlamaForCausalLM as EvilModel\n")
+    monkeypatch.setattr("builtins.input", lambda *_: "y")
+    import torch
+
+    ids = torch.tensor([[1, 2, 3]])
+    if model_type == "llama":  # loads with transformers' own Llama (hf_logits then asks for CUDA: not here)
+        if reader == "export calibration":
+            assert calibrate(folder, [ids])
+        else:
+            with pytest.raises((AssertionError, RuntimeError), match="CUDA|NVIDIA"):
+                hf_logits(folder, ids)
+    else:
+        error = ExportError if reader == "export calibration" else ValueError
+        with pytest.raises(error, match="custom code|trust_remote_code"):
+            calibrate(folder, [ids]) if reader == "export calibration" else hf_logits(folder, ids)
+    assert not marker.exists()
+
+
 def test_preprocess_input_that_is_a_folder(tok: Path, tmp_path: Path) -> None:
     corpus(tmp_path / "a.jsonl", 3)
     rc, err = run(*preprocess_args([tmp_path], tok, tmp_path / "out" / "p"))
