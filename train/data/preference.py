@@ -2,17 +2,21 @@
 HF tokenizer into two sequences that share the prompt's tokens, with a loss mask on the response tokens only.
 
 Accepted lines:
-  {"prompt": "...", "chosen": "...", "rejected": "..."}     plain text: prompt tokens + response tokens + eos
+  {"prompt": "...", "chosen": "...", "rejected": "..."}     plain text: the tokenizer's BOS (what its defaults put
+      before a text, as TRL and HF inference tokenize a prompt; nothing for Qwen2) + prompt tokens, then response
+      tokens + eos
   {"prompt": [{"role": ..., "content": ...}, ...],           chat: the tokenizer's chat template; the prompt is
    "chosen": [{"role": "assistant", "content": ...}] | {"role": "assistant", ...} | "...", "rejected": (same)}
       rendered with the generation prompt, the response is what the template adds for the assistant message(s)
-      (its end-of-turn tokens included), as TRL renders conversational preference data
+      (its end-of-turn tokens included), as TRL renders conversational preference data; a template whose
+      generation prompt is not the start of the assistant turn it renders is refused, as for SFT
 Loss mask: 1 on the response tokens (and the eos after a plain response); 0 on the prompt and the padding.
 
 Truncation (counted and logged): when a pair does not fit, its prompt is cut from the LEFT (the end of the prompt,
-next to the response, is kept; the same cut for both sequences, so they still share it). Responses are never cut:
-a pair whose longer response does not fit with one prompt token is left out. Without packing each sequence must fit
-data.seq_length; with packing both sequences of a pair go into one packed row, so together they must fit it.
+next to the response, is kept; the same cut for both sequences, so they still share it), after the BOS, which is
+kept. Responses are never cut: a pair whose longer response does not fit with one prompt token (besides the BOS)
+is left out. Without packing each sequence must fit data.seq_length; with packing both sequences of a pair go into
+one packed row, so together they must fit it.
 
 A sample is a whole pair (a packed row of whole pairs with data.packing); sample g of epoch e is a seeded
 permutation's pick, so the order is reproducible and a resumed run continues it (like the SFT data).
@@ -30,7 +34,7 @@ import torch
 from mcorekit.errors import ConfigError
 from mcorekit.train.data.jsonl import records, refuse_lone_surrogates
 from mcorekit.train.data.packing import EpochOrder, Example, first_fit_decreasing, pack, pad_one
-from mcorekit.train.data.tokenizer import load_tokenizer
+from mcorekit.train.data.tokenizer import bos_ids, generation_prompt_problem, load_tokenizer
 
 log = logging.getLogger("mcorekit.train")
 TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # per-token tensors, one row per sequence
@@ -45,8 +49,10 @@ def _messages(value: Any, what: str, where: str) -> list[dict[str, str]]:
     return value
 
 
-def tokenize_preference(tok: Any, record: dict[str, Any], where: str) -> tuple[list[int], list[int], list[int]]:
-    """(prompt ids, chosen response ids, rejected response ids) of one jsonl record."""
+def tokenize_preference(tok: Any, record: dict[str, Any], where: str,
+                        bos: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen response ids, rejected response ids) of one jsonl record; `bos` (tokenizer.bos_ids)
+    starts a plain-text prompt."""
     missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
     if missing:
         raise ConfigError(f"{where}: a preference pair needs 'prompt', 'chosen' and 'rejected' (missing "
@@ -57,7 +63,7 @@ def tokenize_preference(tok: Any, record: dict[str, Any], where: str) -> tuple[l
         for key in ("chosen", "rejected"):
             if not isinstance(record[key], str):
                 raise ConfigError(f"{where}: with a plain-text 'prompt', '{key}' must be a string too")
-        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        p = bos + tok(prompt, add_special_tokens=False)["input_ids"]
         return (list(p), *(list(tok(record[k], add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
                            for k in ("chosen", "rejected")))
     messages = _messages(prompt, "prompt", where)
@@ -73,10 +79,9 @@ def tokenize_preference(tok: Any, record: dict[str, Any], where: str) -> tuple[l
             if any(m["role"] != "assistant" for m in response):
                 raise ConfigError(f"{where}: '{key}' must hold assistant message(s) only")
             text = tok.apply_chat_template(messages + response, tokenize=False)
-            if not text.startswith(head):
-                raise ConfigError(f"{where}: the tokenizer's chat template does not render the prompt with its "
-                                  f"generation prompt as a prefix of the whole conversation; the response cannot be "
-                                  f"located")
+            problem = generation_prompt_problem(head, text)
+            if problem:
+                raise ConfigError(f"{where}: {problem}")
             out.append(list(tok(text[len(head):], add_special_tokens=False)["input_ids"]))
     except ConfigError:
         raise
@@ -89,19 +94,20 @@ def tokenize_preference(tok: Any, record: dict[str, Any], where: str) -> tuple[l
     return out[0], out[1], out[2]
 
 
-def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq_length: int,
-             packing: bool) -> tuple[Example, Example] | None:
-    """The pair's two sequences, the prompt cut from the left as far as needed to fit (None when even one prompt
-    token is too many). A sequence of n tokens takes n - 1 positions (inputs t0..t(n-2), labels t1..t(n-1))."""
+def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq_length: int, packing: bool,
+             keep_first: int = 0) -> tuple[Example, Example] | None:
+    """The pair's two sequences, the prompt cut from the left after its first `keep_first` tokens (the BOS) as far
+    as needed to fit (None when even one more prompt token is too many). A sequence of n tokens takes n - 1
+    positions (inputs t0..t(n-2), labels t1..t(n-1))."""
     long_r = max(len(chosen), len(rejected))
     if packing:  # both sequences in one row: (p + c - 1) + (p + r - 1) <= seq_length
         keep = (seq_length + 2 - len(chosen) - len(rejected)) // 2
     else:  # each sequence alone: p + r - 1 <= seq_length
         keep = seq_length + 1 - long_r
     keep = min(keep, len(prompt))
-    if keep < 1:
+    if keep < 1 or (keep < len(prompt) and keep <= keep_first):
         return None
-    p = prompt[len(prompt) - keep:]
+    p = prompt[:keep_first] + prompt[len(prompt) - keep + keep_first:] if keep < len(prompt) else prompt
     return (Example(p + chosen, [0] * len(p) + [1] * len(chosen)),
             Example(p + rejected, [0] * len(p) + [1] * len(rejected)))
 
@@ -116,6 +122,7 @@ class PreferenceDataset:
                  vocab_size: int) -> None:
         tok = load_tokenizer(tokenizer_dir, vocab_size)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        bos = bos_ids(tok)
         pairs: list[tuple[Example, Example]] = []
         lines, truncated, dropped = 0, 0, 0
         for path in paths:
@@ -123,8 +130,9 @@ class PreferenceDataset:
                 raise ConfigError(f"preference data not found: {path}")
             for n, record in records(Path(path)):
                 lines += 1
-                prompt, chosen, rejected = tokenize_preference(tok, record, f"{path}:{n}")
-                pair = fit_pair(prompt, chosen, rejected, seq_length, packing)
+                prompt, chosen, rejected = tokenize_preference(tok, record, f"{path}:{n}", bos)
+                kept = len(bos) if prompt[:len(bos)] == bos else 0  # a chat template's BOS too
+                pair = fit_pair(prompt, chosen, rejected, seq_length, packing, kept)
                 if pair is None:
                     dropped += 1
                     continue

@@ -4,8 +4,11 @@ tokenizer, with a loss mask that keeps only what the model should learn to say.
 Accepted lines:
   {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}  (the tokenizer's chat template)
   {"prompt": "...", "response": "..."}   (also "instruction"/"input"/"output": prompt = instruction + input)
-Loss mask: 1 on assistant turns (the template's text of each assistant message, including its end-of-turn
-token) or on the response and the eos token after it; 0 elsewhere.
+Loss mask: 1 on assistant turns (the template's text of each assistant message after the generation prompt,
+including its end-of-turn token) or on the response and the eos token after it; 0 elsewhere.
+A prompt/response example starts with what the tokenizer's defaults put before a text (Llama's BOS; nothing for
+Qwen2), as TRL and HF inference tokenize a prompt; chat text holds what its template puts. A chat template whose
+generation prompt is not the start of the assistant turn it renders is refused (tokenizer.generation_prompt_problem).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 from mcorekit.errors import ConfigError
 from mcorekit.train.data.jsonl import records, refuse_lone_surrogates
 from mcorekit.train.data.packing import EpochOrder, Example, first_fit_decreasing, pack, pad_one
-from mcorekit.train.data.tokenizer import load_tokenizer
+from mcorekit.train.data.tokenizer import bos_ids, generation_prompt_problem, load_tokenizer
 
 log = logging.getLogger("mcorekit.train")
 
@@ -30,26 +33,33 @@ def _read(path: Path) -> list[tuple[int, dict[str, Any]]]:
 
 def tokenize_chat(tok: Any, messages: list[dict[str, str]]) -> Example:
     """Render the whole conversation once; assistant spans are found from the renderings of its prefixes (the
-    template must render a prefix of the conversation as a prefix of the text, which chat templates do)."""
+    template must render a prefix of the conversation as a prefix of the text, which chat templates do), each
+    starting after the generation prompt, which must be where the template's assistant turn starts."""
     text = tok.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
-        start = len(tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0
         prefix = tok.apply_chat_template(messages[: i + 1], tokenize=False)
-        end = len(prefix)
         if not text.startswith(prefix):
             raise ConfigError("the tokenizer's chat template does not render conversations prefix by prefix; "
                               "loss masks cannot be placed")
-        spans.append((start, end))
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        start = 0
+        if i:
+            head = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            problem = generation_prompt_problem(head, text)
+            if problem:
+                raise ConfigError(problem)
+            start = len(head)
+        spans.append((start, len(prefix)))
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)  # the template holds its own BOS
     mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
     return Example(list(enc["input_ids"]), mask)
 
 
-def tokenize_pair(tok: Any, prompt: str, response: str) -> Example:
-    p = tok(prompt, add_special_tokens=False)["input_ids"]
+def tokenize_pair(tok: Any, prompt: str, response: str, bos: list[int]) -> Example:
+    """`bos` (tokenizer.bos_ids) once before the prompt, as the tokenizer's defaults put it at inference."""
+    p = bos + tok(prompt, add_special_tokens=False)["input_ids"]
     r = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     return Example(list(p) + list(r), [0] * len(p) + [1] * len(r))
 
@@ -57,7 +67,7 @@ def tokenize_pair(tok: Any, prompt: str, response: str) -> Example:
 TEXT_FIELDS = ("messages", "prompt", "response", "instruction", "input", "output")
 
 
-def tokenize_record(tok: Any, record: dict[str, Any], where: str) -> Example:
+def tokenize_record(tok: Any, record: dict[str, Any], where: str, bos: list[int]) -> Example:
     refuse_lone_surrogates([record.get(k) for k in TEXT_FIELDS], where)
     if "messages" in record:
         messages = record["messages"]
@@ -84,10 +94,10 @@ def tokenize_record(tok: Any, record: dict[str, Any], where: str) -> Example:
                                   f"{', '.join(type(record[k]).__name__ for k in wrong)}")
             break
     if "prompt" in record and "response" in record:
-        return tokenize_pair(tok, record["prompt"], record["response"])
+        return tokenize_pair(tok, record["prompt"], record["response"], bos)
     if "instruction" in record and "output" in record:
         prompt = record["instruction"] + ("\n\n" + record["input"] if record.get("input") else "")
-        return tokenize_pair(tok, prompt + "\n\n", record["output"])
+        return tokenize_pair(tok, prompt + "\n\n", record["output"], bos)
     raise ConfigError(f"{where}: expected 'messages', 'prompt'+'response' or 'instruction'+'output' "
                       f"(got keys {sorted(record)[:8]})")
 
@@ -100,11 +110,12 @@ class SFTDataset:
                  vocab_size: int) -> None:
         tok = load_tokenizer(tokenizer_dir, vocab_size)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        bos = bos_ids(tok)
         examples, read, truncated, nothing, cut_off = [], 0, 0, 0, 0
         roles: set[str] = set()
         for path in paths:
             for n, record in _read(Path(path)):
-                ex, read = tokenize_record(tok, record, f"{path}:{n}"), read + 1
+                ex, read = tokenize_record(tok, record, f"{path}:{n}", bos), read + 1
                 if not sum(ex.mask[1:]):  # no assistant turn to learn from (roles other than "assistant"?)
                     nothing += 1
                     roles |= {m.get("role") for m in record.get("messages") or [] if isinstance(m, dict)}
