@@ -404,7 +404,7 @@ def test_metric_names_with_a_slash_reach_jsonl_and_tensorboard(tmp_path: Path) -
     assert acc.Scalars("logps/chosen")[0].value == -12.5
 
 
-def test_stored_log_probs_follow_the_iteration_checkpoint_load_resolves_to(tmp_path: Path, tok: Path,
+def test_stored_log_probs_follow_the_checkpoint_and_the_tokens(tmp_path: Path, tok: Path,
                                                                           pairs_file: Path,
                                                                           datasets: dict[bool, PreferenceDataset]
                                                                           ) -> None:
@@ -426,6 +426,9 @@ def test_stored_log_probs_follow_the_iteration_checkpoint_load_resolves_to(tmp_p
         assert task._start() == str(checkpoint.iter_dir(base, step))
         assert step == 10 or key != first
         first = key
+    shifted = PreferenceDataset([str(pairs_file)], str(tok), 64, seed=3, packing=False, vocab_size=256)
+    shifted.pairs[0] = (shifted.pairs[0][1], shifted.pairs[0][0])  # other tokens from the same files and tokenizer
+    assert task._fingerprint("train", shifted) != key
 
 
 def test_building_the_reference_leaves_the_policys_random_streams_as_they_were() -> None:

@@ -259,16 +259,20 @@ class DirectPreferenceOptimization(Task):
         return str(checkpoint.latest(Path(load)) or load) if load else None
 
     def _fingerprint(self, name: str, data: PreferenceDataset) -> str:
-        """What the stored log-probs depend on: the data files, the tokenizer, how pairs were cut and packed, the
-        model and its starting weights, the precision."""
+        """What the stored log-probs depend on: the data files, the tokens (and masks) made of them, how pairs were
+        cut and packed, the model and its starting weights, the precision."""
         e = self.exp
         paths = e.data.valid_paths if name == "valid" else e.data.paths
         files = []
         for p in paths:
             st = Path(p).stat()
             files.append([str(Path(p).resolve()), st.st_size, st.st_mtime_ns])
-        what = {"files": files, "tokenizer": e.data.tokenizer, "seq_length": e.data.seq_length,
-                "packing": e.data.packing, "pairs": len(data.pairs), "model": e.model.model_dump(mode="json"),
+        tokens = hashlib.sha256()  # the tokens themselves: a tokenizer or chat template changed in place
+        for pair in data.pairs:
+            for ex in pair:
+                tokens.update(np.asarray(ex.ids, dtype=np.int64).tobytes() + np.asarray(ex.mask, np.int8).tobytes())
+        what = {"files": files, "tokenizer": e.data.tokenizer, "tokens": tokens.hexdigest(),
+                "seq_length": e.data.seq_length, "packing": e.data.packing, "pairs": len(data.pairs), "model": e.model.model_dump(mode="json"),
                 "load": self._start(), "dtype": e.precision.dtype, "fp8": e.precision.fp8,
                 "lora": e.peft.lora is not None}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
