@@ -228,6 +228,8 @@ def test_truncation_cuts_the_prompt_from_the_left_and_leaves_out_what_cannot_fit
     ('{"prompt": [{"role": "user"}], "chosen": "yes", "rejected": "no"}', r"bad.jsonl:2: 'prompt' must be a non-empty "
                                                                         r"list of"),
     ('{"prompt": "hello", "chosen": "yes \\udc00", "rejected": "no"}', r"bad.jsonl:2: holds a lone UTF-16 surrogate"),
+    ('{"prompt": "", "chosen": "yes", "rejected": "no"}', r"bad.jsonl:2: the prompt is empty \(no tokens, and this "
+                                                        r"tokenizer puts no BOS before a text\)"),
 ])
 def test_bad_lines_are_one_line_errors_naming_file_and_line(tmp_path: Path, tok: Path, line: str,
                                                             message: str) -> None:

@@ -64,6 +64,9 @@ def tokenize_preference(tok: Any, record: dict[str, Any], where: str,
             if not isinstance(record[key], str):
                 raise ConfigError(f"{where}: with a plain-text 'prompt', '{key}' must be a string too")
         p = bos + tok(prompt, add_special_tokens=False)["input_ids"]
+        if not p:  # a response's first token would follow nothing: it could not be learned, and no cut makes it fit
+            raise ConfigError(f"{where}: the prompt is empty (no tokens, and this tokenizer puts no BOS before a "
+                              f"text); a preference pair needs a prompt its responses follow")
         return (list(p), *(list(tok(record[k], add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
                            for k in ("chosen", "rejected")))
     messages = _messages(prompt, "prompt", where)
