@@ -5,7 +5,10 @@
   decoder.layers.self_attention.linear_qkv.adapter.lora_b  [L, qkv, r]  their lora_B.weight, split as the weight
   decoder.layers.mlp.linear_fc1.adapter.lora_a / lora_b    [L, 2r, H] / [L, 2F, r]   the gate and up modules
   ...linear_proj / linear_fc2 (and shared_experts.)        one A and one B each      the output and down modules
-(the HF module names come from the family's weight map, models/mapping.py, as for the converter)
+(the HF module names come from the family's weight map, models/mapping.py, as for the converter). A model whose layers
+differ (DeepSeek-V3's dense then MoE layers: spec.per_layer_keys) has one key per layer, `decoder.layers.<l>.<name>`,
+without the layer dim, as its weights and train/'s adapters are stored, and each only on the layers that have the
+weight (the mapping's `layers`: the dense fc1 on the first layers, the shared expert's on the MoE layers).
 
 A's blocks are PEFT's per-projection A matrices in the HF order of the weight's mapping (q, k, v; gate, up); B goes
 through the weight's own mapping (models/mapping.py QKV, GatedFC1, Direct), so the q/k/v split of an adapter is
@@ -47,7 +50,7 @@ PEFT_PREFIX = "base_model.model."
 # The Megatron weights each LoRA target adapts, where the model has them (a MoE layer's shared expert for fc1/fc2).
 TARGET_WEIGHTS = {"qkv": (gw.QKV_WEIGHT,), "proj": (gw.PROJ,), "fc1": (gw.FC1, gw.SHARED_FC1),
                   "fc2": (gw.FC2, gw.SHARED_FC2)}
-# PEFT adapter_config.json fields whose non-default values we cannot represent
+# PEFT adapter_config.json fields whose non-default values we cannot represent (null, [] and {} count as the default)
 UNSUPPORTED = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
                "rank_pattern": {}, "alpha_pattern": {}, "layer_replication": None, "target_parameters": None}
 
@@ -67,6 +70,11 @@ class Adapted:
     def hf_modules(self, layer: int) -> list[str]:
         return [n.removesuffix(".weight") for n in self.mapping.hf_names(layer)]
 
+    def layers(self, spec: ModelSpec) -> list[int]:
+        """The decoder layers that have the weight (DeepSeek: the dense MLP the first layers, the shared expert the
+        MoE layers)."""
+        return [index[0] for index in self.mapping.slices(spec)]
+
 
 def adapted(spec: ModelSpec, amap: WeightMap, targets: list[str]) -> list[Adapted]:
     """The weights the LoRA targets adapt in this model, in map order."""
@@ -75,7 +83,7 @@ def adapted(spec: ModelSpec, amap: WeightMap, targets: list[str]) -> list[Adapte
     for target in targets:
         for key in TARGET_WEIGHTS[target]:
             m = by_mcore.get(key)
-            if m is None:
+            if m is None or not m.slices(spec):  # not in this model, or on none of its layers
                 continue
             if m.scope != LAYER:
                 raise ConversionError(f"{key}: LoRA on routed experts is not built")
@@ -161,7 +169,8 @@ class AdapterCheckpoint:
         self.amap = pipeline.weight_map(self.spec)
         self.rank, self.alpha = int(self.info["rank"]), float(self.info["alpha"])
         self.items = adapted(self.spec, self.amap, list(self.info["target_modules"]))
-        self.reader = torch_dist.TorchDistReader(self.iter_dir)
+        # one key per layer (a model whose layers differ) seen with the map's layer-stacked keys, as pipeline reads it
+        self.reader = torch_dist.LayerStackedView(torch_dist.TorchDistReader(self.iter_dir), self.spec.num_layers)
         self.ctx = Ctx(self.spec, 0)
         stored = self.reader.tensor_keys()
         L = self.spec.num_layers
@@ -171,6 +180,11 @@ class AdapterCheckpoint:
                 if md is None:
                     raise ConversionError(f"{self.iter_dir}: adapter tensor {key!r} is missing ({LORA_JSON} names "
                                           f"target {a.target}); the checkpoint is incomplete or not of this model")
+                held = self.reader.layers.get(key)
+                if held is not None and held != set(a.layers(self.spec)):
+                    raise ConversionError(f"{self.iter_dir}: {key} is stored for layers {sorted(held)}, but "
+                                          f"{self.config_file} has it on layers {a.layers(self.spec)}; pass the "
+                                          f"--hf-config it adapts")
                 if tuple(md.size) != (L, *want):
                     raise ConversionError(f"{self.iter_dir}: {key} is {tuple(md.size)}, but rank {self.rank} on "
                                           f"{self.config_file} implies {(L, *want)}; pass the --hf-config it adapts")
@@ -186,6 +200,8 @@ class AdapterCheckpoint:
         out = {}
         for layer in range(self.spec.num_layers):
             for a in self.items:
+                if not a.mapping.has_layer(layer):  # DeepSeek: a dense MLP or a shared expert, not both
+                    continue
                 for module, (la, lb) in zip(a.hf_modules(layer), to_peft(a, *self.layer(a, layer), self.ctx)):
                     out[peft_key(module, "A")] = la if dtype is None else la.to(dtype)
                     out[peft_key(module, "B")] = lb if dtype is None else lb.to(dtype)
@@ -276,7 +292,10 @@ def peft_config_problems(config: dict[str, Any]) -> list[str]:
     if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0):
         out.append(f"lora_alpha={alpha!r} is not a positive number")
     for key, default in UNSUPPORTED.items():
-        if config.get(key) not in (default, None):
+        value = config.get(key)
+        # PEFT writes null or an empty list or dict for a field it does not use (peft 0.21: target_parameters=[] for
+        # MoE models), depending on its version and the model
+        if value != default and value not in (None, [], {}):
             out.append(f"{key}={config.get(key)!r} has no Megatron LoRA counterpart (supported: {default!r})")
     return out
 
@@ -300,7 +319,7 @@ def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pa
     used: set[str] = set()
     found_targets = []
     for a in every:
-        names = [peft_key(m, w) for layer in range(spec.num_layers) for m in a.hf_modules(layer) for w in "AB"]
+        names = [peft_key(m, w) for layer in a.layers(spec) for m in a.hf_modules(layer) for w in "AB"]
         if any(n in tensors for n in names) and a.target not in found_targets:
             found_targets.append(a.target)
     items = [a for a in every if a.target in found_targets]
@@ -308,10 +327,10 @@ def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pa
         raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: no LoRA tensor of the {spec.architecture} model's "
                               f"attention or MLP projections (keys like {peft_key(every[0].hf_modules(0)[0], 'A')})")
     out_dtype = dtypes.to_torch(dtype) if dtype else None
-    stacked: dict[str, list[torch.Tensor]] = {}
+    stacked: dict[str, dict[int, torch.Tensor]] = {}  # Megatron key -> layer -> its tensor
     for a in items:
         ka, kb = a.keys
-        for layer in range(spec.num_layers):
+        for layer in a.layers(spec):
             pairs = []
             for module, want_b in zip(a.hf_modules(layer), _hf_b_shapes(a, rank, ctx)):
                 na, nb = peft_key(module, "A"), peft_key(module, "B")
@@ -333,14 +352,16 @@ def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pa
                     used.add(name)
                 pairs.append((tensors[na], tensors[nb]))
             la, lb = from_peft(a, pairs, ctx)
-            stacked.setdefault(ka, []).append(la if out_dtype is None else la.to(out_dtype))
-            stacked.setdefault(kb, []).append(lb if out_dtype is None else lb.to(out_dtype))
+            stacked.setdefault(ka, {})[layer] = la if out_dtype is None else la.to(out_dtype)
+            stacked.setdefault(kb, {})[layer] = lb if out_dtype is None else lb.to(out_dtype)
     if unused := sorted(set(tensors) - used):
         raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: {len(unused)} tensors are not LoRA weights of the "
                               f"{spec.architecture} model's attention/MLP projections (e.g. {unused[:3]}); nothing "
                               f"was written")
-    planned = [_planned(key, parts) for key, parts in stacked.items()]
-    total = sum(t.numel() * t.element_size() for parts in stacked.values() for t in parts)
+    planned = [_planned(key, parts, spec.num_layers) for key, parts in stacked.items()]
+    if spec.per_layer_keys:  # as the model's own weights are stored (pipeline.hf_to_mcore) and train/ saves adapters
+        planned = torch_dist.per_layer(planned)
+    total = sum(t.numel() * t.element_size() for parts in stacked.values() for t in parts.values())
     info = {"rank": rank, "alpha": alpha, "dropout": float(peft_config.get("lora_dropout") or 0.0),
             "target_modules": found_targets, "experts": False, "base": None, "model": spec.to_dict(),
             "source": str(adapter)}
@@ -357,12 +378,13 @@ def _hf_b_shapes(a: Adapted, rank: int, ctx: Ctx) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for t in a.mapping.to_hf(torch.empty(a.shape.b_shape(rank), device="meta"), ctx)]
 
 
-def _planned(key: str, parts: list[torch.Tensor]) -> torch_dist.PlannedTensor:
-    """A layer-stacked tensor written one layer per chunk."""
-    shape = tuple(parts[0].shape)
-    dtype = parts[0].dtype
-    if any(p.dtype != dtype for p in parts):
+def _planned(key: str, parts: dict[int, torch.Tensor], num_layers: int) -> torch_dist.PlannedTensor:
+    """A layer-stacked tensor written one layer per chunk, the layers in `parts` (all of them unless the model's
+    layers differ, whose tensors torch_dist.per_layer then stores one key per layer)."""
+    first = next(iter(parts.values()))
+    shape, dtype = tuple(first.shape), first.dtype
+    if any(p.dtype != dtype for p in parts.values()):
         raise ConversionError(f"the PEFT tensors of {key} mix dtypes; pass --dtype to convert them to one")
     chunks = [torch_dist.ChunkSource((layer,) + (0,) * len(shape), (1, *shape), lambda t=t: t.unsqueeze(0))
-              for layer, t in enumerate(parts)]
-    return torch_dist.PlannedTensor(key, (len(parts), *shape), dtype, chunks, LAYER)
+              for layer, t in parts.items()]
+    return torch_dist.PlannedTensor(key, (num_layers, *shape), dtype, chunks, LAYER)
