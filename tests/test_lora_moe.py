@@ -210,3 +210,26 @@ def test_deepseek_merge_reads_per_layer_adapters(deepseek: Path, tmp_path: Path)
         adapted += a is not None
         assert torch.equal(merged.get(name), want), name
     assert adapted == 12  # o_proj on 3 layers, gate/up/down on the dense layer and the 2 shared experts
+
+
+def test_multi_token_prediction_layers_get_no_adapters(deepseek: Path, model_parallel: None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """PEFT and HF inference have no MTP layer: an adapter there could not be exported (nor imported back)."""
+    import dataclasses
+
+    from mcorekit.config.experiment import LoraConfig
+    from mcorekit.models.megatron import build_gpt, padded_vocab_size, transformer_config
+    from mcorekit.models.spec import from_hf_config, load_hf_config
+    from mcorekit.train.lora import apply_lora
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # the router's expert-bias buffer
+    counts = []
+    for mtp in (0, 1):
+        spec = dataclasses.replace(from_hf_config(load_hf_config(deepseek)), mtp_layers=mtp)
+        cfg = transformer_config(spec, cpu_init=True, moe_token_dispatcher_type="allgather")
+        model = build_gpt(spec, cfg, padded_vocab_size(spec.vocab_size, 128), use_te=False)
+        assert (getattr(model, "mtp", None) is not None) == bool(mtp)
+        counts.append(apply_lora(model, LoraConfig(rank=R, alpha=8.0, target_modules=["qkv", "proj", "fc1", "fc2"]),
+                                 spec))
+        assert not [n for n, p in model.named_parameters() if p.requires_grad and n.startswith("mtp.")]
+    assert counts[0] == counts[1] > 0

@@ -325,12 +325,14 @@ def _fused_norm(layer: Any, x: torch.Tensor) -> torch.Tensor:
 
 def targets_in(model: torch.nn.Module, targets: list[str], experts: bool = False) -> list[tuple[str, Any, str]]:
     """(name, module, target) of every linear layer LoRA adapts: attention and dense or shared-expert MLP layers;
-    routed experts only with `experts` (not built: config.rules refuses it)."""
+    routed experts only with `experts` (not built: config.rules refuses it). Not the multi-token prediction layers
+    (model.mtp): PEFT and HF inference have none, so their adapters could not be exported; they stay frozen, and their
+    loss still trains the adapters of the layers before them."""
     out = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         target = MODULES.get(leaf)
-        if target is None or target not in targets or ".layers." not in f".{name}":
+        if target is None or target not in targets or ".layers." not in f".{name}" or name.startswith("mtp."):
             continue
         if ".experts." in f"{name}." and not experts:
             continue
