@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mcorekit.train.tasks.base import step_share
-from mcorekit.train.tasks.dpo import micro_batch_loss, sequence_logps
+from mcorekit.train.tasks.dpo import chosen_tokens, micro_batch_loss, sequence_logps
 from mcorekit.train.tasks.lm import masked_mean
 from mcorekit.train.tasks.sft import SupervisedFineTuning
 from test_checkpoint_writer import _finalize_on_cpu  # noqa: F401  # a fixture
@@ -42,19 +42,24 @@ def test_sft_step_loss_is_the_mean_over_the_steps_response_tokens(model_parallel
     assert abs(float(per_micro_batch) - float(every.mean())) > 0.1  # what a mean per micro-batch gave
 
 
-def test_dpo_step_loss_and_metrics_are_means_over_the_steps_pairs(model_parallel: None) -> None:
-    """Packed rows hold different numbers of pairs: micro-batches of 1 and 5 pairs here."""
+@pytest.mark.parametrize("sft", [0.0, 0.5])
+def test_dpo_step_loss_and_metrics_are_means_over_the_steps_pairs(model_parallel: None, sft: float) -> None:
+    """Packed rows hold different numbers of pairs: micro-batches of 1 and 5 pairs here; sft_weight's NLL is the mean
+    over every chosen response token of the step."""
     pairs, beta, ls = 6, 0.3, 0.1
     policy, reference, mask = fixed_batch(pairs, 20, seed=7)
     ref, _ = sequence_logps(-reference, mask, None, 2 * pairs)
-    share = step_share([1, 5], "cpu")
-    results = []
+    batches = []
     for ids in ([0], [1, 2, 3, 4, 5]):
         rows = ids + [pairs + i for i in ids]
-        batch = {"pair_ids": torch.tensor(ids), "ref_logps": ref[rows]}
-        results.append(micro_batch_loss(-policy[rows], batch, mask[rows], beta, ls, 0.0, None, share))
+        batches.append((rows, {"pair_ids": torch.tensor(ids), "ref_logps": ref[rows], "loss_mask": mask[rows]}))
+    share = step_share([1, 5], "cpu")
+    token_share = step_share([chosen_tokens(b) for _, b in batches], "cpu")
+    results = [micro_batch_loss(-policy[rows], b, mask[rows], beta, ls, sft, None, share, token_share)
+               for rows, b in batches]
     p, r = sums(policy, mask), sums(reference, mask)
-    want = expected(p[:pairs], p[pairs:], r[:pairs], r[pairs:], beta, ls, 0.0, [1] * pairs)
+    want = expected(p[:pairs], p[pairs:], r[:pairs], r[pairs:], beta, ls, sft,
+                    [int(mask[i].sum()) for i in range(pairs)])
     assert abs(float(sum(loss for loss, _ in results) / 2) - want["loss"]) < 1e-5
     for name in results[0][1]:
         assert abs(float(sum(m[name] for _, m in results) / 2) - want[name]) < 1e-5, name
@@ -101,3 +106,13 @@ def test_grpo_log_probs_are_those_of_the_tempered_distribution(model_parallel: N
         logits = model(tokens, batch["position_ids"], attention_mask=None)
     want = -torch.log_softmax(logits.float() / temperature, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     assert per_token.shape == (2, 12) and torch.allclose(per_token, want, atol=1e-5)
+
+
+def test_chosen_tokens_of_a_packed_row_are_those_of_its_chosen_sequences() -> None:
+    """A packed row holds c0, r0, c1, r1 (seq_ids 0, 2, 1, 3 for 2 pairs): the chosen ones are seq_ids < pairs."""
+    seq_ids = torch.tensor([[0, 0, 0, 2, 2, 1, 1, 3, 3, 3]])
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0, 1, 1, 1, 1]], dtype=torch.float32)
+    packed = {"pair_ids": torch.tensor([4, 9]), "seq_ids": seq_ids, "loss_mask": mask}
+    assert float(chosen_tokens(packed)) == 3.0
+    rows = {"pair_ids": torch.tensor([4, 9]), "loss_mask": torch.tensor([[1.0, 1], [0, 1], [1, 1], [1, 1]])}
+    assert float(chosen_tokens(rows)) == 3.0

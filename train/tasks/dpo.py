@@ -90,10 +90,12 @@ def sequence_logps(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, seq_id
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0, sft_weight: float = 0.0,
              chosen_tokens: torch.Tensor | None = None,
-             share: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             share: torch.Tensor | None = None,
+             token_share: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's loss (mean over its pairs, or their sum over `share`: base.step_share, the step's mean over
     all its pairs) and its metrics (TRL's names, taken the same way). Inputs: per-pair summed log-probs [pairs];
-    chosen_tokens: the chosen responses' token counts (for sft_weight's per-token NLL)."""
+    chosen_tokens: the chosen responses' token counts (for sft_weight's per-token NLL: their mean, or their sum over
+    `token_share`, the step's mean over every chosen response token)."""
     def mean(x: torch.Tensor) -> torch.Tensor:
         return x.mean() if share is None else x.sum() / share
 
@@ -103,7 +105,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     nll = None
     if sft_weight:
         assert chosen_tokens is not None, "sft_weight needs the chosen responses' token counts"
-        nll = -policy_chosen.sum() / chosen_tokens.sum().clamp(min=1)
+        nll = -policy_chosen.sum() / (chosen_tokens.sum().clamp(min=1) if token_share is None else token_share)
         loss = loss + sft_weight * nll
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
@@ -124,14 +126,22 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 def micro_batch_loss(per_token_loss: torch.Tensor, batch: dict[str, Any], loss_mask: torch.Tensor, beta: float,
                      label_smoothing: float = 0.0, sft_weight: float = 0.0,
                      cp_group: Any = None,
-                     share: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     share: torch.Tensor | None = None,
+                     token_share: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """dpo_loss of one micro-batch from the model's per-token losses: its sequences are [chosen of its pairs...,
     rejected of its pairs...] (preference.collate), the reference's in batch["ref_logps"] in the same order."""
     pairs = batch["pair_ids"].numel()
     logps, tokens = sequence_logps(per_token_loss, loss_mask, batch.get("seq_ids"), 2 * pairs, cp_group)
     ref = batch["ref_logps"]
     return dpo_loss(logps[:pairs], logps[pairs:], ref[:pairs], ref[pairs:], beta, label_smoothing, sft_weight,
-                    tokens[:pairs], share)
+                    tokens[:pairs], share, token_share)
+
+
+def chosen_tokens(batch: dict[str, Any]) -> torch.Tensor:
+    """The number of chosen-response tokens in a micro-batch: its first `pairs` rows, or in a packed row the tokens
+    of sequences 0..pairs-1 (seq_ids, as sequence_logps counts them)."""
+    pairs, mask = batch["pair_ids"].numel(), batch["loss_mask"]
+    return mask[batch["seq_ids"] < pairs].sum() if "seq_ids" in batch else mask[:pairs].sum()
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
@@ -179,9 +189,11 @@ class DirectPreferenceOptimization(Task):
             for batch, logps in zip(step, self.reference.logps(step)):  # the last pipeline stage gets them
                 batch["ref_logps"] = logps
         # a mean over the step's pairs: packed rows hold different numbers of pairs
-        share = step_share([b["pair_ids"].numel() for b in step], step[0]["tokens"].device)
+        device = step[0]["tokens"].device
+        share = step_share([b["pair_ids"].numel() for b in step], device)
+        token_share = step_share([chosen_tokens(b) for b in step], device) if self.exp.dpo.sft_weight else None
         for batch in step:
-            batch["pair_share"] = share
+            batch["pair_share"], batch["chosen_share"] = share, token_share
         return [iter(step) for _ in data]
 
     def forward_step(self, data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, LossFunc]:
@@ -191,7 +203,7 @@ class DirectPreferenceOptimization(Task):
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             return micro_batch_loss(output, batch, mask, d.beta, d.label_smoothing, d.sft_weight, cp_group,
-                                    batch.get("pair_share"))
+                                    batch.get("pair_share"), batch.get("chosen_share"))
 
         return per_token, loss_func
 
