@@ -168,3 +168,19 @@ def test_a_checkpoint_of_another_model_shape_is_one_line_before_anything_is_read
     monkeypatch.setattr(checkpoint_reader, "ReadAheadReader", None)  # reading anything now fails the test
     with pytest.raises(ConfigError, match=f"^checkpoint {path} does not fit this model: .*{expected}"):
         checkpoint.read(checkpoint._model_state([_gpt(**other)]), path)
+
+
+def test_a_damaged_record_is_one_line_on_a_resume(model_parallel: None, tmp_path: Path) -> None:
+    """checkpoint.read (every training load): torch's CheckpointException, a BaseException with each rank's
+    traceback in its text, becomes one error line naming the checkpoint and what to do."""
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint
+
+    _save(tmp_path / "iter_0000005", ours=True)
+    data = next((tmp_path / "iter_0000005").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=r"^checkpoint .*iter_0000005 could not be read: .*a truncated file.*resume "
+                                          r"from an earlier one by setting its step in .*latest_checkpointed") as e:
+        checkpoint.read(_zeroed(), tmp_path / "iter_0000005")
+    assert "\n" not in str(e.value)
+    assert not _readers()

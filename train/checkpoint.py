@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 from mcorekit.outputs import without_crc32
-from mcorekit.runtime.ranks import rank_zero_choice
+from mcorekit.runtime.ranks import any_rank, rank_zero_choice
 from mcorekit.train.checkpoint_writer import background_writes, results_queue, save_strategy, stage_per_tensor
 from mcorekit.train.fsdp import is_fsdp
 from mcorekit.train.lora import is_adapter_key
@@ -360,15 +360,29 @@ def _part(sd: dict[str, Any], part: str) -> dict[str, Any]:
 
 def read(sharded: dict[str, Any], path: Path, **kwargs: Any) -> dict[str, Any]:
     """Megatron-Core's dist_checkpointing.load of a torch_dist checkpoint, its records read ahead of the
-    deserializing (train/checkpoint_reader.py)."""
+    deserializing (train/checkpoint_reader.py). A record that cannot be read (a truncated or damaged file) is one
+    error line on every rank: each rank reads its own part, and one that failed alone would leave the others
+    waiting in the next collective."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    from mcorekit.errors import ConfigError
     from mcorekit.train.checkpoint_reader import check_fit, checked_metadata, read_ahead
 
     # Megatron-Core's loader unpickles .metadata without restriction: nothing unsafe in it, and what it describes fits
     check_fit(sharded, path, checked_metadata(path))
-    with read_ahead():
-        return dist_checkpointing.load(sharded, str(path), **kwargs)
+    state, failed = None, ""
+    try:
+        with read_ahead():
+            state = dist_checkpointing.load(sharded, str(path), **kwargs)
+    except CheckpointException as e:  # a BaseException: torch's wrapper of each rank's failure
+        cause = next(iter(e.failures.values()))[0] if e.failures else e
+        failed = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    if any_rank(bool(failed)):
+        raise ConfigError(f"checkpoint {path} could not be read: {failed or 'another rank failed to read its part'} "
+                          f"(a damaged or incomplete checkpoint: resume from an earlier one by setting its step in "
+                          f"{path.parent / TRACKER})")
+    return state
 
 
 def load_base(path: Path, chunks: list[Any]) -> None:
