@@ -58,6 +58,16 @@ def test_sliding_window_layers_count_the_keys_they_see() -> None:
     assert train_flops_per_token(spec, 8) == pytest.approx(6 * (windowed + full + 4 * 10))
 
 
+def test_multi_token_prediction_layers_and_frozen_weights() -> None:
+    # the dense case by hand (1 layer, hidden 4, GQA 2/1 of 2, ffn 8, vocab 10, seq 6) with one MTP layer: a layer,
+    # its 2H -> H projection and the logits again; LoRA's frozen weights count x4, core attention x6
+    spec = ModelSpec("llama", 1, 4, 2, 1, 2, 8, 10)
+    weights, core, logits = 48 + 96, 24, 40
+    assert train_flops_per_token(spec, 6, frozen_weights=True) == 4 * (weights + logits) + 6 * core
+    mtp = ModelSpec("llama", 1, 4, 2, 1, 2, 8, 10, mtp_layers=1)
+    assert train_flops_per_token(mtp, 6) == 6 * 2 * (weights + core + logits) + 6 * 2 * 4 * 4
+
+
 def test_benchmark_shape_matches_the_6n_rule_of_thumb() -> None:
     from mcorekit.models.spec import PRESETS
 
