@@ -233,3 +233,4 @@ def test_multi_token_prediction_layers_get_no_adapters(deepseek: Path, model_par
                                  spec))
         assert not [n for n, p in model.named_parameters() if p.requires_grad and n.startswith("mtp.")]
     assert counts[0] == counts[1] > 0
+

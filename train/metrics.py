@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -137,17 +138,16 @@ class ExpertLoad:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.sequence_parallel = sequence_parallel
-        self.counts: dict[int, torch.Tensor] = {}
+        self.counts: dict[str, torch.Tensor] = {}
         for chunk in model_chunks:
-            for module in chunk.modules():
+            for name, module in chunk.named_modules():
                 if isinstance(module, TopKRouter):
-                    module.register_forward_hook(self._hook)
+                    module.register_forward_hook(functools.partial(self._hook, router_label(name, module)))
 
-    def _hook(self, module: Any, inputs: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _hook(self, layer: str, module: Any, inputs: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # validation, or the no-grad first pass of a recomputed region (its replay in backward counts)
         per_expert = output[1].sum(dim=0)
-        layer = int(module.layer_number)
         if layer not in self.counts:
             self.counts[layer] = torch.zeros_like(per_expert)  # int64: exact at any count
         # in place: a step captured as a CUDA graph replays this add into the same buffer (the hook itself runs
@@ -159,7 +159,7 @@ class ExpertLoad:
             return {}
         from megatron.core import parallel_state as ps
 
-        layers = sorted(self.counts)
+        layers = sorted(self.counts, key=label_order)
         stacked = torch.stack([self.counts[layer] for layer in layers])
         # Sum over every rank that routes other tokens: data- and context-parallel peers (expert-parallel ranks
         # are among them), and tensor-parallel peers when sequence parallelism splits the tokens between them.
@@ -172,14 +172,26 @@ class ExpertLoad:
         if ps.get_pipeline_model_parallel_world_size() > 1:  # other stages hold the other layers
             gathered: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
             dist.all_gather_object(gathered, pairs, group=ps.get_pipeline_model_parallel_group())
-            pairs = sorted(p for part in gathered for p in part)
+            pairs = sorted((p for part in gathered for p in part), key=lambda p: label_order(p[0]))
         layers = [layer for layer, _ in pairs]
         rows = [row for _, row in pairs]
         counts = torch.tensor(rows, dtype=torch.float32)
         imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1)).tolist()
         return {"expert_imbalance_max": max(imbalance),
-                "expert_imbalance": {str(layer): round(v, 4) for layer, v in zip(layers, imbalance)},
-                "expert_tokens": {str(layer): row for layer, row in zip(layers, rows)}}
+                "expert_imbalance": {layer: round(v, 4) for layer, v in zip(layers, imbalance)},
+                "expert_tokens": {layer: row for layer, row in zip(layers, rows)}}
+
+
+def router_label(name: str, module: Any) -> str:
+    """A router's layer as the metrics name it: the decoder layer's global number ("4"), or "mtp_<k>" for the k-th
+    multi-token prediction layer, whose inner layer Megatron-Core numbers from 1 again (it would merge into layer 1)."""
+    if name.startswith("mtp.layers."):
+        return f"mtp_{int(name.split('.')[2]) + 1}"
+    return str(int(module.layer_number))
+
+
+def label_order(label: str) -> tuple[bool, int]:
+    return label.startswith("mtp_"), int(label.removeprefix("mtp_"))
 
 
 def mtp_losses(layers: int, micro_batches: int) -> dict[str, float]:
