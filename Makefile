@@ -58,7 +58,10 @@ test: setup cluster-up
 test-cpu: setup
 	$(PY) -m pytest -m "not slurm and not gpu" $(PYTEST_ARGS)
 
-train: setup cluster-up
+# The embedded dev cluster only for CLUSTER=local: another profile names a real cluster, reached from this login node.
+LOCAL_CLUSTER = $(if $(filter local,$(CLUSTER)),cluster-up)
+
+train: setup $(LOCAL_CLUSTER)
 	$(MK) launch --config $(CONFIG) --cluster $(CLUSTER) $(if $(NODES),--nodes $(NODES)) $(ARGS)
 
 dry-run: setup
@@ -117,5 +120,5 @@ bench-start-save: setup
 	cd /tmp && $(CURDIR)/$(PY) $(CURDIR)/bench/start_save.py $(ARGS)
 
 # make sweep CONFIG=exp.yaml GRID="optimizer.lr=1e-4,3e-4 parallel.tp=1,2" [MAX_PARALLEL=2]
-sweep: setup cluster-up
+sweep: setup $(LOCAL_CLUSTER)
 	$(MK) launch sweep --config $(CONFIG) --cluster $(CLUSTER) $(foreach g,$(GRID),--grid $(g)) $(if $(MAX_PARALLEL),--max-parallel $(MAX_PARALLEL)) $(ARGS)

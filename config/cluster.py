@@ -42,13 +42,19 @@ class ClusterProfile(Strict):
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
-    gpus_per_node: int = Field(8, ge=0)  # 0: a CPU-only cluster (tests, the dev cluster)
-    tasks_per_node: int | None = Field(None, ge=1)  # only for CPU-only clusters; GPU clusters run one task per GPU
-    cpus_per_task: int = Field(8, ge=1)
-    mem_per_gpu_gb: int | None = Field(None, ge=1)
+    # counts are strict: lax mode reads `true` as 1 and `2.0` as 2
+    gpus_per_node: int = Field(8, ge=0, strict=True)  # 0: a CPU-only cluster (tests, the dev cluster)
+    # only for CPU-only clusters; GPU clusters run one task per GPU
+    tasks_per_node: int | None = Field(None, ge=1, strict=True)
+    cpus_per_task: int = Field(8, ge=1, strict=True)
+    mem_per_gpu_gb: int | None = Field(None, ge=1, strict=True)
+    # memory per node of a CPU-only job (a chain's convert and export stages: peak about 3x the largest
+    # checkpoint shard); GPU jobs take mem_per_gpu_gb, or the site's default
+    cpu_mem_gb: int = Field(32, ge=1, strict=True)
     time_limit: str = "04:00:00"
     exclusive: bool = False
-    signal_seconds: int = Field(120, ge=10)  # USR2 this long before the time limit: enough to save a checkpoint
+    # USR2 this long before the time limit: enough to save a checkpoint
+    signal_seconds: int = Field(120, ge=10, strict=True)
     gpu_memory_gb: float = Field(80.0, gt=0)
     gpu_peak_tflops_bf16: float = Field(989.0, gt=0)
     transformer_engine: bool = True  # FP8 needs it on the nodes

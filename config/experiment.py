@@ -230,10 +230,10 @@ class LoggingConfig(Strict):
 
 
 class ResourcesConfig(Strict):
-    nodes: int = Field(1, ge=1)
+    nodes: int = Field(1, ge=1, strict=True)  # counts are strict: lax mode reads `true` as 1
     time: str | None = None  # HH:MM:SS or D-HH:MM:SS; default: the profile's time limit
     exclusive: bool | None = None  # default: the profile's choice
-    max_restarts: int = Field(5, ge=0)
+    max_restarts: int = Field(5, ge=0, strict=True)
 
     @field_validator("time", mode="before")
     @classmethod

@@ -6,7 +6,7 @@ import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mcorekit.errors import LaunchError
 
@@ -92,6 +92,14 @@ def in_array_range(task_id: str, listed: str) -> bool:
     return False
 
 
+def record_for(records: dict[str, JobRecord], job_id: str) -> JobRecord | None:
+    """Job or array task `job_id` among sacct's records: its own line, else the pending-array line (BASE_[a-b])
+    that holds it, as that task."""
+    if job_id in records:
+        return records[job_id]
+    return next((replace(r, job_id=job_id) for k, r in records.items() if in_array_range(job_id, k)), None)
+
+
 def _squeue_one(job_id: str) -> JobRecord | None:
     """The controller's view (pending, running, and recently ended jobs); None if it does not know the id."""
     if shutil.which("squeue") is None:
@@ -121,9 +129,7 @@ def job_record(job_id: str) -> JobRecord | None:
     try:
         ended = sacct([job_id]).get(job_id)
         if ended is None and "_" in job_id:  # an array cancelled while pending: only ID_[a-b] is recorded
-            ranged = sacct([job_id.split("_")[0]])
-            ended = next((JobRecord(job_id, r.name, r.state, r.exit_code, r.elapsed, r.restarts)
-                          for k, r in ranged.items() if in_array_range(job_id, k)), None)
+            ended = record_for(sacct([job_id.split("_")[0]]), job_id)
     except LaunchError:
         ended = None
     if ended is None and squeue_failed is not None:

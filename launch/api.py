@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,9 +20,11 @@ from mcorekit.config.experiment import Experiment, load_experiment
 from mcorekit.config.loading import dump, parse_value
 from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError
+from mcorekit.hub import is_hub_id
 from mcorekit.launch.plan import check
-from mcorekit.launch.submit import (REGISTRY, Built, JobSpec, build, check_writable, cli_command, record,
-                                    removed_on_error, scancel, submit_built, submit_one, train_command)
+from mcorekit.launch.submit import (REGISTRY, Built, JobSpec, build, check_writable, cli_command,
+                                    literal_env_warnings, record, removed_on_error, scancel, submit_built, submit_one,
+                                    train_command)
 from mcorekit.models.spec import ModelSpec
 
 log = logging.getLogger("mcorekit.launch")
@@ -55,7 +58,44 @@ def new_run_dir(profile: ClusterProfile, name: str) -> Path:
     return run_dir
 
 
+# The experiment's fields that name files or folders. Each is made absolute against the launching directory before
+# config.yaml is written: the job reads it from another working directory (its container's, a later --resume's).
+PATH_FIELDS = ("checkpoint.dir", "checkpoint.load", "peft.lora.load", "data.paths", "data.valid_paths",
+               "data.cache_dir")
+MODEL_DIR_FIELDS = ("model.hf_config", "data.tokenizer")  # there `org/name` with no such folder is a Hub model ID
+
+
+def absolute(path: str, what: str) -> str:
+    """`path` absolute against the current directory, `~` expanded (symbolic links kept as named)."""
+    expanded = os.path.expanduser(path)
+    if expanded.startswith("~"):
+        raise ConfigError(f"{what} {shown(path)}: a path starts with ~ and a user name this machine does not know")
+    return os.path.abspath(expanded)
+
+
+def absolute_paths(exp: Experiment) -> Experiment:
+    """The experiment with every path field absolute (PATH_FIELDS, MODEL_DIR_FIELDS unless a Hub model ID, and
+    reward functions given as path/to/file.py:function)."""
+    data = exp.model_dump()
+    for key in PATH_FIELDS + MODEL_DIR_FIELDS:
+        *parents, last = key.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) or {}  # peft.lora unset
+        value = node.get(last)
+        if isinstance(value, list):
+            node[last] = [absolute(v, key) for v in value]
+        elif value is not None and not (key in MODEL_DIR_FIELDS and is_hub_id(value)):
+            node[last] = absolute(value, key)
+    for reward in data["grpo"]["rewards"]:
+        where, _, name = reward["function"].rpartition(":")
+        if where.endswith(".py") or "/" in where:  # as train/rewards.py tells a file from a module
+            reward["function"] = f"{absolute(where, 'grpo.rewards function')}:{name}"
+    return Experiment.model_validate(data)
+
+
 def prepare(experiment: Experiment, profile: ClusterProfile, run_dir: Path | None = None) -> Prepared:
+    experiment = absolute_paths(experiment)
     model, warnings = check(experiment, profile)
     spec = JobSpec(
         name=experiment.name,
@@ -68,12 +108,24 @@ def prepare(experiment: Experiment, profile: ClusterProfile, run_dir: Path | Non
         env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"} if experiment.parallel.fsdp else {},
     )
     spec.task_command = train_command(profile, spec.run_dir)
-    return Prepared(experiment, profile, model, spec, warnings)
+    return Prepared(experiment, profile, model, spec, warnings + literal_env_warnings(profile))
 
 
 def _with_nodes(overrides: list[str] | None, nodes: int | None) -> list[str]:
     """--nodes N is the override resources.nodes=N, so it is validated like the file's value."""
     return (overrides or []) + ([f"resources.nodes={nodes}"] if nodes is not None else [])
+
+
+MAX_JOB_NAME = 64  # config.values.NAME_RE
+
+
+def check_job_name(config: str | Path, name: str, job_name: str, what: str) -> None:
+    """A sweep's or chain's jobs are named after the experiment plus a suffix: too long is said as such, at load."""
+    suffix = job_name.removeprefix(name)
+    if len(job_name) > MAX_JOB_NAME:
+        raise ConfigError(f"{shown(config)}: name {name!r} ({len(name)} characters) is too long for {what}: its jobs "
+                          f"are named <name>{suffix}, at most {MAX_JOB_NAME} characters; shorten name to at most "
+                          f"{MAX_JOB_NAME - len(suffix)}")
 
 
 def _naming(config: str | Path, e: ConfigError | ModelError) -> ConfigError | ModelError:
@@ -172,7 +224,8 @@ def resume(run_dir: str | Path) -> tuple[Prepared, Path]:
 
 def still_running(run_dir: Path, root: Path) -> list[str]:
     """'123 RUNNING' for each job of the registry in this run folder that has not ended: a second job would write
-    the same checkpoints."""
+    the same checkpoints. A chain records each stage in its own folder inside the run folder (<run>/<name>-train):
+    those count too (the later stages read the checkpoints)."""
     import json
 
     from mcorekit.launch.accounting import job_record
@@ -184,19 +237,25 @@ def still_running(run_dir: Path, root: Path) -> list[str]:
             entry = json.loads(line)
         except ValueError:
             continue
-        if isinstance(entry, dict) and str(run_dir) in (entry.get("run_dir"), entry.get("point_dir")):
+        if not isinstance(entry, dict) or not isinstance(entry.get("run_dir"), str):
+            continue
+        if str(run_dir) in (entry["run_dir"], entry.get("point_dir"), str(Path(entry["run_dir"]).parent)):
             ids.append(str(entry.get("job_id")))
     records = [job_record(jid) for jid in ids]  # squeue first: accounting lags a just-submitted job
     return [f"{r.job_id} {r.state}" for r in records if r is not None and not r.final]
+
+
+def refuse_if_running(p: Prepared, root: Path) -> None:
+    if live := still_running(p.spec.run_dir, root):
+        raise LaunchError(f"{p.spec.run_dir}: job {', '.join(live)} there has not ended; resuming now would run two "
+                          f"jobs on the same checkpoints: wait for it, or `mcorekit cancel` it first")
 
 
 def submit_resumed(p: Prepared, root: Path, payload: Callable[[], Any] | None = None, kind: str = "train") -> Any:
     """The run folder's next job, recorded in its registry; refused while an earlier job there has not ended."""
     if payload is None:
         require_gpus(p.profile)
-    if live := still_running(p.spec.run_dir, root):
-        raise LaunchError(f"{p.spec.run_dir}: job {', '.join(live)} there has not ended; resuming now would run two jobs "
-                          f"on the same checkpoints: wait for it, or `mcorekit cancel` it first")
+    refuse_if_running(p, root)
     return submit_one(p.job(), payload or training_payload(p.spec.run_dir), kind, run_root=root)
 
 
@@ -219,13 +278,14 @@ class Stage:
     nodes: int = 1
     exclusive: bool | None = None  # None: the profile's
     max_restarts: int = 3
+    env: dict[str, str] = field(default_factory=dict)  # on top of the profile's (training: the experiment's)
 
 
 def training_stage(p: Prepared) -> Stage:
-    """A chain's training stage: the experiment's own job shape, under the stage's name."""
+    """A chain's training stage: the experiment's own job shape and environment, under the stage's name."""
     s = p.spec
     return Stage(f"{p.experiment.name}-train", training_payload(s.run_dir), time=s.time, nodes=s.nodes,
-                 exclusive=s.exclusive, max_restarts=s.max_restarts)
+                 exclusive=s.exclusive, max_restarts=s.max_restarts, env=s.env)
 
 
 def stage_command(profile: ClusterProfile, stage: Stage) -> str | None:
@@ -243,7 +303,7 @@ def stage_job(profile: ClusterProfile, stage: Stage, run_dir: Path, parent: str 
     """A stage's job in run_dir/<stage name>; it runs only if job `parent` COMPLETED (afterok)."""
     spec = JobSpec(name=stage.name, run_dir=run_dir / stage.name, nodes=stage.nodes, time=stage.time,
                    exclusive=stage.exclusive, gpus_per_node=stage.gpus_per_node, tasks_per_node=stage.tasks_per_node,
-                   max_restarts=stage.max_restarts, dependency=f"afterok:{parent}" if parent else None,
+                   max_restarts=stage.max_restarts, env=stage.env, dependency=f"afterok:{parent}" if parent else None,
                    task_command=stage_command(profile, stage))
     return build(profile, spec)
 
@@ -292,6 +352,7 @@ def grid(axes: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys))]
 
 
+SWEEP_SUFFIX = "-sweep"  # the array job's name: the experiment's, then this
 # One array task per point; Slurm's default MaxArraySize (1001) allows indices 0-1000.
 MAX_SWEEP_POINTS = 1000
 
@@ -325,7 +386,8 @@ def prepare_sweep(config: str | Path, cluster: str | Path, axes: dict[str, list[
     profile = load_profile(cluster, profile_overrides)
     overrides = _with_nodes(overrides, nodes)
     base = load_experiment(config, overrides)
-    sweep_dir = new_run_dir(profile, f"{base.name}-sweep")
+    check_job_name(config, base.name, base.name + SWEEP_SUFFIX, "a sweep")
+    sweep_dir = new_run_dir(profile, f"{base.name}{SWEEP_SUFFIX}")
     points = []
     for i, point in enumerate(grid(axes)):
         try:
@@ -365,8 +427,12 @@ def sweep_job(points: list[Prepared], sweep_dir: Path, max_parallel: int | None 
         raise ConfigError("a sweep needs at least one point")
     first = points[0]
     array = len(points) > 1
-    spec = replace(first.spec, name=first.experiment.name + "-sweep", run_dir=sweep_dir,
+    # what every point's environment holds goes to all tasks; the rest (parallel.fsdp's) to its own task only
+    shared = {k: v for k, v in first.spec.env.items() if all(p.spec.env.get(k) == v for p in points)}
+    task_env = {i: {k: v for k, v in p.spec.env.items() if k not in shared} for i, p in enumerate(points)}
+    spec = replace(first.spec, name=first.experiment.name + SWEEP_SUFFIX, run_dir=sweep_dir,
                    array_size=len(points) if array else None, array_parallelism=max_parallel,
+                   env=shared if array else first.spec.env, task_env=task_env if array else {},
                    task_command=train_command(first.profile, sweep_dir if array else first.spec.run_dir, sweep=array))
     return build(first.profile, spec)
 

@@ -21,7 +21,7 @@ from mcorekit.errors import ConfigError, LaunchError, ModelError
 from mcorekit.export import targets
 from mcorekit.launch import api
 from mcorekit.options import count, positive_float
-from mcorekit.launch.submit import submit_one
+from mcorekit.launch.submit import check_writable, literal_env_warnings, submit_one
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +66,7 @@ def main_train(argv: list[str]) -> int:
     p = api.load(args.config, args.cluster, args.overrides, args.profile_overrides, args.nodes)
     _warn(p)
     if args.dry_run:
+        check_writable(p.spec.run_dir.parent, dry_run=True)
         _show(p)
         return 0
     job = api.submit_prepared(p)
@@ -88,7 +89,9 @@ def _resume(args: argparse.Namespace, argv: list[str]) -> int:
                           f"{', '.join(given)}: start a new run with --config instead")
     p, root = api.resume(args.resume)
     _warn(p)
-    if args.dry_run:
+    if args.dry_run:  # what submit_resumed checks, short of submitting
+        api.refuse_if_running(p, root)
+        check_writable(root, dry_run=True)
         _show(p)
         return 0
     job = api.submit_resumed(p, root)
@@ -110,6 +113,7 @@ def main_sweep(argv: list[str]) -> int:
     for w in dict.fromkeys(w for p in points for w in p.warnings):  # each once, however many points share it
         print(f"mcorekit: warning: {w}", file=sys.stderr)
     if args.dry_run:
+        check_writable(sweep_dir.parent, dry_run=True)
         for i, (p, values) in enumerate(zip(points, api.grid(api.parse_axes(args.grid)))):
             print(f"# point {i}: {_resolved(p, values)} -> {p.spec.run_dir}")
         print("# sbatch script\n" + api.sweep_job(points, sweep_dir, args.max_parallel).script, end="")
@@ -180,10 +184,15 @@ def main_chain(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     p = api.load(args.config, args.cluster, args.overrides, args.profile_overrides, args.nodes)
     _warn(p)
+    for flag in ("hf_out", "export_out", "engine_out"):  # the stages run in another working directory
+        if getattr(args, flag) is not None and not CONTROL_RE.search(getattr(args, flag)):
+            setattr(args, flag, api.absolute(getattr(args, flag), f"--{flag.replace('_', '-')}"))
     ckpt = p.experiment.checkpoint.dir or str(p.spec.run_dir / "checkpoints")
     _check_chain_outputs(args, Path(ckpt))
     stages = _chain_stages(p, args, ckpt)
+    api.check_job_name(args.config, p.experiment.name, max((s.name for s in stages), key=len), "a chain")
     if args.dry_run:
+        check_writable(p.spec.run_dir.parent, dry_run=True)
         print(f"# afterok:{api.UNSUBMITTED_PARENT} stands for the job id of the stage before, known once it is submitted")
         for stage, job in zip(stages, api.chain_jobs(p.profile, stages, p.spec.run_dir)):
             print(f"# stage {stage.name}: {job.spec.task_command}")
@@ -212,8 +221,11 @@ def main_smoke(argv: list[str]) -> int:
                         "(default: 1)")
     args = parser.parse_args(argv)
     profile = load_profile(args.cluster, args.profile_overrides)
+    for w in literal_env_warnings(profile):
+        print(f"mcorekit: warning: {w}", file=sys.stderr)
     built = api.smoke_job(profile, args.nodes)
     if args.dry_run:
+        check_writable(built.spec.run_dir.parent, dry_run=True)
         print(built.script, end="")
         return 0
     from mcorekit.launch.smoke import allreduce_check

@@ -153,13 +153,15 @@ def status_rows(root: Path, last: int) -> list[dict[str, Any]]:
     if not entries:
         return []
     parents = [p for e in entries for p in _parents(e)]
-    records = accounting.sacct(list(dict.fromkeys([e["job_id"] for e in entries] + parents)))
+    # an array's pending tasks are one line (BASE_[a-b]) that only the array's own id finds
+    arrays = [e["job_id"].split("_")[0] for e in entries if "_" in e["job_id"]]
+    records = accounting.sacct(list(dict.fromkeys([e["job_id"] for e in entries] + parents + arrays)))
     names = {e["job_id"]: e["name"] for e in _registry_quiet(root)}
     rows = []
     for e in entries:
         ids = [k for k in records if k == e["job_id"] or k.startswith(e["job_id"] + "_")] or [e["job_id"]]
         for jid in ids:
-            rec = records.get(jid)
+            rec = accounting.record_for(records, jid)
             texts = [p.read_text(errors="replace") for p in diagnose.log_files(Path(e["run_dir"]), jid)]
             step = diagnose.last_step(texts)
             why = None

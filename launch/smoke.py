@@ -41,8 +41,8 @@ class CountingJob:
     """A checkpointing CPU payload that exercises the requeue protocol exactly as train/ uses it.
 
     Each step appends its number to steps.log; a checkpoint is the last finished step, written atomically with
-    a `latest` tracker. On USR2/TERM it saves at the step boundary and requeues; on every start it resumes
-    from its own latest checkpoint. Every step therefore runs exactly once across restarts.
+    a `latest` tracker. On USR2/TERM it saves at the step boundary, then requeues (USR2) or stops (TERM); on every
+    start it resumes from its own latest checkpoint. Every step therefore runs exactly once across restarts.
     """
 
     def __init__(self, run_dir: str, total_steps: int, step_seconds: float = 1.0, save_every: int = 1000,
@@ -75,13 +75,14 @@ class CountingJob:
         import time
         from pathlib import Path
 
-        from mcorekit.runtime.requeue import RestartGuard, StopSignal, requeue_and_exit, restart_count
+        from mcorekit.runtime.requeue import RestartGuard, StopSignal, restart_count, stop_and_exit
 
         stop = StopSignal()
         rank = int(os.environ.get("SLURM_PROCID", "0"))
         start = self._latest()
+        guard = RestartGuard(Path(self.run_dir), self.max_restarts)
         if rank == 0:
-            RestartGuard(Path(self.run_dir), self.max_restarts).check(start)
+            guard.check(start)
         print(f"restart {restart_count()}: resuming at step {start}", flush=True)
         step = start
         while step < self.total_steps:
@@ -89,7 +90,7 @@ class CountingJob:
                 if rank == 0:
                     self._save(step)
                     print(f"signal {stop.signum} at step {step}: saved checkpoint", flush=True)
-                requeue_and_exit(rank)
+                stop_and_exit(stop, guard, rank, step, agree=False)
             time.sleep(self.step_seconds)
             step += 1
             if rank == 0:

@@ -7,9 +7,11 @@ parameters to submitit, so what is shown is what is submitted.
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -58,6 +60,8 @@ class JobSpec:
     tasks_per_node: int | None = None  # default: one per GPU (a single-process GPU tool such as trtllm-build sets 1)
     max_restarts: int = 3  # requeues after a time limit or preemption (submitit's max_num_timeout)
     env: dict[str, str] = field(default_factory=dict)
+    # an array's tasks whose environment differs (a sweep point with parallel.fsdp): task index -> what it adds to env
+    task_env: dict[int, dict[str, str]] = field(default_factory=dict)
     # what each task's pickled payload does, as the command line that does the same (shown in the script)
     task_command: str | None = None
 
@@ -65,6 +69,9 @@ class JobSpec:
         if not NAME_RE.match(self.name):
             raise ConfigError(f"job name {self.name!r} must be letters, digits, '.', '_' or '-' (max 64)")
         _checked(str(self.run_dir), "run directory")
+        if "%" in str(self.run_dir):  # Slurm expands %j, %A, %x... in --output/--error: the logs would go elsewhere
+            raise ConfigError(f"run directory {shown(self.run_dir)} contains '%', which Slurm expands in log file "
+                              f"names (%j is the job id); choose a run_root without '%'")
         if self.task_command is not None:
             _checked(self.task_command, "task command")
         for what, value, low in (("nodes", self.nodes, 1), ("array size", self.array_size, 1),
@@ -90,8 +97,11 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
         tasks = gpus  # one task per GPU; ranks come from SLURM_PROCID (never torchrun inside srun)
     else:
         tasks = profile.tasks_per_node or 1
-    env = {**COMMON_ENV, **(GPU_ENV if gpus > 0 else {}), **profile.env, **spec.env}
-    for key, value in env.items():
+    # srun (Slurm >= 22.05) does not inherit sbatch's --cpus-per-task; it reads this (an srun option would do the
+    # same, but the GPU machine's srun shim refuses options it does not know)
+    cpus = {"SRUN_CPUS_PER_TASK": str(profile.cpus_per_task)}
+    env = {**COMMON_ENV, **cpus, **(GPU_ENV if gpus > 0 else {}), **profile.env, **spec.env}
+    for key, value in [*env.items(), *(kv for extra in spec.task_env.values() for kv in extra.items())]:
         if not ENV_KEY_RE.match(key):
             raise ConfigError(f"environment variable name {key!r} is not a valid shell identifier")
         _checked(str(value), f"environment value of {key}")
@@ -99,7 +109,8 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
     # an interactive session would pin every job to one port (jobs sharing a node collide) or to wrong ranks.
     # Ranks and ports come from SLURM_* and the job id; a profile or job that sets them still wins below.
     setup = [f"unset {' '.join(INHERITED_RENDEZVOUS)}"]
-    setup += [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()] + list(profile.setup)
+    setup += [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()] + _task_env_lines(spec.task_env)
+    setup += list(profile.setup)
     if spec.task_command:  # srun starts submitit's runner, which unpickles the payload: say what that payload runs
         setup.append(f"# each task runs (as submitit's pickled payload): {spec.task_command}")
 
@@ -111,12 +122,18 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
         srun_args.append(f"--container-workdir={profile.container.workdir or str(Path.cwd())}")
     srun_args += profile.srun_args
 
+    minutes = parse_time_minutes(spec.time or profile.time_limit)
+    if minutes * 60 <= profile.signal_seconds + 60:  # as config.rules refuses it for a training job
+        raise ConfigError(f"job {spec.name!r}: its time limit ({minutes * 60}s) leaves no room before the pre-timeout "
+                          f"signal (signal_seconds={profile.signal_seconds}; Slurm may send it up to 60 s early): "
+                          f"lower signal_seconds below {minutes * 60 - 60} (--set signal_seconds=N) or raise the "
+                          f"time limit")
     params: dict[str, Any] = {
         "job_name": spec.name,
         "nodes": spec.nodes,
         "ntasks_per_node": tasks,
         "cpus_per_task": profile.cpus_per_task,
-        "time": parse_time_minutes(spec.time or profile.time_limit),
+        "time": minutes,
         "signal_delay_s": profile.signal_seconds,
         "setup": setup,
         "srun_args": srun_args,
@@ -126,21 +143,46 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
         params["gpus_per_node"] = gpus
         if profile.mem_per_gpu_gb:
             params["mem_per_gpu"] = f"{profile.mem_per_gpu_gb}G"
+    cpu_job = spec.gpus_per_node == 0  # a CPU job on the cluster (a chain's convert, export): no whole GPU node
+    if cpu_job:
+        params["mem"] = f"{profile.cpu_mem_gb}G"
     for key in ("partition", "account", "qos"):
         if getattr(profile, key):
             params[key] = getattr(profile, key)
-    exclusive = profile.exclusive if spec.exclusive is None else spec.exclusive
+    exclusive = (profile.exclusive and not cpu_job) if spec.exclusive is None else spec.exclusive
     if exclusive:
         params["exclusive"] = True
-    extra: dict[str, Any] = {}
+    # eligible for requeue whatever the site's JobRequeue default: the time-limit requeue (`scontrol requeue` is
+    # refused for a job that is not), and Slurm's own requeue after preemption or a node failure
+    extra: dict[str, Any] = {"requeue": True}
     if spec.dependency:
         params["dependency"] = spec.dependency
         extra["kill-on-invalid-dep"] = "yes"  # a failed parent ends its children instead of leaving them pending
-    if extra:
-        params["additional_parameters"] = extra
+    params["additional_parameters"] = extra
     if spec.array_parallelism:
         params["array_parallelism"] = spec.array_parallelism
     return params
+
+
+def _task_env_lines(task_env: dict[int, dict[str, str]]) -> list[str]:
+    """One sbatch script serves every task of an array: the tasks whose environment differs get it from a `case` on
+    the task's index (tasks with the same additions share one branch)."""
+    branches: dict[str, list[int]] = {}
+    for task, extra in sorted(task_env.items()):
+        if extra:
+            exports = "; ".join(f"export {k}={shlex.quote(str(v))}" for k, v in extra.items())
+            branches.setdefault(exports, []).append(task)
+    if not branches:
+        return []
+    return (['case "$SLURM_ARRAY_TASK_ID" in  # array tasks whose environment differs'] +
+            [f"  {'|'.join(map(str, tasks))}) {exports} ;;" for exports, tasks in branches.items()] + ["esac"])
+
+
+def literal_env_warnings(profile: ClusterProfile) -> list[str]:
+    """Profile env values reach the job quoted, as written: a `$` there is no expansion, which is what setup: is for."""
+    return [f"cluster profile env {k}={v} is exported literally (values are quoted, so {v!r} stays as written); "
+            f"for shell expansion use a setup: line, e.g. `export {k}=\"...\"`"
+            for k, v in profile.env.items() if "$" in v]
 
 
 def python_for(profile: ClusterProfile) -> str:
@@ -203,11 +245,15 @@ def make_executor(job: Built):
     return executor
 
 
-def check_writable(run_root: Path) -> None:
+def check_writable(run_root: Path, dry_run: bool = False) -> None:
     """Before anything is submitted: the run root (run folders, job registry) can be written, so that a job is
-    never submitted and then left out of the registry that status, logs and cancel read."""
+    never submitted and then left out of the registry that status, logs and cancel read. A dry run creates nothing:
+    it asks the nearest existing folder (and the registry, if there is one)."""
     registry = run_root / REGISTRY
     try:
+        if dry_run:
+            _writable_as_is(run_root)
+            return
         run_root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=run_root, prefix=".mcorekit-probe-"):
             pass
@@ -218,6 +264,21 @@ def check_writable(run_root: Path) -> None:
         where = shown(e.filename or run_root)
         raise LaunchError(f"{where}: cannot write the run root there ({e.strerror}); set run_root in the cluster "
                           f"profile or pass --set run_root=DIR") from None
+
+
+def _writable_as_is(run_root: Path) -> None:
+    """OSError (as mkdir or open would raise it) where run_root or its registry could not be written."""
+    def refused(code: int) -> OSError:
+        return OSError(code, os.strerror(code), str(run_root))
+
+    folder = run_root
+    while not (folder.exists() or folder.is_symlink()) and folder != folder.parent:
+        folder = folder.parent  # what mkdir(parents=True) would create inside
+    if not folder.is_dir():
+        raise refused(errno.ENOTDIR)
+    for path in (folder, run_root / REGISTRY):
+        if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+            raise refused(errno.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY else errno.EACCES)
 
 
 @contextmanager

@@ -3,9 +3,10 @@
 submitit's own USR2 handler checkpoints from inside the signal handler on rank 0 alone, which cannot work for
 a distributed checkpoint that every rank must write together. So a payload replaces it with a handler that
 only sets a flag; the loop polls `StopSignal.requested()` between steps (all ranks agree through an
-all-reduce), saves collectively, and rank 0 asks Slurm to requeue the job. On every start the payload finds
-its latest complete checkpoint by itself (nothing is pickled), and `RestartGuard` stops a job that keeps
-restarting without progress or past its restart cap.
+all-reduce), saves collectively, and then (`stop_and_exit`) rank 0 asks Slurm to requeue the job on the time-limit
+warning, while TERM (scancel, preemption) only stops: Slurm requeues a preempted job itself. On every start the
+payload finds its latest complete checkpoint by itself (nothing is pickled), and `RestartGuard` stops a job that keeps
+requeueing itself without progress or restarts past its cap.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from mcorekit.errors import MCoreKitError
 from mcorekit.runtime.ranks import any_rank
@@ -27,7 +29,8 @@ log = logging.getLogger("mcorekit.requeue")
 
 
 class StopSignal:
-    """Remembers that USR2 (time limit near) or TERM (preemption, scancel) arrived; never acts inside the handler."""
+    """Remembers that USR2 (time limit near) or TERM (preemption, scancel) arrived; never acts inside the handler.
+    What follows the save differs (stop_and_exit): USR2 requeues, TERM only stops."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -63,7 +66,9 @@ def restart_count() -> int:
 
 @dataclass
 class RestartGuard:
-    """Refuses to loop: caps restarts and stops a restart that finds no progress since the previous one."""
+    """Refuses to loop: caps restarts and stops a restart that finds no progress since the previous start, when that
+    start requeued the job itself (restarts.json marks it: `requeued_at_step`). A restart Slurm made (preemption,
+    node failure) may find no progress, having been stopped before its first save, and goes on."""
 
     run_dir: Path
     max_restarts: int
@@ -81,7 +86,9 @@ class RestartGuard:
                 f"restart {restarts} exceeds resources.max_restarts={self.max_restarts}; not resuming "
                 f"(raise resources.max_restarts or resources.time)"
             )
-        if restarts > 0 and history and history[-1]["start_step"] == start_step and history[-1]["restart"] < restarts:
+        last = history[-1] if history else None
+        if (restarts > 0 and last and "requeued_at_step" in last and last["start_step"] == start_step
+                and last["restart"] < restarts):
             raise MCoreKitError(
                 f"restart {restarts} would resume from step {start_step}, the same step as the previous start: no "
                 f"progress was saved in between (a checkpoint save that fails or takes longer than the signal lead "
@@ -105,20 +112,95 @@ class RestartGuard:
                                 f"count afresh")
         return history
 
+    def record_requeue(self, step: int) -> None:
+        """Rank 0, just before it requeues the job itself: marks this start as one that asked for its restart."""
+        history, restarts = self._history(), restart_count()
+        if not (history and history[-1]["restart"] == restarts):  # check() was not called at this start
+            history.append({"restart": restarts, "start_step": step, "job_id": os.environ.get("SLURM_JOB_ID")})
+        history[-1]["requeued_at_step"] = step
+        _write_atomic(self.path, json.dumps(history, indent=1))
+
     def allow_requeue(self) -> bool:
         return restart_count() < self.max_restarts
 
 
-def requeue_and_exit(rank: int) -> None:
-    """Rank 0 asks Slurm to requeue this job; every rank then exits without a result, so the job is not 'done'."""
-    job_id = os.environ.get("SLURM_ARRAY_JOB_ID")
-    job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job_id else os.environ.get("SLURM_JOB_ID")
-    if rank == 0 and job_id:
-        log.warning("requeueing job %s (restart %d)", job_id, restart_count() + 1)
-        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
-    sys.stdout.flush()
+# A stop on TERM exits as a process killed by TERM would (128 + 15): the job stopped before its work was done.
+TERMINATED_EXIT = 128 + signal.SIGTERM
+
+
+def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int, agree: bool = True) -> NoReturn:
+    """What follows the save a stop signal asked for; every rank calls it. On the time-limit warning (USR2) rank 0
+    requeues the job, unless the restart cap is reached: then every rank stops, saying how to go on. On TERM
+    (scancel, or preemption; on any rank: stop means stop) every rank exits without requeueing: `scontrol requeue`
+    also requeues a job that is being cancelled, and a preempted job is requeued by Slurm itself (the script asks
+    for --requeue). `agree`: decide together through an all-reduce (False: a single process decides alone)."""
+    terminated = stop.signum == signal.SIGTERM
+    if agree:
+        terminated = any_rank(terminated)
+    if terminated:
+        if rank == 0:
+            log.warning("stopping at step %d on TERM (scancel or preemption): checkpoint saved, not requeueing", step)
+        _exit(TERMINATED_EXIT)
+    if not guard.allow_requeue():
+        if rank == 0:
+            log.error("time limit near at step %d: checkpoint saved; not requeueing: this is restart %d of "
+                      "resources.max_restarts=%d; `mcorekit launch --resume %s` continues from this checkpoint "
+                      "(raise resources.time or max_restarts for fewer, longer jobs)", step, restart_count(),
+                      guard.max_restarts, guard.run_dir)
+        _exit(1)
+    failed = None
+    if rank == 0:
+        try:
+            guard.record_requeue(step)
+            requeue(job_id())
+        except (MCoreKitError, OSError) as e:  # restarts.json unwritable too: the other ranks wait for an answer
+            failed = e
+    # Every rank waits for rank 0's requeue (an all-reduce is the barrier): a rank that exited non-zero first could
+    # end the job FAILED before it is requeued (srun, KillOnBadExit), and a chain's afterok children with it.
+    if (any_rank(failed is not None) if agree else failed is not None):
+        if rank == 0:
+            log.error("%s; the checkpoint of step %d is saved: `mcorekit launch --resume %s` continues from it",
+                      failed, step, guard.run_dir)
+        _exit(1)
     # SystemExit is not an Exception: submitit writes no result file, and the requeued job runs the payload again.
-    raise SystemExit(-1)
+    _exit(-1)
+
+
+def job_id() -> str | None:
+    """This job as `scontrol requeue` names it: ID, or ARRAY_ID_TASK for an array task."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ.get("SLURM_JOB_ID")
+
+
+REQUEUE_ATTEMPTS = 4
+REQUEUE_TIMEOUT_S = 20  # per attempt: 4 attempts and the backoff between them take under 2 minutes
+
+
+def requeue(job: str | None) -> None:
+    """Ask Slurm to requeue this job (it ends this run and pends again, SLURM_RESTART_COUNT + 1). A busy slurmctld
+    times out or refuses for a moment: asked again with backoff (2, 6, 18 s); MCoreKitError if it never answers."""
+    if not job:
+        return
+    log.warning("requeueing job %s (restart %d)", job, restart_count() + 1)
+    backoff = float(os.environ.get("MCOREKIT_REQUEUE_BACKOFF_S", "2"))  # tests shorten it
+    for attempt in range(1, REQUEUE_ATTEMPTS + 1):
+        try:
+            proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
+                                  timeout=REQUEUE_TIMEOUT_S)
+            why = " ".join((proc.stderr or proc.stdout).split()) or f"exit code {proc.returncode}"
+            if proc.returncode == 0:
+                return
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why = f"{type(e).__name__}: {e}"
+        if attempt < REQUEUE_ATTEMPTS:
+            log.warning("scontrol requeue %s failed (%s); retrying in %g s", job, why, backoff * 3 ** (attempt - 1))
+            time.sleep(backoff * 3 ** (attempt - 1))
+    raise MCoreKitError(f"scontrol requeue {job} failed {REQUEUE_ATTEMPTS} times, last: {why}")
+
+
+def _exit(code: int) -> NoReturn:
+    sys.stdout.flush()
+    raise SystemExit(code)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -87,6 +87,7 @@ def test_the_guard_refuses_in_one_line_and_records_each_start(tmp_path, monkeypa
 
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     RestartGuard(tmp_path, 1).check(0)
+    RestartGuard(tmp_path, 1).record_requeue(0)  # the job requeued itself without saving anything new
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     with pytest.raises(MCoreKitError, match="would resume from step 0, the same step as the previous start"):
         RestartGuard(tmp_path, 1).check(0)
@@ -94,3 +95,23 @@ def test_the_guard_refuses_in_one_line_and_records_each_start(tmp_path, monkeypa
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     with pytest.raises(MCoreKitError, match="restart 2 exceeds resources.max_restarts=1"):
         RestartGuard(tmp_path, 1).check(9)
+
+
+def test_a_restart_slurm_made_is_no_loop_even_without_progress(tmp_path, monkeypatch) -> None:
+    """A node failure or a preemption before the first save restarts from the same step: Slurm requeued the job, it
+    did not requeue itself, so that is no sign of a loop (the guard refused it and ended a recoverable run)."""
+    import json
+
+    from mcorekit.runtime.requeue import RestartGuard
+
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    RestartGuard(tmp_path, 5).check(0)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    RestartGuard(tmp_path, 5).check(0)  # preempted before any save: resumes where it started
+    RestartGuard(tmp_path, 5).record_requeue(40)  # then saved at step 40 and requeued itself on the time limit
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    RestartGuard(tmp_path, 5).check(40)
+    history = json.loads((tmp_path / "restarts.json").read_text())
+    assert [(h["restart"], h["start_step"], h.get("requeued_at_step")) for h in history] == [
+        (0, 0, None), (1, 0, 40), (2, 40, None)]

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from mcorekit.config.experiment import Experiment, layout_of
 from mcorekit.errors import MCoreKitError
 from mcorekit.runtime.ranks import any_rank
-from mcorekit.runtime.requeue import RestartGuard, StopSignal, requeue_and_exit
+from mcorekit.runtime.requeue import RestartGuard, StopSignal, stop_and_exit
 from mcorekit.train import checkpoint
 from mcorekit.train.build import Trainer, build, mtp_weights_check
 from mcorekit.train.flops import train_flops_per_token
@@ -45,10 +45,10 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     saver = checkpoint.Saver(root, exp.checkpoint.keep_last, exp.checkpoint.async_save)
     step, saved = _resume(t, saver.root, exp)  # saved: this run's own checkpoint holds `step`
     startup.mark("resume")
-    refused = None
+    refused, guard = None, RestartGuard(run_dir, exp.resources.max_restarts)
     if dist.get_rank() == 0:
         try:
-            RestartGuard(run_dir, exp.resources.max_restarts).check(step)
+            guard.check(step)
         except Exception as e:  # noqa: BLE001 - a refusal, or restarts.json unwritable: every rank must stop
             refused = e
     if any_rank(refused is not None):  # every rank stops, not only rank 0 (the others would wait for it)
@@ -61,12 +61,12 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     log = StepLog(t, exp, run_dir, peak_tflops, on_step, task.rows_per_sample)
     losses: list[float] = []
     while step < s.train_iters:
-        if stop.requested():  # USR2 before the time limit, or preemption: save together, then requeue
+        if stop.requested():  # USR2 before the time limit (requeue), or TERM (scancel, preemption): save together
             if saved:  # a signal right after a save or a resume: that checkpoint is this step's; never rewrite it
                 saver.wait()
             else:
                 saver.save(step, t.model, t.optimizer, t.scheduler, wait=True)
-            requeue_and_exit(dist.get_rank())
+            stop_and_exit(stop, guard, dist.get_rank(), step)
         saver.poll()
         metrics = train_step(t, task, data)
         step, saved = step + 1, False

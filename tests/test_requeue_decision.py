@@ -1,0 +1,114 @@
+"""What a job does after the save a stop signal asked for (runtime/requeue.stop_and_exit), with real processes and
+real signals and a recording `scontrol` on PATH: the time-limit warning requeues unless the restart cap is reached,
+and the requeue survives a busy controller. (Cancel and time-limit requeue on the real cluster: test_slurm_requeue.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUN = """
+import sys
+from mcorekit.launch.smoke import CountingJob
+CountingJob(sys.argv[1], total_steps=10_000, step_seconds=0.05, max_restarts=int(sys.argv[2]))()
+"""
+
+
+def fake_scontrol(bin_dir: Path, failures: int = 0) -> Path:
+    """`scontrol` that records each call in bin/calls and fails its first `failures` calls, as a busy slurmctld does."""
+    bin_dir.mkdir(exist_ok=True)
+    script = bin_dir / "scontrol"
+    script.write_text(f"""#!/bin/sh
+echo "$@" >> {bin_dir}/calls
+n=$(wc -l < {bin_dir}/calls)
+if [ "$n" -le {failures} ]; then echo "slurm_requeue error: Socket timed out on send/recv operation" >&2; exit 1; fi
+""")
+    script.chmod(0o755)
+    return bin_dir / "calls"
+
+
+def run_until_signalled(tmp_path: Path, sig: int, restart: int, max_restarts: int,
+                        failures: int = 0) -> tuple[int, str, list[str]]:
+    """CountingJob as job 4242 at SLURM_RESTART_COUNT=restart: it steps, gets `sig`, saves; its exit code, stderr and
+    the scontrol calls it made."""
+    calls = fake_scontrol(tmp_path / "bin", failures)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{tmp_path / 'bin'}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_RESTART_COUNT=str(restart),
+               MCOREKIT_REQUEUE_BACKOFF_S="0.1")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", RUN, str(run_dir), str(max_restarts)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (run_dir / "steps.log").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_time_limit_warning_requeues_below_the_cap(tmp_path: Path) -> None:
+    code, err, calls = run_until_signalled(tmp_path, signal.SIGUSR2, restart=1, max_restarts=3)
+    assert calls == ["requeue 4242"] and code != 0, err
+
+
+def test_at_the_restart_cap_the_job_saves_and_stops_without_requeueing(tmp_path: Path) -> None:
+    """It requeued itself and only the next start refused: a whole queue wait for nothing."""
+    code, err, calls = run_until_signalled(tmp_path, signal.SIGUSR2, restart=3, max_restarts=3)
+    assert calls == [] and code != 0
+    assert "not requeueing: this is restart 3 of resources.max_restarts=3" in err, err
+    assert "mcorekit launch --resume" in err
+    assert (tmp_path / "run" / "ckpt" / "latest").is_file()
+
+
+def test_a_busy_controller_is_asked_again(tmp_path: Path) -> None:
+    """`scontrol requeue` failing twice (slurmctld busy) after a good save failed the job; now retried with backoff."""
+    code, err, calls = run_until_signalled(tmp_path, signal.SIGUSR2, restart=0, max_restarts=3, failures=2)
+    assert calls == ["requeue 4242"] * 3 and code != 0, err
+    assert "retrying" in err and "Traceback" not in err
+
+
+def test_a_controller_that_never_answers_is_one_error(tmp_path: Path) -> None:
+    code, err, calls = run_until_signalled(tmp_path, signal.SIGUSR2, restart=0, max_restarts=3, failures=99)
+    assert len(calls) == 4 and code != 0
+    assert "scontrol requeue 4242 failed 4 times" in err and "mcorekit launch --resume" in err, err
+
+
+TWO_RANKS = """
+import os, sys, time
+import torch.distributed as dist
+from pathlib import Path
+from mcorekit.runtime.requeue import RestartGuard, StopSignal, stop_and_exit
+
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}/store", rank=rank, world_size=2)
+stop = StopSignal()
+stop.signum = 12  # USR2 on every rank, as Slurm sends it
+try:
+    stop_and_exit(stop, RestartGuard(Path(sys.argv[1]), 3), rank, 5)
+finally:
+    Path(sys.argv[1], f"exit-{rank}").write_text(repr(time.time()))
+"""
+
+
+def test_other_ranks_leave_only_after_rank_0_requeued(tmp_path: Path) -> None:
+    """A rank that exits non-zero before rank 0 has requeued can end the job FAILED first (srun, KillOnBadExit), and
+    a chain's afterok children with it; the ranks wait for rank 0's requeue."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\nsleep 2\n{sys.executable} -c 'import time; print(time.time())' "
+                                      f"> {tmp_path}/requeued\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="0")
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(tmp_path), str(r)], env=env,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode != 0 for p in procs), errs
+    requeued = float((tmp_path / "requeued").read_text())
+    assert float((tmp_path / "exit-1").read_text()) >= requeued, errs
