@@ -37,6 +37,9 @@ class ContainerConfig(Strict):
         return v
 
 
+H100_BF16_TFLOPS = 989.0  # dense bf16 peak per GPU of an H100/H200 SXM, the default for MFU
+
+
 class ClusterProfile(Strict):
     name: str
     partition: str | None = None
@@ -56,7 +59,7 @@ class ClusterProfile(Strict):
     # USR2 this long before the time limit: enough to save a checkpoint
     signal_seconds: int = Field(120, ge=10, strict=True)
     gpu_memory_gb: float = Field(80.0, gt=0)
-    gpu_peak_tflops_bf16: float = Field(989.0, gt=0)
+    gpu_peak_tflops_bf16: float = Field(H100_BF16_TFLOPS, gt=0)  # what MFU is measured against
     transformer_engine: bool = True  # FP8 needs it on the nodes
     container: ContainerConfig = Field(default_factory=ContainerConfig)
     env: dict[str, str] = Field(default_factory=dict)
@@ -130,6 +133,13 @@ def load_profile(name_or_path: str | Path, overrides: list[str] | None = None) -
         raise ConfigError(f"cluster profile not found: {shown(p)} (a profile name from {PROFILES} or a YAML path)")
     profile = load(ClusterProfile, p, overrides)
     return profile.model_copy(update={"run_root": _absolute_run_root(profile, p, overrides or [])})
+
+
+def gpu_peak_tflops(run_dir: Path) -> float:
+    """The per-GPU peak MFU is taken against: the profile's gpu_peak_tflops_bf16 from a launched run folder's
+    cluster.yaml (an A100 profile says 312, a B200 one 2250), else an H100/H200's."""
+    profile = run_dir / "cluster.yaml"
+    return load_profile(profile).gpu_peak_tflops_bf16 if profile.is_file() else H100_BF16_TFLOPS
 
 
 def world_size(profile: ClusterProfile, nodes: int) -> int:

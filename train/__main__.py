@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="experiment YAML")
     p.add_argument("--run-dir", default=None, help="where metrics and (by default) checkpoints go (default: the "
                    "config's run folder if `mcorekit launch` wrote it, else <run root>/<name>-local)")
-    p.add_argument("--peak-tflops", type=positive_float, default=989.0,
-                   help="per-GPU peak for MFU (H100/H200 bf16: 989)")
+    p.add_argument("--peak-tflops", type=positive_float, default=None,
+                   help="per-GPU peak for MFU (default: the run folder's cluster profile's gpu_peak_tflops_bf16, "
+                        "else 989, an H100/H200's bf16)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     prepare_training_process()  # before torch and Megatron-Core are imported (see there)
@@ -80,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
 
     startup.mark("imports")
     try:
-        train(exp, run_dir, a.peak_tflops)
+        from mcorekit.config.cluster import gpu_peak_tflops
+
+        train(exp, run_dir, a.peak_tflops or gpu_peak_tflops(run_dir))
     except (MCoreKitError, OSError) as e:
         return _error(e)  # a build problem (layout vs ranks, backend, FP8 vs GPU), or a full or read-only disk
     shut_down()

@@ -58,7 +58,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
     valid = task.dataset(validation=True) if s.eval_interval else None
     # one iterator per virtual pipeline stage: each model chunk reads the same micro-batches
     data = [task.batches(dataset, step * s.global_batch_size, t.dp_rank, t.dp_size) for _ in t.model]
-    log = StepLog(t, exp, run_dir, peak_tflops, on_step, task.rows_per_sample)
+    log = StepLog(t, exp, run_dir, peak_tflops, on_step, task, step)
     losses: list[float] = []
     while step < s.train_iters:
         if stop.requested():  # USR2 before the time limit (requeue), or TERM (scancel, preemption): save together
@@ -80,7 +80,8 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: A
         if step == s.train_iters:
             stop_compile_workers()  # beside the final save, not after it
         if step % exp.checkpoint.save_interval == 0 or step == s.train_iters:
-            saver.save(step, t.model, t.optimizer, t.scheduler, wait=step == s.train_iters)
+            with log.paused():  # the save's time is not training throughput
+                saver.save(step, t.model, t.optimizer, t.scheduler, wait=step == s.train_iters)
             saved = True
     saver.close()
     stop.work_done()
@@ -115,6 +116,8 @@ def train_step(t: Trainer, task: Task, data: list[Any]) -> dict[str, Any]:
     metrics: dict[str, Any] = {**_mean_metrics(out, task.metrics), "updated": bool(updated)}
     if t.spec.mtp_layers:
         metrics.update(mtp_losses(t.spec.mtp_layers, micro_batches(t)))
+    if not t.exp.optimizer.clip_grad and not grad_norm:  # no clipping: a lone optimizer (FSDP) computes no norm, 0.0
+        grad_norm = None
     metrics["grad_norm"] = None if grad_norm is None else float(grad_norm)
     return metrics
 
@@ -133,18 +136,34 @@ def micro_batches(t: Trainer) -> int:
 
 class StepLog:
     """Metrics at logging.log_interval: loss, grad norm, lr, tokens/s, TFLOP/s per GPU, MFU, memory (and loss scale,
-    skipped steps, expert load where they apply); validation results; the time spent validating is left out of
-    tokens/s."""
+    skipped steps, expert load where they apply); validation results. The time spent validating and saving is left
+    out of tokens/s. Tokens are the rows' positions (padding included: the GPU computes them); packed rows are
+    charged full-length causal attention. A GRPO step holds its generation: it logs its own rates instead."""
 
-    def __init__(self, t: Trainer, exp: Experiment, run_dir: Path, peak_tflops: float, on_step: Any,
-                 rows_per_sample: int = 1) -> None:
-        self.t, self.exp, self.peak_tflops, self.on_step = t, exp, peak_tflops, on_step
+    def __init__(self, t: Trainer, exp: Experiment, run_dir: Path, peak_tflops: float, on_step: Any, task: Task,
+                 start_step: int = 0) -> None:
+        self.t, self.exp, self.peak_tflops, self.on_step, self.task = t, exp, peak_tflops, on_step, task
         self.writer = MetricsWriter(run_dir, exp.logging.tensorboard, dist.get_rank() == 0, exp.logging.wandb,
                                     exp.name)
-        self.experts = ExpertLoad(t.model, exp.parallel.sequence_parallel) if t.spec.is_moe else None
-        self.tokens_per_step = exp.schedule.global_batch_size * rows_per_sample * exp.data.seq_length
-        self.flops_per_step = train_flops_per_token(t.spec, exp.data.seq_length, t.padded_vocab) * self.tokens_per_step
-        self.timer, self.eval_seconds, self.skipped = time.perf_counter(), 0.0, 0
+        # padded to capacity, every expert gets exactly its capacity: the counts would say nothing
+        moe = t.spec.is_moe and not exp.moe.pad_to_capacity
+        self.experts = ExpertLoad(t.model, exp.parallel.sequence_parallel) if moe else None
+        self.tokens_per_step = exp.schedule.global_batch_size * task.rows_per_sample * exp.data.seq_length
+        per_token = train_flops_per_token(t.spec, exp.data.seq_length, t.padded_vocab, exp.peft.lora is not None)
+        self.flops_per_step = per_token * self.tokens_per_step
+        self.timer, self.paused_seconds, self.skipped, self.last_step = time.perf_counter(), 0.0, 0, start_step
+        if dist.get_rank() == 0 and task.name != "grpo":
+            print(f"mcorekit.train: MFU against {peak_tflops:g} TFLOP/s per GPU (--peak-tflops, or the cluster "
+                  f"profile's gpu_peak_tflops_bf16)", flush=True)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time in the block (validation, a checkpoint save) is left out of the next line's rates."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_seconds += time.perf_counter() - started
 
     def step(self, step: int, metrics: dict[str, Any]) -> None:
         if not metrics["updated"]:  # fp16: the loss scaler found Inf/NaN gradients, lowered the scale and skipped
@@ -153,13 +172,15 @@ class StepLog:
         if step % interval and step != total:
             return
         torch.cuda.synchronize()
-        elapsed, self.timer = time.perf_counter() - self.timer - self.eval_seconds, time.perf_counter()
-        self.eval_seconds = 0.0  # validation time is not training throughput
-        n = (step - 1) % interval + 1  # steps since the last log line
-        tflops = self.flops_per_step * n / elapsed / dist.get_world_size() / 1e12
+        elapsed, self.timer = time.perf_counter() - self.timer - self.paused_seconds, time.perf_counter()
+        self.paused_seconds = 0.0
+        n, self.last_step = step - self.last_step, step  # steps since the last line (or since a resume)
         row = {"step": step, **{k: v for k, v in metrics.items() if k != "updated"},
-               "lr": float(self.t.optimizer.param_groups[0]["lr"]), "tokens_per_s": self.tokens_per_step * n / elapsed,
-               "tflops_per_gpu": tflops, "mfu": tflops / self.peak_tflops, "mem_gb": torch.cuda.max_memory_allocated() / 1e9}
+               "lr": float(self.t.optimizer.param_groups[0]["lr"]), "mem_gb": torch.cuda.max_memory_allocated() / 1e9}
+        if self.task.name != "grpo":  # its step is mostly generation: its own gen_ and prev_train_ rates say more
+            tflops = self.flops_per_step * n / elapsed / dist.get_world_size() / 1e12
+            row.update(tokens_per_s=self.tokens_per_step * n / elapsed, tflops_per_gpu=tflops,
+                       mfu=tflops / self.peak_tflops)
         if self.exp.precision.dtype == "fp16":
             row.update(loss_scale=float(self.t.optimizer.get_loss_scale()), skipped_steps=self.skipped)
         if self.experts:
@@ -169,12 +190,12 @@ class StepLog:
             self.on_step(row)
 
     def validation(self, step: int, run: Any) -> None:
-        started = time.perf_counter()
-        val = run()
-        self.writer.write(step, self.exp.schedule.train_iters,
-                          {"step": step, **{f"val_{k}": v for k, v in val.items()},
-                           "val_ppl": math.exp(min(val["loss"], 30.0))})
-        self.eval_seconds += time.perf_counter() - started
+        with self.paused():
+            val = run()
+        row = {"step": step, **{f"val_{k}": v for k, v in val.items()}}
+        if self.task.name in ("lm", "sft"):  # a perplexity of the next-token loss only (not of DPO's)
+            row["val_ppl"] = math.exp(min(val["loss"], 30.0))
+        self.writer.write(step, self.exp.schedule.train_iters, row)
 
     def close(self) -> None:
         self.writer.close()

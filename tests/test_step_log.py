@@ -1,0 +1,90 @@
+"""train/loop.StepLog's rates on CPU (one gloo rank; the clock and the CUDA calls replaced, as there is no GPU here):
+the steps of the first line after a resume are the steps run, a save's time is left out like validation's, LoRA's
+frozen weights count x4, GRPO logs no loop rates and DPO no perplexity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mcorekit.config.experiment import load_experiment
+from mcorekit.models.spec import PRESETS
+from mcorekit.train.flops import train_flops_per_token
+from mcorekit.train.loop import StepLog
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task: str, *overrides: str,
+         start: int = 0) -> tuple[StepLog, Clock]:
+    clock = Clock()
+    tmp_path.mkdir(exist_ok=True)
+    monkeypatch.setattr("mcorekit.train.loop.time.perf_counter", clock)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    exp = load_experiment("examples/llama-tiny.yaml", ["logging.log_interval=10", "schedule.train_iters=2000",
+                                                       *overrides])
+    spec = PRESETS["llama-tiny"]
+    t = SimpleNamespace(spec=spec, padded_vocab=256, model=[],
+                        optimizer=SimpleNamespace(param_groups=[{"lr": 1e-4}]))
+    task_ = SimpleNamespace(name=task, rows_per_sample=1)
+    return StepLog(t, exp, tmp_path, 989.0, None, task_, start), clock  # type: ignore[arg-type]
+
+
+def _rows(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_first_line_after_a_resume_counts_the_steps_run_and_saves_are_left_out(
+        model_parallel: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log, clock = _log(tmp_path, monkeypatch, "lm", start=1003)
+    for step in range(1004, 1011):  # 7 steps of 1 s, and a 30 s save at step 1005
+        clock.now += 1.0
+        if step == 1005:
+            with log.paused():
+                clock.now += 30.0
+        log.step(step, {"loss": 2.0, "updated": True, "grad_norm": 1.0})
+    row = _rows(tmp_path)[-1]
+    tokens = log.tokens_per_step
+    assert row["step"] == 1010 and row["tokens_per_s"] == pytest.approx(tokens * 7 / 7.0)
+    clock.now += 20.0
+    log.step(1020, {"loss": 2.0, "updated": True, "grad_norm": 1.0})
+    assert _rows(tmp_path)[-1]["tokens_per_s"] == pytest.approx(tokens * 10 / 20.0)
+
+
+def test_lora_counts_frozen_weights_grpo_logs_no_loop_rates_dpo_no_perplexity(
+        model_parallel: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec, seq = PRESETS["llama-tiny"], load_experiment("examples/llama-tiny.yaml").data.seq_length
+    lora, _ = _log(tmp_path / "a", monkeypatch, "sft", "peft.lora={rank: 4}", "checkpoint.load=/ckpt")
+    assert lora.flops_per_step == train_flops_per_token(spec, seq, 256, True) * lora.tokens_per_step
+    assert lora.flops_per_step < train_flops_per_token(spec, seq, 256) * lora.tokens_per_step
+    grpo, clock = _log(tmp_path / "b", monkeypatch, "grpo")
+    clock.now += 5.0
+    grpo.step(10, {"loss": 0.1, "updated": True, "grad_norm": 1.0})
+    assert not {"tokens_per_s", "mfu", "tflops_per_gpu"} & set(_rows(tmp_path / "b")[-1])
+    dpo, _ = _log(tmp_path / "c", monkeypatch, "dpo")
+    dpo.validation(10, lambda: {"loss": 0.6})
+    sft, _ = _log(tmp_path / "d", monkeypatch, "sft")
+    sft.validation(10, lambda: {"loss": 0.6})
+    assert "val_ppl" not in _rows(tmp_path / "c")[-1] and _rows(tmp_path / "d")[-1]["val_ppl"] == pytest.approx(1.822,
+                                                                                                             abs=1e-3)
+
+
+def test_mfu_is_taken_against_the_run_folders_cluster_profile(tmp_path: Path) -> None:
+    """A launched run folder holds its cluster.yaml: an A100 profile's 312 TFLOP/s, not an H100's 989."""
+    from mcorekit.config.cluster import gpu_peak_tflops
+
+    assert gpu_peak_tflops(tmp_path) == 989.0
+    text = Path("slurm/clusters/example-h100.yaml").read_text().replace("gpu_peak_tflops_bf16: 989",
+                                                                         "gpu_peak_tflops_bf16: 312")
+    (tmp_path / "cluster.yaml").write_text(text)
+    assert gpu_peak_tflops(tmp_path) == 312.0
