@@ -32,6 +32,10 @@ def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str
     world = world_size(profile, exp.resources.nodes)
     if bad := problems(exp, world, Nodes.of(profile), model):
         raise LayoutError(listed("invalid layout", bad))
+    if (lora := exp.peft.lora) and lora.load and Path(lora.load).is_dir():  # rank, alpha, targets: before queueing
+        from mcorekit.train.lora import adapter_start
+
+        adapter_start(lora)
     warnings = unseen_inputs(exp)
     if profile.gpus_per_node > 0:
         mem = estimate_memory(model, layout_of(exp), world, exp.data.seq_length, exp.schedule.micro_batch_size,

@@ -1,4 +1,4 @@
-"""peft.lora.load (train/build.py _load_lora_start): the adapters' lora.json, written by `mcorekit convert hf-to-mcore
+"""peft.lora.load (train/lora.adapter_start, from train/build.py _load_lora_start and launch/plan.check): the adapters' lora.json, written by `mcorekit convert hf-to-mcore
 --lora` from an adapter that `peft` itself saved, must agree with the run's peft.lora (rank, alpha, targets), else
 the run would scale them by its own alpha / rank. The GPU loads (checkpoint.load_base / load_adapters) are stubbed."""
 
@@ -73,3 +73,19 @@ def test_adapter_without_lora_json(converted: tuple[Path, Path], monkeypatch: py
         start(base, base, "peft.lora.rank=8", "peft.lora.alpha=8", monkeypatch=monkeypatch)
     msg = str(e.value)
     assert "\n" not in msg and "lora.json" in msg and str(base / "release") in msg, msg
+
+
+def test_the_launcher_refuses_such_adapters_before_queueing(converted: tuple[Path, Path], tmp_path: Path) -> None:
+    """launch/plan.check: the same one line, before anything is submitted (a dry run here)."""
+    from test_launch_options import run
+
+    base, adapters = converted
+    code, out, err = run("launch", "--config", "examples/llama-tiny.yaml", "--dry-run", f"checkpoint.load={base}",
+                         "checkpoint.finetune=true", f"peft.lora.load={adapters}", "peft.lora.target_modules=[qkv,proj]",
+                         "peft.lora.rank=8")
+    assert code == 2 and err.startswith("mcorekit: error: ") and err.count("\n") == 1, err
+    assert "the adapters have alpha 8.0" in err and "set peft.lora.alpha=8.0" in err, err
+    code, out, err = run("launch", "--config", "examples/llama-tiny.yaml", "--dry-run", f"checkpoint.load={base}",
+                         "checkpoint.finetune=true", f"peft.lora.load={adapters}", "peft.lora.target_modules=[qkv,proj]",
+                         "peft.lora.rank=8", "peft.lora.alpha=8")
+    assert code == 0, err

@@ -184,57 +184,17 @@ def _load_lora_start(exp: Experiment, chunks: list[Any]) -> None:
     from pathlib import Path
 
     from mcorekit.train import checkpoint
+    from mcorekit.train.lora import adapter_start
 
     base = Path(exp.checkpoint.load)
     start = checkpoint.latest(base) or base
     if start.name != checkpoint.RELEASE and not exp.checkpoint.finetune:
         raise LayoutError(f"peft.lora adapts the model in checkpoint.load={base}, a training checkpoint: set "
                           f"checkpoint.finetune=true to take its weights as the base (or use a converted release)")
-    adapters = _adapter_start(exp.peft.lora) if exp.peft.lora.load else None  # checked before the base is read
+    adapters = adapter_start(exp.peft.lora) if exp.peft.lora.load else None  # checked before the base is read
     checkpoint.load_base(start, chunks)
     if adapters is not None:
         checkpoint.load_adapters(adapters, chunks)
-
-
-def _adapter_start(lora: Any) -> Any:
-    """The iteration directory (a Path) of peft.lora.load, once its lora.json shows adapters of the run's rank, alpha
-    and targets (`lora`: the experiment's config.LoraConfig). The run scales them by its own alpha / rank (a PEFT r=8,
-    alpha=8 adapter in a run with the default alpha 32 would be scaled 4x, and its checkpoints would record alpha 32)
-    and loads only its own targets' tensors."""
-    import json
-    from pathlib import Path
-
-    from mcorekit.errors import ConfigError
-    from mcorekit.train import checkpoint
-
-    given = Path(str(lora.load))
-    path = checkpoint.latest(given) or given
-    file = path / checkpoint.LORA_JSON
-    if not file.is_file():
-        raise ConfigError(f"peft.lora.load={given}: {path} has no {checkpoint.LORA_JSON}, so it holds no LoRA adapters "
-                          f"(a peft.lora run writes one in each checkpoint; `mcorekit convert hf-to-mcore HF_DIR OUT "
-                          f"--lora PEFT_DIR` converts a PEFT adapter)")
-    try:
-        info = json.loads(file.read_text())
-        stored = {"rank": info["rank"], "alpha": float(info["alpha"]), "target_modules": list(info["target_modules"])}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"peft.lora.load={given}: {file} is unreadable or lacks rank, alpha or target_modules "
-                          f"({type(e).__name__}: {e})") from None
-    ours = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
-    differ = [k for k in ours if (sorted(map(str, stored[k])) != sorted(ours[k]) if k == "target_modules"
-                                  else stored[k] != ours[k])]
-    if differ:
-        theirs = ", ".join(f"{k} {_override(stored[k])}" for k in differ)
-        run = ", ".join(f"peft.lora.{k}={_override(ours[k])}" for k in differ)
-        fix = " ".join(f"peft.lora.{k}={_override(stored[k])}" for k in differ)
-        raise ConfigError(f"peft.lora.load={given}: the adapters have {theirs} ({file}), but this run has {run}; set "
-                          f"{fix} (the run scales the adapters by alpha / rank and loads its targets' tensors)")
-    return path
-
-
-def _override(value: Any) -> str:
-    """A value as an override writes it (a list as [qkv,proj])."""
-    return f"[{','.join(map(str, value))}]" if isinstance(value, list) else str(value)
 
 
 def _init_tp_comm_overlap(exp: Experiment, spec: ModelSpec) -> None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -403,3 +404,43 @@ def parameter_counts(model_chunks: list[Any] | Any) -> tuple[int, int]:
     params = {id(p): p for c in chunks for p in c.parameters()}.values()
     trainable = sum(p.numel() for p in params if p.requires_grad)
     return trainable, sum(p.numel() for p in params) - trainable
+
+
+def adapter_start(lora: Any) -> Path:
+    """The iteration directory of peft.lora.load, once its lora.json shows adapters of the run's rank, alpha
+    and targets (`lora`: the experiment's config.LoraConfig). The run scales them by its own alpha / rank (a PEFT r=8,
+    alpha=8 adapter in a run with the default alpha 32 would be scaled 4x, and its checkpoints would record alpha 32)
+    and loads only its own targets' tensors. Checked by the launcher before queueing too (launch/plan.check)."""
+    import json
+
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint  # it imports this module
+
+    given = Path(str(lora.load))
+    path = checkpoint.latest(given) or given
+    file = path / checkpoint.LORA_JSON
+    if not file.is_file():
+        raise ConfigError(f"peft.lora.load={given}: {path} has no {checkpoint.LORA_JSON}, so it holds no LoRA adapters "
+                          f"(a peft.lora run writes one in each checkpoint; `mcorekit convert hf-to-mcore HF_DIR OUT "
+                          f"--lora PEFT_DIR` converts a PEFT adapter)")
+    try:
+        info = json.loads(file.read_text())
+        stored = {"rank": info["rank"], "alpha": float(info["alpha"]), "target_modules": list(info["target_modules"])}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"peft.lora.load={given}: {file} is unreadable or lacks rank, alpha or target_modules "
+                          f"({type(e).__name__}: {e})") from None
+    ours = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
+    differ = [k for k in ours if (sorted(map(str, stored[k])) != sorted(ours[k]) if k == "target_modules"
+                                  else stored[k] != ours[k])]
+    if differ:
+        theirs = ", ".join(f"{k} {_override(stored[k])}" for k in differ)
+        run = ", ".join(f"peft.lora.{k}={_override(ours[k])}" for k in differ)
+        fix = " ".join(f"peft.lora.{k}={_override(stored[k])}" for k in differ)
+        raise ConfigError(f"peft.lora.load={given}: the adapters have {theirs} ({file}), but this run has {run}; set "
+                          f"{fix} (the run scales the adapters by alpha / rank and loads its targets' tensors)")
+    return path
+
+
+def _override(value: Any) -> str:
+    """A value as an override writes it (a list as [qkv,proj])."""
+    return f"[{','.join(map(str, value))}]" if isinstance(value, list) else str(value)
