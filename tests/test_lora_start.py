@@ -1,6 +1,7 @@
-"""peft.lora.load (train/lora.adapter_start, from train/build.py _load_lora_start and launch/plan.check): the adapters' lora.json, written by `mcorekit convert hf-to-mcore
---lora` from an adapter that `peft` itself saved, must agree with the run's peft.lora (rank, alpha, targets), else
-the run would scale them by its own alpha / rank. The GPU loads (checkpoint.load_base / load_adapters) are stubbed."""
+"""peft.lora.load (train/lora.adapter_start, called by train/build.py _load_lora_start and launch/plan.check): the
+adapters' lora.json, written by `mcorekit convert hf-to-mcore --lora` from an adapter that `peft` itself saved, must
+agree with the run's peft.lora (rank, alpha, targets), else the run would scale them by its own alpha / rank. The GPU
+loads (checkpoint.load_base / load_adapters) are stubbed."""
 
 from __future__ import annotations
 
