@@ -23,13 +23,14 @@ class ModelConfig(Strict):
     backend: Literal["auto", "te", "local"] = "auto"
 
 
+# Every integer setting is strict (strict=True): pydantic's lax mode would read `true` as 1 and `2.0` as 2.
 class ParallelConfig(Strict):
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    vpp: int | None = Field(None, ge=1)  # virtual stages per pipeline rank (interleaved schedule)
-    cp: int = Field(1, ge=1)
-    ep: int = Field(1, ge=1)
-    etp: int = Field(1, ge=1)  # expert tensor parallel size
+    tp: int = Field(1, ge=1, strict=True)
+    pp: int = Field(1, ge=1, strict=True)
+    vpp: int | None = Field(None, ge=1, strict=True)  # virtual stages per pipeline rank (interleaved schedule)
+    cp: int = Field(1, ge=1, strict=True)
+    ep: int = Field(1, ge=1, strict=True)
+    etp: int = Field(1, ge=1, strict=True)  # expert tensor parallel size
     sequence_parallel: bool = False
     # fully sharded data parallel through Megatron-FSDP: what is sharded over the data-parallel ranks (ZeRO-1/2/3
     # style). None: plain DDP, with optimizer.distributed sharding the optimizer state as before
@@ -53,7 +54,7 @@ class MoEConfig(Strict):
     # grouped GEMM, far less host work per layer; bf16). auto: torch where it applies (1.7x on one H200), else te
     expert_gemm: Literal["auto", "te", "torch"] = "auto"
     dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
-    shared_expert_ffn: int | None = Field(None, ge=1)  # FFN size of the shared expert(s) every token also passes through
+    shared_expert_ffn: int | None = Field(None, ge=1, strict=True)  # FFN size of the shared expert(s) every token also passes through
     shared_expert_overlap: bool = False  # overlap the shared expert with the token dispatch (alltoall/allgather)
     permute_fusion: bool = True
     router_fusion: bool = False  # TE's fused top-k + softmax + aux loss
@@ -71,11 +72,11 @@ class DataConfig(Strict):
     # validates on its own stream without it)
     valid_paths: list[str] = Field(default_factory=list)
     tokenizer: str | None = None  # an HF tokenizer directory (sft; indexed takes its eod from the .idx side-car)
-    seq_length: int = Field(2048, ge=1)
+    seq_length: int = Field(2048, ge=1, strict=True)
     packing: bool = False  # sft: several conversations per sequence, attention kept within each
     dynamic_batching: bool = False
     cache_dir: str | None = None  # dataset index caches; default <run dir>/data_cache
-    seed: int = Field(1234, ge=0, le=2**32 - 1)  # numpy seeds are unsigned 32-bit
+    seed: int = Field(1234, ge=0, le=2**32 - 1, strict=True)  # numpy seeds are unsigned 32-bit
 
     @field_validator("paths", "valid_paths", "tokenizer", "cache_dir")
     @classmethod
@@ -118,11 +119,11 @@ class GRPOConfig(Strict):
     """Group relative policy optimisation (data.kind=grpo, train/tasks/grpo.py): per prompt a group of samples from
     the policy itself, rewards, group-normalised advantages, the clipped policy-gradient loss and a KL penalty."""
 
-    group_size: int = Field(8, ge=2)  # G: samples per prompt
-    prompts_per_step: int = Field(8, ge=1)  # the step's global batch is prompts_per_step x group_size sequences
+    group_size: int = Field(8, ge=2, strict=True)  # G: samples per prompt
+    prompts_per_step: int = Field(8, ge=1, strict=True)  # the step's global batch is prompts_per_step x group_size sequences
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)  # 1.0: no nucleus filtering
-    max_new_tokens: int = Field(256, ge=1)
+    max_new_tokens: int = Field(256, ge=1, strict=True)
     clip_low: float = Field(0.2, ge=0, lt=1)  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO: high 0.28)
     clip_high: float = Field(0.2, ge=0)
     kl_coeff: float = Field(0.0, ge=0)  # beta of the k3 KL penalty to the reference (0: no reference model)
@@ -136,11 +137,11 @@ class GRPOConfig(Strict):
     # forward, no KV cache; auto = static, or plain where the engines do not apply (EP, SP, FP8)
     generation: Literal["auto", "dynamic", "static", "plain"] = "auto"
     kv_cache_gb: float = Field(2.0, gt=0)  # the dynamic engine's KV-cache buffer, allocated per step and freed
-    seed: int = Field(0, ge=0, le=2**31 - 1)  # sampling seed; step s of DP rank r samples with seed + s x 1009 + r
+    seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)  # sampling seed; step s of DP rank r samples with seed + s x 1009 + r
 
 
 class LoraConfig(Strict):
-    rank: int = Field(16, ge=1)
+    rank: int = Field(16, ge=1, strict=True)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     # Megatron-Core's linear layers: qkv (attention in), proj (attention out), fc1, fc2 (MLP in/out)
@@ -172,18 +173,18 @@ class OptimizerConfig(Strict):
     distributed: bool = True
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
-    bucket_size: int | None = Field(40_000_000, ge=1)  # parameters per gradient bucket; null = one bucket
+    bucket_size: int | None = Field(40_000_000, ge=1, strict=True)  # parameters per gradient bucket; null = one bucket
     tp_comm_overlap: bool = False
 
 
 class ScheduleConfig(Strict):
-    train_iters: int = Field(1000, ge=1)
-    warmup_iters: int = Field(100, ge=0)
+    train_iters: int = Field(1000, ge=1, strict=True)
+    warmup_iters: int = Field(100, ge=0, strict=True)
     decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
-    micro_batch_size: int = Field(1, ge=1)
-    global_batch_size: int = Field(8, ge=1)
-    eval_interval: int = Field(0, ge=0)  # validation loss every N steps and at the end; 0 = none
-    eval_iters: int = Field(10, ge=1)  # global batches per validation (the same ones every time)
+    micro_batch_size: int = Field(1, ge=1, strict=True)
+    global_batch_size: int = Field(8, ge=1, strict=True)
+    eval_interval: int = Field(0, ge=0, strict=True)  # validation loss every N steps and at the end; 0 = none
+    eval_iters: int = Field(10, ge=1, strict=True)  # global batches per validation (the same ones every time)
     # one CUDA graph for each step's forward and backward passes (Megatron-Core's full-iteration graph): the GPU
     # replays the step's kernels without the host launching each. auto: where it applies (rules.full_graph_blockers
     # lists what it does not cover yet); true: the same, and an error where it does not apply; false: never
@@ -193,16 +194,16 @@ class ScheduleConfig(Strict):
 class RecomputeConfig(Strict):
     granularity: Literal["none", "selective", "full"] = "none"
     method: Literal["uniform", "block"] = "uniform"
-    num_layers: int = Field(1, ge=1)
+    num_layers: int = Field(1, ge=1, strict=True)
     # selective: which submodules to recompute (Megatron-Core names: core_attn, mlp, moe, moe_act, layernorm, ...)
     modules: list[str] = Field(default_factory=lambda: ["core_attn"])
-    offload_layers: int = Field(0, ge=0)  # layers whose activations go to host memory (Transformer Engine)
+    offload_layers: int = Field(0, ge=0, strict=True)  # layers whose activations go to host memory (Transformer Engine)
 
 
 class CheckpointConfig(Strict):
     dir: str | None = None  # default: <run dir>/checkpoints
-    save_interval: int = Field(500, ge=1)
-    keep_last: int = Field(3, ge=1)
+    save_interval: int = Field(500, ge=1, strict=True)
+    keep_last: int = Field(3, ge=1, strict=True)
     # write in the background (a thread) while training continues, from a copy made first: on the GPU where it has
     # room for one (each rank's share of the checkpoint next to the steps' peak; the run's mem_gb then includes
     # it), else in pinned host memory (3B shape, 36.6 GB: the loop blocked 14 s on one H200 the first time)
@@ -224,13 +225,13 @@ class WandbConfig(Strict):
 
 
 class LoggingConfig(Strict):
-    log_interval: int = Field(10, ge=1)
+    log_interval: int = Field(10, ge=1, strict=True)
     tensorboard: bool = False  # also write <run>/tensorboard (metrics always go to <run>/metrics.jsonl)
     wandb: WandbConfig | None = None  # also log to Weights & Biases (the optional `wandb` extra)
 
 
 class ResourcesConfig(Strict):
-    nodes: int = Field(1, ge=1, strict=True)  # counts are strict: lax mode reads `true` as 1
+    nodes: int = Field(1, ge=1, strict=True)
     time: str | None = None  # HH:MM:SS or D-HH:MM:SS; default: the profile's time limit
     exclusive: bool | None = None  # default: the profile's choice
     max_restarts: int = Field(5, ge=0, strict=True)

@@ -1,5 +1,6 @@
-"""Counts (nodes, GPUs, tasks, CPUs, restarts, memory, seconds) are whole numbers, never booleans: pydantic's lax
-mode read `resources.nodes=true` as --nodes=1 and `gpus_per_node=false` as a CPU-only cluster."""
+"""Counts (nodes, GPUs, tasks, CPUs, restarts, memory, seconds, the layout, batch sizes, steps, lengths) are whole
+numbers, never booleans: pydantic's lax mode read `resources.nodes=true` as --nodes=1 and `gpus_per_node=false` as a
+CPU-only cluster."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ def test_profile_counts_refuse_booleans(override: str) -> None:
         load_profile("example-h100", [override])
 
 
-@pytest.mark.parametrize("override", ["resources.nodes=true", "resources.max_restarts=false", "resources.nodes=1.0"])
+@pytest.mark.parametrize("override", ["resources.nodes=true", "resources.max_restarts=false", "resources.nodes=1.0",
+                                      "parallel.tp=true", "parallel.vpp=true", "schedule.train_iters=1e3",
+                                      "schedule.micro_batch_size=true", "data.seq_length=2048.0",
+                                      "checkpoint.keep_last=true", "peft.lora.rank=true"])
 def test_experiment_resource_counts_refuse_booleans(override: str) -> None:
     with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[1]):
         load_experiment(TINY, [override])
