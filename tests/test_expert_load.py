@@ -25,7 +25,9 @@ def test_expert_load_names_multi_token_prediction_routers_apart(deepseek: Path, 
     spec = dataclasses.replace(from_hf_config(load_hf_config(deepseek)), mtp_layers=1)
     cfg = transformer_config(spec, cpu_init=True, moe_token_dispatcher_type="allgather")
     model = build_gpt(spec, cfg, padded_vocab_size(spec.vocab_size, 128), use_te=False).train()
-    load = ExpertLoad([model], sequence_parallel=False)
+    wrapped = torch.nn.Module()  # the loop's chunks are wrapped (DDP, Float16Module): module.mtp.layers.0...
+    wrapped.module = model
+    load = ExpertLoad([wrapped], sequence_parallel=False)
     tokens = torch.randint(0, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     model(tokens, torch.arange(8).expand(2, 8), attention_mask=None, labels=tokens, loss_mask=torch.ones(2, 8))
     out = load.read_and_reset()

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -182,11 +183,14 @@ class ExpertLoad:
                 "expert_tokens": {layer: row for layer, row in zip(layers, rows)}}
 
 
+MTP_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.")  # under the model's wrappers (DDP, Float16Module) too
+
+
 def router_label(name: str, module: Any) -> str:
     """A router's layer as the metrics name it: the decoder layer's global number ("4"), or "mtp_<k>" for the k-th
     multi-token prediction layer, whose inner layer Megatron-Core numbers from 1 again (it would merge into layer 1)."""
-    if name.startswith("mtp.layers."):
-        return f"mtp_{int(name.split('.')[2]) + 1}"
+    if m := MTP_LAYER.search(name):
+        return f"mtp_{int(m.group(1)) + 1}"
     return str(int(module.layer_number))
 
 
