@@ -90,7 +90,7 @@ class CountingJob:
                 if rank == 0:
                     self._save(step)
                     print(f"signal {stop.signum} at step {step}: saved checkpoint", flush=True)
-                stop_and_exit(stop, guard, rank, step, agree=False)
+                stop_and_exit(stop, guard, rank, step)
             time.sleep(self.step_seconds)
             step += 1
             if rank == 0:

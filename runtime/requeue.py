@@ -34,11 +34,14 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        # sticky: Slurm's TERM at the time limit itself may come while the save USR2 started is still running
+        self.time_limit = False
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signum = signum
+        self.time_limit = self.time_limit or signum == signal.SIGUSR2
 
     def requested(self, group: Any = None) -> bool:
         """True on every rank as soon as any rank got a signal (one tiny all-reduce when distributed)."""
@@ -54,7 +57,7 @@ class StopSignal:
 
     @property
     def is_time_limit(self) -> bool:
-        return self.signum == signal.SIGUSR2
+        return self.time_limit
 
 
 def restart_count() -> int:
@@ -128,15 +131,14 @@ class RestartGuard:
 TERMINATED_EXIT = 128 + signal.SIGTERM
 
 
-def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int, agree: bool = True) -> NoReturn:
+def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int) -> NoReturn:
     """What follows the save a stop signal asked for; every rank calls it. On the time-limit warning (USR2) rank 0
     requeues the job, unless the restart cap is reached: then every rank stops, saying how to go on. On TERM
     (scancel, or preemption; on any rank: stop means stop) every rank exits without requeueing: `scontrol requeue`
     also requeues a job that is being cancelled, and a preempted job is requeued by Slurm itself (the script asks
-    for --requeue). `agree`: decide together through an all-reduce (False: a single process decides alone)."""
-    terminated = stop.signum == signal.SIGTERM
-    if agree:
-        terminated = any_rank(terminated)
+    for --requeue). A TERM after the time-limit warning is the time limit itself (the save outlasted the warning's
+    lead): it requeues. The ranks decide together (all-reduces; a process without a group decides alone)."""
+    terminated = any_rank(stop.signum == signal.SIGTERM and not stop.is_time_limit)
     if terminated:
         if rank == 0:
             log.warning("stopping at step %d on TERM (scancel or preemption): checkpoint saved, not requeueing", step)
@@ -157,7 +159,7 @@ def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int, a
             failed = e
     # Every rank waits for rank 0's requeue (an all-reduce is the barrier): a rank that exited non-zero first could
     # end the job FAILED before it is requeued (srun, KillOnBadExit), and a chain's afterok children with it.
-    if (any_rank(failed is not None) if agree else failed is not None):
+    if any_rank(failed is not None):
         if rank == 0:
             log.error("%s; the checkpoint of step %d is saved: `mcorekit launch --resume %s` continues from it",
                       failed, step, guard.run_dir)

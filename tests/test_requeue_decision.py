@@ -31,10 +31,10 @@ if [ "$n" -le {failures} ]; then echo "slurm_requeue error: Socket timed out on 
     return bin_dir / "calls"
 
 
-def run_until_signalled(tmp_path: Path, sig: int, restart: int, max_restarts: int,
+def run_until_signalled(tmp_path: Path, sig: int | tuple[int, ...], restart: int, max_restarts: int,
                         failures: int = 0) -> tuple[int, str, list[str]]:
-    """CountingJob as job 4242 at SLURM_RESTART_COUNT=restart: it steps, gets `sig`, saves; its exit code, stderr and
-    the scontrol calls it made."""
+    """CountingJob as job 4242 at SLURM_RESTART_COUNT=restart: it steps, gets `sig` (or those signals, in order),
+    saves; its exit code, stderr and the scontrol calls it made."""
     calls = fake_scontrol(tmp_path / "bin", failures)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PATH=f"{tmp_path / 'bin'}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_RESTART_COUNT=str(restart),
@@ -47,20 +47,35 @@ def run_until_signalled(tmp_path: Path, sig: int, restart: int, max_restarts: in
     while not (run_dir / "steps.log").exists():
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.05)
-    proc.send_signal(sig)
+    for one in sig if isinstance(sig, tuple) else (sig,):
+        proc.send_signal(one)
     _, err = proc.communicate(timeout=60)
     return proc.returncode, err, calls.read_text().splitlines() if calls.exists() else []
 
 
+REQUEUED, STOPPED, TERMINATED = 255, 1, 128 + signal.SIGTERM  # SystemExit(-1) after a requeue; at the cap; on TERM
+
+
 def test_time_limit_warning_requeues_below_the_cap(tmp_path: Path) -> None:
     code, err, calls = run_until_signalled(tmp_path, signal.SIGUSR2, restart=1, max_restarts=3)
-    assert calls == ["requeue 4242"] and code != 0, err
+    assert calls == ["requeue 4242"] and code == REQUEUED, err
+
+
+def test_the_time_limits_own_term_after_the_warning_still_requeues(tmp_path: Path) -> None:
+    """Slurm's TERM at the time limit may arrive while the save the warning started runs: still the time limit."""
+    code, err, calls = run_until_signalled(tmp_path, (signal.SIGUSR2, signal.SIGTERM), restart=1, max_restarts=3)
+    assert calls == ["requeue 4242"] and code == REQUEUED, err
+
+
+def test_term_alone_stops_without_requeueing(tmp_path: Path) -> None:
+    code, err, calls = run_until_signalled(tmp_path, signal.SIGTERM, restart=1, max_restarts=3)
+    assert calls == [] and code == TERMINATED, err
 
 
 def test_at_the_restart_cap_the_job_saves_and_stops_without_requeueing(tmp_path: Path) -> None:
     """It requeued itself and only the next start refused: a whole queue wait for nothing."""
     code, err, calls = run_until_signalled(tmp_path, signal.SIGUSR2, restart=3, max_restarts=3)
-    assert calls == [] and code != 0
+    assert calls == [] and code == STOPPED
     assert "not requeueing: this is restart 3 of resources.max_restarts=3" in err, err
     assert "mcorekit launch --resume" in err
     assert (tmp_path / "run" / "ckpt" / "latest").is_file()
@@ -69,13 +84,13 @@ def test_at_the_restart_cap_the_job_saves_and_stops_without_requeueing(tmp_path:
 def test_a_busy_controller_is_asked_again(tmp_path: Path) -> None:
     """`scontrol requeue` failing twice (slurmctld busy) after a good save failed the job; now retried with backoff."""
     code, err, calls = run_until_signalled(tmp_path, signal.SIGUSR2, restart=0, max_restarts=3, failures=2)
-    assert calls == ["requeue 4242"] * 3 and code != 0, err
+    assert calls == ["requeue 4242"] * 3 and code == REQUEUED, err
     assert "retrying" in err and "Traceback" not in err
 
 
 def test_a_controller_that_never_answers_is_one_error(tmp_path: Path) -> None:
     code, err, calls = run_until_signalled(tmp_path, signal.SIGUSR2, restart=0, max_restarts=3, failures=99)
-    assert len(calls) == 4 and code != 0
+    assert len(calls) == 4 and code == STOPPED
     assert "scontrol requeue 4242 failed 4 times" in err and "mcorekit launch --resume" in err, err
 
 
@@ -109,6 +124,6 @@ def test_other_ranks_leave_only_after_rank_0_requeued(tmp_path: Path) -> None:
     procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(tmp_path), str(r)], env=env,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     errs = [p.communicate(timeout=120)[1] for p in procs]
-    assert all(p.returncode != 0 for p in procs), errs
+    assert [p.returncode for p in procs] == [REQUEUED, REQUEUED], errs
     requeued = float((tmp_path / "requeued").read_text())
     assert float((tmp_path / "exit-1").read_text()) >= requeued, errs
