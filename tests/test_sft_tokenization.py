@@ -104,6 +104,21 @@ def test_dpo_plain_prompt_starts_with_the_tokenizers_bos_once(toks: dict[str, Pa
     assert chosen == ids("it is a question") + [EOS] and rejected == [V["no"], EOS]
 
 
+@pytest.mark.parametrize("kind,lead", [("llama", [BOS]), ("bos_eos", [BOS]), ("qwen", [])])
+def test_grpo_plain_prompt_starts_with_the_tokenizers_bos_once(tmp_path: Path, toks: dict[str, Path], kind: str,
+                                                               lead: list[int]) -> None:
+    """A model SFT'd with the BOS is prompted with it in GRPO's rollouts too; a chat prompt holds its template's."""
+    from mcorekit.train.tasks.grpo import PromptDataset
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "hello what is it", "answer": "1"}) + "\n"
+                                      + json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    t = load(toks[kind])
+    data = PromptDataset([str(tmp_path / "p.jsonl")], t, seq_length=32, max_new_tokens=4, seed=0)
+    assert data.prompts[0].ids == lead + ids("hello what is it")
+    assert data.prompts[1].ids == t(t.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
+                                                         add_generation_prompt=True), add_special_tokens=False).input_ids
+
+
 def test_chat_data_holds_what_the_template_puts_and_no_second_bos(toks: dict[str, Path]) -> None:
     t = load(toks["llama"])
     messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes"}]

@@ -39,13 +39,17 @@ def hf_generate(hf_dir: str, tok: Any, prompts: list[str], max_new: int, batch: 
     import torch
     import transformers
 
+    from mcorekit.train.data.tokenizer import bos_ids
+
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, trust_remote_code=False)
     model = model.cuda().eval()
     tok.padding_side = "left"
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
+    bos = tok.decode(bos_ids(tok))  # as training's plain prompts start, in front of the left padding's end
+
     def run(texts: list[str]) -> list[list[int]]:
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to("cuda")
+        enc = tok([bos + t for t in texts], return_tensors="pt", padding=True, add_special_tokens=False).to("cuda")
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=pad)
         rows = []
@@ -98,6 +102,7 @@ def evaluate(a: argparse.Namespace, exp: Any) -> int:
     from mcorekit.train import checkpoint
     from mcorekit.train.build import build
     from mcorekit.train.data.jsonl import records
+    from mcorekit.train.data.tokenizer import bos_ids
     from mcorekit.train.generate import Sampling, generate
     from mcorekit.train.rewards import exact_match
 
@@ -113,7 +118,8 @@ def evaluate(a: argparse.Namespace, exp: Any) -> int:
     max_new = a.max_new_tokens or exp.grpo.max_new_tokens
     t = build(exp)
     checkpoint.load_weights(start, t.model)
-    ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+    bos = bos_ids(tok)  # as training's plain prompts start (train/tasks/grpo.py)
+    ids = [bos + tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     greedy = Sampling(max_new_tokens=max_new, greedy=True)
     eos = tok.eos_token_id
 

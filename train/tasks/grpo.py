@@ -52,7 +52,7 @@ import torch
 from mcorekit.errors import ConfigError
 from mcorekit.train.data.jsonl import records, refuse_lone_surrogates
 from mcorekit.train.data.packing import EpochOrder, Example, pad_one
-from mcorekit.train.data.tokenizer import load_tokenizer
+from mcorekit.train.data.tokenizer import bos_ids, load_tokenizer
 from mcorekit.train.rewards import RewardError, Rewards
 from mcorekit.train.tasks.base import LossFunc, Task
 from mcorekit.train.tasks.lm import next_token_losses
@@ -142,17 +142,19 @@ class PromptDataset:
 
     def __init__(self, paths: list[str], tokenizer: Any, seq_length: int, max_new_tokens: int, seed: int) -> None:
         self.prompts: list[Prompt] = []
+        bos = bos_ids(tokenizer)  # a plain prompt starts as SFT's and DPO's plain text does
         for path in paths:
             if not Path(path).is_file():
                 raise ConfigError(f"GRPO prompts not found: {path}")
             for n, record in records(Path(path)):
-                self.prompts.append(self._prompt(tokenizer, record, f"{path}:{n}", seq_length, max_new_tokens))
+                self.prompts.append(self._prompt(tokenizer, record, f"{path}:{n}", seq_length, max_new_tokens, bos))
         if not self.prompts:
             raise ConfigError(f"no prompts in {', '.join(paths)}")
         self.index = EpochOrder(seed, len(self.prompts))  # global sample number -> prompt, reshuffled each epoch
 
     @staticmethod
-    def _prompt(tok: Any, record: dict[str, Any], where: str, seq_length: int, max_new: int) -> Prompt:
+    def _prompt(tok: Any, record: dict[str, Any], where: str, seq_length: int, max_new: int,
+                bos: list[int]) -> Prompt:
         refuse_lone_surrogates([record.get("messages"), record.get("prompt")], where)
         if isinstance(record.get("messages"), list):
             if not tok.chat_template:
@@ -165,7 +167,8 @@ class PromptDataset:
             text = record["prompt"]
         else:
             raise ConfigError(f"{where}: expected a 'prompt' string or 'messages' (got keys {sorted(record)[:8]})")
-        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        chat = isinstance(record.get("messages"), list)  # a chat template holds its own BOS
+        ids = ([] if chat else bos) + list(tok(text, add_special_tokens=False)["input_ids"])
         if not ids:
             raise ConfigError(f"{where}: the prompt is empty once tokenized")
         if len(ids) + max_new - 1 > seq_length:
