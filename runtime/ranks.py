@@ -29,20 +29,26 @@ def any_rank(flag: bool) -> bool:
 def rank_zero_choice(choose: Callable[[], T]) -> T:
     """What choose() returns on rank 0, on every rank (choose runs on rank 0 only; one small broadcast). For what is
     read from a shared file system, which the nodes may see differently (NFS caches a listing or a file's absence):
-    each rank choosing for itself could resume a different checkpoint. An exception on rank 0 is raised on every
-    rank instead of leaving the others waiting in the broadcast."""
+    each rank choosing for itself could resume a different checkpoint. An exception on rank 0 stops every rank
+    instead of leaving the others waiting in the broadcast: rank 0 raises it, the others an MCoreKitError with its
+    text (only the text travels: any exception pickles as that)."""
     if not _distributed():
         return choose()
     import torch.distributed as dist
 
+    from mcorekit.errors import MCoreKitError
+
     box: list[object] = [None]
+    error: Exception | None = None
     if dist.get_rank() == 0:
         try:
             box[0] = ("value", choose())
-        except Exception as e:  # noqa: BLE001 - handed to every rank and raised there
-            box[0] = ("error", e)
+        except Exception as e:  # noqa: BLE001 - every rank stops on it
+            error, box[0] = e, ("error", f"rank 0: {e}")
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]  # type: ignore[misc]
+    if error is not None:
+        raise error
     if kind == "error":
-        raise value  # type: ignore[misc]
+        raise MCoreKitError(value)
     return value  # type: ignore[return-value]

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mcorekit.errors import MCoreKitError
 from mcorekit.runtime.ranks import any_rank, rank_zero_choice
 from mcorekit.train import checkpoint
 
@@ -20,8 +21,13 @@ def _checkpoints(root: Path, *steps: int) -> None:
         (d / "metadata.json").write_text("{}")
 
 
+class Unpicklable(ValueError):
+    def __reduce__(self) -> tuple:
+        raise TypeError("cannot be pickled")
+
+
 def _fail_on_rank_zero() -> str:
-    raise ValueError("rank 0 could not read the folder")
+    raise Unpicklable("rank 0 could not read the folder")
 
 
 def _rank(rank: int, tmp: Path) -> None:
@@ -31,8 +37,8 @@ def _rank(rank: int, tmp: Path) -> None:
         try:
             rank_zero_choice(_fail_on_rank_zero if rank == 0 else lambda: "unused")
             raised = "nothing"
-        except ValueError as e:
-            raised = str(e)
+        except (ValueError, MCoreKitError) as e:  # rank 0 its own error, the others its text
+            raised = f"{type(e).__name__}: {e}"
         flags = [any_rank(rank == 1), any_rank(False)]
         (tmp / f"rank{rank}.txt").write_text(f"{seen}\n{raised}\n{flags}")
     finally:
@@ -44,9 +50,10 @@ def test_every_rank_takes_rank_zeros_checkpoint_and_its_failure(tmp_path: Path) 
     _checkpoints(tmp_path / "view1", 10)  # rank 1 does not see iter 20 yet
     (tmp_path / "view1" / checkpoint.TRACKER).write_text("10")
     mp.spawn(_rank, args=(tmp_path,), nprocs=2)
-    expected = f"{checkpoint.iter_dir(tmp_path / 'view0', 20)}\nrank 0 could not read the folder\n[True, False]"
-    assert (tmp_path / "rank0.txt").read_text() == expected
-    assert (tmp_path / "rank1.txt").read_text() == expected
+    seen = checkpoint.iter_dir(tmp_path / "view0", 20)
+    assert (tmp_path / "rank0.txt").read_text() == f"{seen}\nUnpicklable: rank 0 could not read the folder\n[True, False]"
+    assert (tmp_path / "rank1.txt").read_text() == (f"{seen}\nMCoreKitError: rank 0: rank 0 could not read the folder"
+                                                    f"\n[True, False]")
 
 
 def test_one_process_chooses_for_itself(tmp_path: Path) -> None:

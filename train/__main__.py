@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     startup.mark("imports")
     try:
-        from mcorekit.config.cluster import gpu_peak_tflops
-
-        train(exp, run_dir, a.peak_tflops or gpu_peak_tflops(run_dir))
+        train(exp, run_dir, a.peak_tflops)
     except (MCoreKitError, OSError) as e:
         return _error(e)  # a build problem (layout vs ranks, backend, FP8 vs GPU), or a full or read-only disk
     shut_down()

@@ -31,9 +31,9 @@ def attention_macs(spec: ModelSpec, keys: float) -> float:
         v, kv_rank, rope = spec.v_head_dim or 0, spec.kv_lora_rank or 0, spec.qk_pos_emb_head_dim or 0
         q_proj = H * spec.q_lora_rank + spec.q_lora_rank * heads * qk if spec.q_lora_rank else H * heads * qk
         kv_proj = H * (kv_rank + rope) + kv_rank * heads * ((spec.qk_head_dim or 0) + v)
-        return q_proj + kv_proj + heads * v * H + keys * heads * (qk + v)
+        return q_proj + kv_proj + heads * v * H + core_attention_macs(spec, keys)
     q, kv = heads * spec.kv_channels, spec.num_query_groups * spec.kv_channels
-    return H * q + 2 * H * kv + q * H + keys * 2 * q  # Q, K, V, output projection; QK^T and AV
+    return H * q + 2 * H * kv + q * H + core_attention_macs(spec, keys)  # Q, K, V, output projection; QK^T and AV
 
 
 def mlp_macs(spec: ModelSpec, moe: bool) -> float:

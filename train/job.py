@@ -27,7 +27,6 @@ class TrainJob:
 
         prepare_training_process()  # before torch and Megatron-Core are imported (see there)
         from mcorekit import quiet
-        from mcorekit.config.cluster import gpu_peak_tflops
         from mcorekit.config.experiment import load_experiment
         from mcorekit.train.loop import train
         from mcorekit.train.shutdown import leave_after_runner, shut_down
@@ -35,8 +34,7 @@ class TrainJob:
         quiet.install()
 
         exp = load_experiment(self.config_path)
-        peak = self.peak_tflops or gpu_peak_tflops(Path(self.run_dir))  # the profile's GPU
-        losses = train(exp, Path(self.run_dir), peak)
+        losses = train(exp, Path(self.run_dir), self.peak_tflops)
         shut_down()
         leave_after_runner(submitit_result())  # the job ends once submitit has saved this, without the finalization
         return {"steps": len(losses), "final_loss": losses[-1] if losses else None}

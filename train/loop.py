@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from mcorekit.config.cluster import gpu_peak_tflops
 from mcorekit.config.experiment import Experiment, layout_of
 from mcorekit.errors import MCoreKitError
 from mcorekit.runtime.ranks import any_rank
@@ -34,9 +35,11 @@ def experts_note(model_chunks: list[Any]) -> str:
     return f", MoE experts: {', '.join(names)}" if names else ""
 
 
-def train(exp: Experiment, run_dir: Path, peak_tflops: float = 989.0, on_step: Any = None) -> list[float]:
+def train(exp: Experiment, run_dir: Path, peak_tflops: float | None = None, on_step: Any = None) -> list[float]:
     """Build, resume, then one train_step per iteration until schedule.train_iters: logging, validation and saving
-    at their intervals, a save and requeue when Slurm signals. Returns this process's losses."""
+    at their intervals, a save and requeue when Slurm signals. Returns this process's losses. MFU is against
+    `peak_tflops`, by default the run folder's cluster profile's (config.cluster.gpu_peak_tflops)."""
+    peak_tflops = peak_tflops or gpu_peak_tflops(run_dir)
     root = Path(exp.checkpoint.dir or run_dir / "checkpoints")
     t = build(exp, checkpoints=root)
     announce(t, exp)
@@ -116,7 +119,7 @@ def train_step(t: Trainer, task: Task, data: list[Any]) -> dict[str, Any]:
     metrics: dict[str, Any] = {**_mean_metrics(out, task.metrics), "updated": bool(updated)}
     if t.spec.mtp_layers:
         metrics.update(mtp_losses(t.spec.mtp_layers, micro_batches(t)))
-    if not t.exp.optimizer.clip_grad and not grad_norm:  # no clipping: a lone optimizer (FSDP) computes no norm, 0.0
+    if not t.exp.optimizer.clip_grad and not grad_norm:  # no clipping: an unchained optimizer (FSDP's) gives 0.0
         grad_norm = None
     metrics["grad_norm"] = None if grad_norm is None else float(grad_norm)
     return metrics
@@ -153,8 +156,8 @@ class StepLog:
         self.flops_per_step = per_token * self.tokens_per_step
         self.timer, self.paused_seconds, self.skipped, self.last_step = time.perf_counter(), 0.0, 0, start_step
         if dist.get_rank() == 0 and task.name != "grpo":
-            print(f"mcorekit.train: MFU against {peak_tflops:g} TFLOP/s per GPU (--peak-tflops, or the cluster "
-                  f"profile's gpu_peak_tflops_bf16)", flush=True)
+            print(f"mcorekit.train: MFU against {peak_tflops:g} TFLOP/s per GPU (--peak-tflops, else the cluster "
+                  f"profile's gpu_peak_tflops_bf16, else an H100's)", flush=True)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
