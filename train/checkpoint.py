@@ -379,9 +379,10 @@ def read(sharded: dict[str, Any], path: Path, **kwargs: Any) -> dict[str, Any]:
         cause = next(iter(e.failures.values()))[0] if e.failures else e
         failed = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
     if any_rank(bool(failed)):
+        hint = (f": resume from an earlier one by setting its step in {path.parent / TRACKER}"
+                if step_of(path) is not None else "")  # a run's iteration; not a release or converted adapters
         raise ConfigError(f"checkpoint {path} could not be read: {failed or 'another rank failed to read its part'} "
-                          f"(a damaged or incomplete checkpoint: resume from an earlier one by setting its step in "
-                          f"{path.parent / TRACKER})")
+                          f"(a damaged or incomplete checkpoint{hint})")
     return state
 
 
