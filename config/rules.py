@@ -541,12 +541,17 @@ def _is_release(load: str) -> bool:
 
 
 def time_limit_problems(exp: Experiment, nodes: Nodes) -> list[str]:
-    """Slurm may send the pre-timeout signal up to 60 s early; the job must outlive it to save and requeue."""
     limit = exp.resources.time or nodes.time_limit
     if limit is None or nodes.signal_seconds is None:
         return []
-    limit_s, lead = parse_time_minutes(limit) * 60, nodes.signal_seconds
-    if limit_s <= lead + 60:
-        return [f"time limit {limit_s}s leaves no room before the pre-timeout signal ({lead}s lead; Slurm may "
-                f"send it up to 60 s early); raise resources.time above {lead + 60}s"]
-    return []
+    problem = time_limit_problem(limit, nodes.signal_seconds)
+    return [f"{problem}; raise resources.time above {nodes.signal_seconds + 60}s"] if problem else []
+
+
+def time_limit_problem(limit: str | int, signal_seconds: int) -> str | None:
+    """Slurm may send the pre-timeout signal up to 60 s early; the job must outlive it to save and requeue."""
+    limit_s = parse_time_minutes(limit) * 60
+    if limit_s <= signal_seconds + 60:
+        return (f"time limit {limit_s}s leaves no room before the pre-timeout signal ({signal_seconds}s lead; Slurm "
+                f"may send it up to 60 s early)")
+    return None

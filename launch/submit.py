@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from mcorekit.config.cluster import ClusterProfile
+from mcorekit.config.rules import time_limit_problem
 from mcorekit.config.values import ENV_KEY_RE, NAME_RE, no_control, parse_time_minutes, shown
 from mcorekit.errors import ConfigError, LaunchError, MCoreKitError
 
@@ -122,18 +123,16 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
         srun_args.append(f"--container-workdir={profile.container.workdir or str(Path.cwd())}")
     srun_args += profile.srun_args
 
-    minutes = parse_time_minutes(spec.time or profile.time_limit)
-    if minutes * 60 <= profile.signal_seconds + 60:  # as config.rules refuses it for a training job
-        raise ConfigError(f"job {spec.name!r}: its time limit ({minutes * 60}s) leaves no room before the pre-timeout "
-                          f"signal (signal_seconds={profile.signal_seconds}; Slurm may send it up to 60 s early): "
-                          f"lower signal_seconds below {minutes * 60 - 60} (--set signal_seconds=N) or raise the "
-                          f"time limit")
+    limit = spec.time or profile.time_limit
+    if problem := time_limit_problem(limit, profile.signal_seconds):  # every job's, as config.rules a training job's
+        raise ConfigError(f"job {spec.name!r}: {problem}: lower signal_seconds={profile.signal_seconds} below "
+                          f"{parse_time_minutes(limit) * 60 - 60} (--set signal_seconds=N) or raise the time limit")
     params: dict[str, Any] = {
         "job_name": spec.name,
         "nodes": spec.nodes,
         "ntasks_per_node": tasks,
         "cpus_per_task": profile.cpus_per_task,
-        "time": minutes,
+        "time": parse_time_minutes(limit),
         "signal_delay_s": profile.signal_seconds,
         "setup": setup,
         "srun_args": srun_args,
