@@ -17,10 +17,10 @@ from typing import Any
 from mcorekit.config.cluster import load_profile
 from mcorekit.config.loading import dump
 from mcorekit.config.values import CONTROL_RE, shown
-from mcorekit.errors import ConfigError, LaunchError, ModelError
+from mcorekit.errors import ConfigError, LaunchError
 from mcorekit.export import targets
 from mcorekit.launch import api
-from mcorekit.options import count, positive_float
+from mcorekit.options import count
 from mcorekit.launch.submit import check_writable, literal_env_warnings, submit_one
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -13,8 +13,9 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is on any rank: one tiny all-reduce (the flag itself without a process group)."""
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """True on every rank (of `group`, default all) when `flag` is on any of them: one tiny all-reduce (the flag
+    itself without a process group)."""
     if not _distributed():
         return flag
     import torch
@@ -22,7 +23,7 @@ def any_rank(flag: bool) -> bool:
 
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     value = torch.tensor([1 if flag else 0], device=device, dtype=torch.int32)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 from mcorekit.config.cluster import load_profile
 from mcorekit.launch.submit import JobSpec, render

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from mcorekit.errors import ConfigError
+from mcorekit.runtime.ranks import any_rank
 from mcorekit.train.data.preference import TOKEN_KEYS, collate, pair_batches
 from mcorekit.train.tasks.base import LossFunc, Task, read_step, step_share
 from mcorekit.train.tasks.lm import next_token_losses
@@ -226,9 +227,7 @@ class DirectPreferenceOptimization(Task):
         path = self.run_dir / "reference_logps" / f"{name}.safetensors"
         key = self._fingerprint(name, data)
         stored = read_reference(path, key, len(data.pairs))
-        missing = torch.tensor([stored is None], dtype=torch.int32, device="cuda")
-        dist.all_reduce(missing, op=dist.ReduceOp.MAX)  # every rank computes, or none: the pass is collective
-        if missing.item():
+        if any_rank(stored is None):  # every rank computes, or none: the pass is collective
             stored = self._reference_of_every_pair(t, data, num_microbatches)
             if dist.get_rank() == 0:
                 write_reference(path, stored, key)

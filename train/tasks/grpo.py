@@ -50,11 +50,12 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from mcorekit.errors import ConfigError
+from mcorekit.runtime.ranks import any_rank
 from mcorekit.train.data.jsonl import records, refuse_lone_surrogates
 from mcorekit.train.data.packing import EpochOrder, Example, pad_one
 from mcorekit.train.data.tokenizer import bos_ids, load_tokenizer
 from mcorekit.train.rewards import RewardError, Rewards
-from mcorekit.train.tasks.base import LossFunc, Task
+from mcorekit.train.tasks.base import LossFunc, Task, read_step
 from mcorekit.train.tasks.lm import next_token_losses
 
 if TYPE_CHECKING:
@@ -244,9 +245,7 @@ class GroupRelativePolicyOptimization(Task):
         from mcorekit.train.generate import Sampling, generate, here
 
         assert self.prompts is not None, "dataset() first"
-        work = next(data[0])
-        for other in data[1:]:  # virtual pipeline stages: keep their iterators in step
-            next(other)
+        work = read_step(data, 1)[0]
         g = self.exp.grpo
         dev = here()
         _sync()
@@ -323,11 +322,10 @@ class GroupRelativePolicyOptimization(Task):
                     values[i, 0], values[i, 1:] = total, torch.tensor(parts, dtype=torch.float64)
             except Exception as e:  # noqa: BLE001 - any failure: the group's other ranks must stop too, not wait
                 error = e
-        status = torch.tensor([1.0 if error is not None else 0.0], device=here())
-        dist.all_reduce(status, group=group)
+        failed = any_rank(error is not None, group)
         if error is not None:
             raise error
-        if status.item():
+        if failed:
             raise RewardError("a reward function failed on the first rank of this model-parallel group (its log has "
                               "the message)")
         shared = values.to(here())
