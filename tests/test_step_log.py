@@ -36,7 +36,7 @@ def _log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task: str, *overrides:
     spec = PRESETS["llama-tiny"]
     t = SimpleNamespace(spec=spec, padded_vocab=256, model=[],
                         optimizer=SimpleNamespace(param_groups=[{"lr": 1e-4}]))
-    task_ = SimpleNamespace(name=task, rows_per_sample=1)
+    task_ = SimpleNamespace(name=task, rows_per_sample=1, packed=None)
     return StepLog(t, exp, tmp_path, 989.0, None, task_, start), clock  # type: ignore[arg-type]
 
 
@@ -65,8 +65,7 @@ def test_lora_counts_frozen_weights_grpo_logs_no_loop_rates_dpo_no_perplexity(
         model_parallel: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec, seq = PRESETS["llama-tiny"], load_experiment("examples/llama-tiny.yaml").data.seq_length
     lora, _ = _log(tmp_path / "a", monkeypatch, "sft", "peft.lora={rank: 4}", "checkpoint.load=/ckpt")
-    assert lora.flops_per_step == train_flops_per_token(spec, seq, 256, True) * lora.tokens_per_step
-    assert lora.flops_per_step < train_flops_per_token(spec, seq, 256) * lora.tokens_per_step
+    assert lora.flops_per_token() == train_flops_per_token(spec, seq, 256, True) < train_flops_per_token(spec, seq, 256)
     grpo, clock = _log(tmp_path / "b", monkeypatch, "grpo")
     clock.now += 5.0
     grpo.step(10, {"loss": 0.1, "updated": True, "grad_norm": 1.0})
@@ -88,3 +87,22 @@ def test_mfu_is_taken_against_the_run_folders_cluster_profile(tmp_path: Path) ->
                                                                          "gpu_peak_tflops_bf16: 312")
     (tmp_path / "cluster.yaml").write_text(text)
     assert gpu_peak_tflops(tmp_path) == 312.0
+
+
+def test_packed_rows_are_charged_the_attention_within_each_example(model_parallel: None, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two rows of seq_length S, one holding two examples of S/2 (and the training steps only: a step read in eval
+    mode is validation): attention computed is (2 (S/2)^2 + S^2) / (2 S^2) = 3/4 of full-length rows'."""
+    from mcorekit.train.tasks.base import PackedAttention
+
+    log, clock = _log(tmp_path, monkeypatch, "sft")
+    seq = log.exp.data.seq_length
+    log.task.packed = PackedAttention(seq)
+    log.task.packed.count([{"cu_seqlens": torch.tensor([0, seq // 2, seq], dtype=torch.int32)},
+                           {"cu_seqlens": torch.tensor([0, seq], dtype=torch.int32)}])
+    clock.now += 2.0
+    log.step(10, {"loss": 2.0, "updated": True, "grad_norm": 1.0})
+    row = _rows(tmp_path)[-1]
+    want = log.flops_per_token(0.75) * log.tokens_per_step * 10 / 2.0 / 1e12
+    assert row["tflops_per_gpu"] == pytest.approx(want) and log.flops_per_token(0.75) < log.flops_per_token()
+    assert (log.task.packed.squares, log.task.packed.rows) == (0.0, 0)  # read once per line

@@ -8,7 +8,8 @@ the dense MLP, sliding-window layers (GPT-OSS) by the keys a query actually sees
 Model FLOPs, not hardware FLOPs: recomputed activations are not counted (full recompute does about 4/3 of this work),
 and FP8 runs are measured against the bf16 peak. With LoRA the frozen weights get no weight gradient: their matmuls
 count 4x (forward, input gradient) instead of 6x, core attention (no weights) 6x, as Megatron-Bridge counts them; the
-adapters themselves (under 1% at rank 16 on the 3B shape) are left out."""
+adapters themselves (under 1% at rank 16 on the 3B shape) are left out. Packed rows (SFT, DPO) count the attention
+each example computes within itself (tasks/base.PackedAttention), not the row's full length."""
 
 from __future__ import annotations
 
@@ -69,8 +70,9 @@ def macs_per_token(spec: ModelSpec, seq_len: int, padded_vocab: int | None = Non
 
 
 def train_flops_per_token(spec: ModelSpec, seq_len: int, padded_vocab: int | None = None,
-                          frozen_weights: bool = False) -> float:
+                          frozen_weights: bool = False, attended: float = 1.0) -> float:
     """x3 for forward and backward (input and weight gradients); frozen_weights (LoRA): weights x2, core attention
-    x3 (see the module's docstring)."""
+    x3 (see the module's docstring). `attended`: the share of full-length causal attention the rows computed (packed
+    rows attend within each example: sum of len^2 over rows x seq_len^2)."""
     total, core = macs_per_token(spec, seq_len, padded_vocab)
-    return 4.0 * (total - core) + 6.0 * core if frozen_weights else 6.0 * total
+    return (4.0 if frozen_weights else 6.0) * (total - core) + 6.0 * core * attended

@@ -141,7 +141,7 @@ class StepLog:
     """Metrics at logging.log_interval: loss, grad norm, lr, tokens/s, TFLOP/s per GPU, MFU, memory (and loss scale,
     skipped steps, expert load where they apply); validation results. The time spent validating and saving is left
     out of tokens/s. Tokens are the rows' positions (padding included: the GPU computes them); packed rows are
-    charged full-length causal attention. A GRPO step holds its generation: it logs its own rates instead."""
+    charged the attention within each example. A GRPO step holds its generation: it logs its own rates instead."""
 
     def __init__(self, t: Trainer, exp: Experiment, run_dir: Path, peak_tflops: float, on_step: Any, task: Task,
                  start_step: int = 0) -> None:
@@ -152,12 +152,15 @@ class StepLog:
         moe = t.spec.is_moe and not exp.moe.pad_to_capacity
         self.experts = ExpertLoad(t.model, exp.parallel.sequence_parallel) if moe else None
         self.tokens_per_step = exp.schedule.global_batch_size * task.rows_per_sample * exp.data.seq_length
-        per_token = train_flops_per_token(t.spec, exp.data.seq_length, t.padded_vocab, exp.peft.lora is not None)
-        self.flops_per_step = per_token * self.tokens_per_step
         self.timer, self.paused_seconds, self.skipped, self.last_step = time.perf_counter(), 0.0, 0, start_step
         if dist.get_rank() == 0 and task.name != "grpo":
             print(f"mcorekit.train: MFU against {peak_tflops:g} TFLOP/s per GPU (--peak-tflops, else the cluster "
                   f"profile's gpu_peak_tflops_bf16, else an H100's)", flush=True)
+
+    def flops_per_token(self, attended: float = 1.0) -> float:
+        e = self.exp
+        return train_flops_per_token(self.t.spec, e.data.seq_length, self.t.padded_vocab, e.peft.lora is not None,
+                                     attended)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -181,7 +184,9 @@ class StepLog:
         row = {"step": step, **{k: v for k, v in metrics.items() if k != "updated"},
                "lr": float(self.t.optimizer.param_groups[0]["lr"]), "mem_gb": torch.cuda.max_memory_allocated() / 1e9}
         if self.task.name != "grpo":  # its step is mostly generation: its own gen_ and prev_train_ rates say more
-            tflops = self.flops_per_step * n / elapsed / dist.get_world_size() / 1e12
+            attended = self.task.packed.fraction() if self.task.packed else 1.0  # packed: within each example
+            flops_per_step = self.flops_per_token(attended) * self.tokens_per_step
+            tflops = flops_per_step * n / elapsed / dist.get_world_size() / 1e12
             row.update(tokens_per_s=self.tokens_per_step * n / elapsed, tflops_per_gpu=tflops,
                        mfu=tflops / self.peak_tflops)
         if self.exp.precision.dtype == "fp16":

@@ -25,6 +25,8 @@ class Task:
 
     def __init__(self, exp: Experiment, spec: ModelSpec, run_dir: Path) -> None:
         self.exp, self.spec, self.run_dir = exp, spec, run_dir
+        # packed rows (SFT, DPO): the attention they compute, for MFU (counted where the task reads its steps)
+        self.packed = PackedAttention(exp.data.seq_length) if exp.data.packing else None
 
     def dataset(self, validation: bool = False) -> Any:
         """The training data (or the held-out data): indexed by global sample number, so a resumed run continues
@@ -71,3 +73,30 @@ def step_share(counts: list[Any], device: Any) -> torch.Tensor:
     total = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device) for c in counts]).sum()
     dist.all_reduce(total, group=ps.get_data_parallel_group())
     return total.clamp(min=1) / (len(counts) * ps.get_data_parallel_world_size())
+
+
+class PackedAttention:
+    """The share of full-length causal attention that the packed rows of the training steps computed (attention
+    stays within each example: sum of len^2 over rows x seq_length^2), for MFU. Counted on the device as the steps
+    are read; read at log time, summed over the data-parallel ranks (every rank reads it: one all-reduce)."""
+
+    def __init__(self, seq_length: int) -> None:
+        self.seq_length, self.squares, self.rows = seq_length, 0.0, 0
+
+    def count(self, step: list[dict[str, Any]]) -> None:
+        for batch in step:  # one packed row per micro-batch (micro_batch_size 1)
+            lengths = batch["cu_seqlens"].diff().double()  # float64: exact sums of squares of lengths
+            self.squares = self.squares + (lengths * lengths).sum()
+            self.rows += 1
+
+    def fraction(self) -> float:
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        totals = torch.stack([torch.as_tensor(self.squares, dtype=torch.float64, device=device),
+                              torch.tensor(self.rows * self.seq_length**2, dtype=torch.float64, device=device)])
+        dist.all_reduce(totals, group=ps.get_data_parallel_group())
+        self.squares, self.rows = 0.0, 0
+        return float(totals[0] / totals[1]) if totals[1] > 0 else 1.0

@@ -186,6 +186,8 @@ class DirectPreferenceOptimization(Task):
                     self._precompute(t, name, data_set, num_microbatches)
                 self.reference.release()
         step = read_step(data, num_microbatches)
+        if self.packed and t.model[0].training:  # training steps only (validation runs in eval mode)
+            self.packed.count(step)
         if self.exp.dpo.reference == "live":
             for batch, logps in zip(step, self.reference.logps(step)):  # the last pipeline stage gets them
                 batch["ref_logps"] = logps

@@ -22,6 +22,8 @@ class SupervisedFineTuning(LanguageModelling):
     def prepare_step(self, t: Trainer, data: list[Iterator[dict[str, Any]]],
                      num_microbatches: int) -> list[Iterator[dict[str, Any]]]:
         step = read_step(data, num_microbatches)
+        if self.packed and t.model[0].training:  # training steps only (validation runs in eval mode)
+            self.packed.count(step)
         share = step_share([b["loss_mask"].sum() for b in step], step[0]["loss_mask"].device)
         for batch in step:
             batch["token_share"] = share
