@@ -54,7 +54,8 @@ class MoEConfig(Strict):
     # grouped GEMM, far less host work per layer; bf16). auto: torch where it applies (1.7x on one H200), else te
     expert_gemm: Literal["auto", "te", "torch"] = "auto"
     dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
-    shared_expert_ffn: int | None = Field(None, ge=1, strict=True)  # FFN size of the shared expert(s) every token also passes through
+    # FFN size of the shared expert(s) every token also passes through
+    shared_expert_ffn: int | None = Field(None, ge=1, strict=True)
     shared_expert_overlap: bool = False  # overlap the shared expert with the token dispatch (alltoall/allgather)
     permute_fusion: bool = True
     router_fusion: bool = False  # TE's fused top-k + softmax + aux loss
@@ -120,7 +121,8 @@ class GRPOConfig(Strict):
     the policy itself, rewards, group-normalised advantages, the clipped policy-gradient loss and a KL penalty."""
 
     group_size: int = Field(8, ge=2, strict=True)  # G: samples per prompt
-    prompts_per_step: int = Field(8, ge=1, strict=True)  # the step's global batch is prompts_per_step x group_size sequences
+    # the step's global batch is prompts_per_step x group_size sequences
+    prompts_per_step: int = Field(8, ge=1, strict=True)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)  # 1.0: no nucleus filtering
     max_new_tokens: int = Field(256, ge=1, strict=True)
@@ -137,7 +139,8 @@ class GRPOConfig(Strict):
     # forward, no KV cache; auto = static, or plain where the engines do not apply (EP, SP, FP8)
     generation: Literal["auto", "dynamic", "static", "plain"] = "auto"
     kv_cache_gb: float = Field(2.0, gt=0)  # the dynamic engine's KV-cache buffer, allocated per step and freed
-    seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)  # sampling seed; step s of DP rank r samples with seed + s x 1009 + r
+    # sampling seed; step s of DP rank r samples with seed + s x 1009 + r
+    seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)
 
 
 class LoraConfig(Strict):

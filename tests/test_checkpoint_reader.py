@@ -164,7 +164,8 @@ def test_a_checkpoint_of_another_model_shape_is_one_line_before_anything_is_read
     path = tmp_path / "iter_0000010"
     _save(path, ours=True, state=checkpoint._model_state([saved]))
     same = checkpoint.read(checkpoint._model_state([_gpt()]), path)
-    assert all(torch.equal(same[k], v) for k, v in saved.state_dict().items() if torch.is_tensor(v) and "extra" not in k)
+    weights = {k: v for k, v in saved.state_dict().items() if torch.is_tensor(v) and "extra" not in k}
+    assert all(torch.equal(same[k], v) for k, v in weights.items())
     monkeypatch.setattr(checkpoint_reader, "ReadAheadReader", None)  # reading anything now fails the test
     with pytest.raises(ConfigError, match=f"^checkpoint {path} does not fit this model: .*{expected}"):
         checkpoint.read(checkpoint._model_state([_gpt(**other)]), path)

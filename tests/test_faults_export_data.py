@@ -543,7 +543,8 @@ def test_no_reader_runs_a_model_folders_own_code(hf: Path, tmp_path: Path, monke
                                                    "AutoModelForCausalLM": "evil.EvilModel"})
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
-                                    "from transformers import LlamaConfig as EvilConfig, LlamaForCausalLM as EvilModel\n")
+                                    "from transformers import LlamaConfig as EvilConfig\n"
+                                    "from transformers import LlamaForCausalLM as EvilModel\n")
     monkeypatch.setattr("builtins.input", lambda *_: "y")
     import torch
 

@@ -81,12 +81,11 @@ def test_the_launcher_refuses_such_adapters_before_queueing(converted: tuple[Pat
     from test_launch_options import run
 
     base, adapters = converted
-    code, out, err = run("launch", "--config", "examples/llama-tiny.yaml", "--dry-run", f"checkpoint.load={base}",
-                         "checkpoint.finetune=true", f"peft.lora.load={adapters}", "peft.lora.target_modules=[qkv,proj]",
-                         "peft.lora.rank=8")
+    launch = ("launch", "--config", "examples/llama-tiny.yaml", "--dry-run", f"checkpoint.load={base}",
+              "checkpoint.finetune=true", f"peft.lora.load={adapters}", "peft.lora.target_modules=[qkv,proj]",
+              "peft.lora.rank=8")
+    code, out, err = run(*launch)
     assert code == 2 and err.startswith("mcorekit: error: ") and err.count("\n") == 1, err
     assert "the adapters have alpha 8.0" in err and "set peft.lora.alpha=8.0" in err, err
-    code, out, err = run("launch", "--config", "examples/llama-tiny.yaml", "--dry-run", f"checkpoint.load={base}",
-                         "checkpoint.finetune=true", f"peft.lora.load={adapters}", "peft.lora.target_modules=[qkv,proj]",
-                         "peft.lora.rank=8", "peft.lora.alpha=8")
+    code, out, err = run(*launch, "peft.lora.alpha=8")
     assert code == 0, err

@@ -51,7 +51,8 @@ def test_every_rank_takes_rank_zeros_checkpoint_and_its_failure(tmp_path: Path) 
     (tmp_path / "view1" / checkpoint.TRACKER).write_text("10")
     mp.spawn(_rank, args=(tmp_path,), nprocs=2)
     seen = checkpoint.iter_dir(tmp_path / "view0", 20)
-    assert (tmp_path / "rank0.txt").read_text() == f"{seen}\nUnpicklable: rank 0 could not read the folder\n[True, False]"
+    assert (tmp_path / "rank0.txt").read_text() == (f"{seen}\nUnpicklable: rank 0 could not read the folder"
+                                                    f"\n[True, False]")
     assert (tmp_path / "rank1.txt").read_text() == (f"{seen}\nMCoreKitError: rank 0: rank 0 could not read the folder"
                                                     f"\n[True, False]")
 

@@ -115,8 +115,8 @@ def test_grpo_plain_prompt_starts_with_the_tokenizers_bos_once(tmp_path: Path, t
     t = load(toks[kind])
     data = PromptDataset([str(tmp_path / "p.jsonl")], t, seq_length=32, max_new_tokens=4, seed=0)
     assert data.prompts[0].ids == lead + ids("hello what is it")
-    assert data.prompts[1].ids == t(t.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
-                                                         add_generation_prompt=True), add_special_tokens=False).input_ids
+    chat = t.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+    assert data.prompts[1].ids == t(chat, add_special_tokens=False).input_ids
 
 
 def test_chat_data_holds_what_the_template_puts_and_no_second_bos(toks: dict[str, Path]) -> None:

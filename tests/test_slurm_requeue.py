@@ -49,7 +49,8 @@ def test_cancel_of_a_running_job_saves_and_ends_cancelled_not_requeued(tmp_path:
     run_dir = tmp_path / "cancel"
     run_dir.mkdir()
     spec = JobSpec(name="test-cancel", run_dir=run_dir, time="00:10:00")
-    job = submit(profile, spec, CountingJob(str(run_dir), total_steps=300, step_seconds=1.0, max_restarts=4), kind="test")
+    payload = CountingJob(str(run_dir), total_steps=300, step_seconds=1.0, max_restarts=4)
+    job = submit(profile, spec, payload, kind="test")
     try:
         steps = run_dir / "steps.log"
         deadline = time.monotonic() + 60

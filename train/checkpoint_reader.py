@@ -220,9 +220,10 @@ def check_fit(sharded: dict[str, Any], path: Path, metadata: Metadata) -> None:
     problems = fit_problems(sharded, metadata)
     if any_rank(bool(problems)):
         shown = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
-        raise ConfigError(f"checkpoint {path} does not fit this model: {shown or 'another rank says which tensors differ'}; it was saved with other "
-                          f"model settings (model, model.overrides, peft.lora) or another optimizer: load it with "
-                          f"the settings it was saved with")
+        shown = shown or "another rank says which tensors differ"
+        raise ConfigError(f"checkpoint {path} does not fit this model: {shown}; it was saved with other model settings "
+                          f"(model, model.overrides, peft.lora) or another optimizer: load it with the settings it was "
+                          f"saved with")
 
 
 @contextmanager

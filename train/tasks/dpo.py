@@ -10,12 +10,14 @@ the batch sizes count packed rows, as they do for packed SFT.
 Per sequence: logp = sum over its response tokens of log p(token) (Megatron's model returns the per-token cross
 entropy when given labels: logp = -loss), summed over the context-parallel ranks' chunks. With
 m = (pi_chosen - ref_chosen) - (pi_rejected - ref_rejected):
-    loss = mean over pairs of -(1 - label_smoothing) * logsigmoid(beta * m) - label_smoothing * logsigmoid(-beta * m)
-           + sft_weight * (NLL of the chosen responses, mean per response token)
-Metrics, with TRL's names and definitions: rewards/chosen = beta * (pi_chosen - ref_chosen) (mean over pairs),
-rewards/rejected likewise, rewards/accuracies = fraction of pairs with rewards/chosen > rewards/rejected,
-rewards/margins = mean of their difference, logps/chosen and logps/rejected = the policy's summed log-probs (mean
-over pairs), nll_loss (with sft_weight).
+    loss = mean over the step's pairs of -(1 - label_smoothing) * logsigmoid(beta * m)
+                                         - label_smoothing * logsigmoid(-beta * m)
+           + sft_weight * (NLL of the chosen responses, mean over the step's chosen response tokens)
+(each micro-batch sums its pairs and divides by the step's count over micro-batches x DP ranks: tasks/base.step_share)
+Metrics, with TRL's names and definitions, means over the step's pairs: rewards/chosen = beta * (pi_chosen -
+ref_chosen), rewards/rejected likewise, rewards/accuracies = fraction of pairs with rewards/chosen > rewards/rejected,
+rewards/margins = mean of their difference, logps/chosen and logps/rejected = the policy's summed log-probs,
+nll_loss (with sft_weight).
 
 Reference log-probs (dpo.reference):
   live         the default: a frozen copy of the starting weights on the same GPUs (same layout, no optimizer, no
@@ -23,9 +25,10 @@ Reference log-probs (dpo.reference):
                Megatron's (pipeline) schedule over each step's micro-batches before the training pass. With LoRA the
                reference is the policy itself with its adapters off: no copy at all.
   precomputed  one forward-only pass of that same reference over every pair before the first step, stored in
-               <run dir>/reference_logps/{train,valid}.safetensors (with a fingerprint of the data, tokenizer,
-               sequence length, packing, model and starting checkpoint) and read back by pair index; the copy is
-               freed afterwards. A resumed run reads the file; a changed fingerprint recomputes it.
+               <run dir>/reference_logps/{train,valid}.safetensors (with a fingerprint of the data, the pairs'
+               tokens, sequence length, packing, model and the iteration checkpoint.load resolves to) and read
+               back by pair index; the copy is freed afterwards. A resumed run reads the file; a changed
+               fingerprint recomputes it.
 The starting weights are those of checkpoint.load (weights only) or, without it, the initial weights: rebuilt
 from the seeds train/build.py initialises the policy with.
 """
@@ -285,7 +288,8 @@ class DirectPreferenceOptimization(Task):
             for ex in pair:
                 tokens.update(np.asarray(ex.ids, dtype=np.int64).tobytes() + np.asarray(ex.mask, np.int8).tobytes())
         what = {"files": files, "tokenizer": e.data.tokenizer, "tokens": tokens.hexdigest(),
-                "seq_length": e.data.seq_length, "packing": e.data.packing, "pairs": len(data.pairs), "model": e.model.model_dump(mode="json"),
+                "seq_length": e.data.seq_length, "packing": e.data.packing, "pairs": len(data.pairs),
+                "model": e.model.model_dump(mode="json"),
                 "load": self._start(), "dtype": e.precision.dtype, "fp8": e.precision.fp8,
                 "lora": e.peft.lora is not None}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
