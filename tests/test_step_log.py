@@ -106,3 +106,24 @@ def test_packed_rows_are_charged_the_attention_within_each_example(model_paralle
     want = log.flops_per_token(0.75) * log.tokens_per_step * 10 / 2.0 / 1e12
     assert row["tflops_per_gpu"] == pytest.approx(want) and log.flops_per_token(0.75) < log.flops_per_token()
     assert (log.task.packed.squares, log.task.packed.rows) == (0.0, 0)  # read once per line
+
+
+def _peak(rank: int, tmp: Path) -> None:
+    import torch.distributed as dist
+
+    from mcorekit.train.loop import peak_memory_gb
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=2)
+    torch.cuda.max_memory_allocated = lambda: [3e9, 7e9][rank]  # no GPU here: each rank's peak, given
+    try:
+        (tmp / f"rank{rank}.txt").write_text(repr(peak_memory_gb()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_memory_is_the_largest_peak_over_the_ranks(tmp_path: Path) -> None:
+    """A pipeline stage or expert group nearer its limit than rank 0 is the one a user must see."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_peak, args=(tmp_path,), nprocs=2)
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["7.0", "7.0"]

@@ -182,7 +182,7 @@ class StepLog:
         self.paused_seconds = 0.0
         n, self.last_step = step - self.last_step, step  # steps since the last line (or since a resume)
         row = {"step": step, **{k: v for k, v in metrics.items() if k != "updated"},
-               "lr": float(self.t.optimizer.param_groups[0]["lr"]), "mem_gb": torch.cuda.max_memory_allocated() / 1e9}
+               "lr": float(self.t.optimizer.param_groups[0]["lr"]), "mem_gb": peak_memory_gb()}
         if self.task.name != "grpo":  # its step is mostly generation: its own gen_ and prev_train_ rates say more
             attended = self.task.packed.fraction() if self.task.packed else 1.0  # packed: within each example
             flops_per_step = self.flops_per_token(attended) * self.tokens_per_step
@@ -207,6 +207,15 @@ class StepLog:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def peak_memory_gb() -> float:
+    """The largest peak of allocated GPU memory over the ranks (the stage or expert group nearest its limit, not
+    rank 0's), since the process started."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
 
 
 def evaluate(t: Trainer, task: Task, dataset: Any) -> dict[str, float]:
