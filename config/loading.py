@@ -33,7 +33,8 @@ def _schema_at(schema: type[BaseModel], path: list[str]) -> type[BaseModel] | No
     return schema
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def short_repr(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters with "..." where longer (values quoted in one-line errors)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -55,7 +56,7 @@ def _format_errors(err: ValidationError, schema: type[BaseModel], source: str,
             lines.append(f"unknown key {where!r}{_suggest(loc[-1], options)}")
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{where}: {msg} (got {_short(e.get('input'))})" if where else msg)
+            lines.append(f"{where}: {msg} (got {short_repr(e.get('input'))})" if where else msg)
     return ConfigError(f"{shown(source)}: " + "; ".join(lines))
 
 

@@ -60,7 +60,7 @@ def resolve_model(preset: str | None, hf_config: str | None, overrides: dict[str
             # (quantization_config: GPT-OSS's mxfp4, DeepSeek-V3's fp8) is for conversion, not for training
             if problems := config_problems({k: v for k, v in config.items() if k != "quantization_config"}):
                 raise ModelError(f"{where}: " + "; ".join(problems))
-        return resolve(preset, hf_config, overrides)
+        return resolve(preset, hf_config, overrides, config)
     except UnicodeDecodeError:
         raise ModelError(f"{where}: not UTF-8 text; name an HF model directory or its config.json") from None
     except json.JSONDecodeError as e:

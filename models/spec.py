@@ -213,8 +213,10 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def resolve(preset: str | None = None, hf_config: str | None = None, overrides: dict[str, Any] | None = None) -> ModelSpec:
-    """The model of an experiment: a preset or an HF config, then field overrides (e.g. num_layers)."""
+def resolve(preset: str | None = None, hf_config: str | None = None, overrides: dict[str, Any] | None = None,
+            config: Any = None) -> ModelSpec:
+    """The model of an experiment: a preset or an HF config, then field overrides (e.g. num_layers). `config`:
+    hf_config's config.json when the caller has parsed it already."""
     if (preset is None) == (hf_config is None):
         raise ModelError("give exactly one of model.preset or model.hf_config")
     if preset is not None:
@@ -229,7 +231,7 @@ def resolve(preset: str | None = None, hf_config: str | None = None, overrides: 
             )
         spec = PRESETS[preset]
     else:
-        spec = from_hf_config(load_hf_config(hf_config))
+        spec = from_hf_config(config if config is not None else load_hf_config(hf_config))
     if overrides:
         fields = spec.to_dict()
         unknown = sorted(set(overrides) - set(fields))

@@ -13,6 +13,13 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def collective_device() -> str:
+    """Where a collective's tensor lives: the GPU under NCCL, the CPU under gloo (tests, CPU tools)."""
+    import torch.distributed as dist
+
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def any_rank(flag: bool, group: Any = None) -> bool:
     """True on every rank (of `group`, default all) when `flag` is on any of them: one tiny all-reduce (the flag
     itself without a process group)."""
@@ -21,8 +28,7 @@ def any_rank(flag: bool, group: Any = None) -> bool:
     import torch
     import torch.distributed as dist
 
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    value = torch.tensor([1 if flag else 0], device=device, dtype=torch.int32)
+    value = torch.tensor([1 if flag else 0], device=collective_device(), dtype=torch.int32)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
 

@@ -55,10 +55,6 @@ class StopSignal:
         test on the dev cluster, 2026-12-02. TERM (scancel, preemption) keeps its handler."""
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
-    @property
-    def is_time_limit(self) -> bool:
-        return self.time_limit
-
 
 def restart_count() -> int:
     value = os.environ.get("SLURM_RESTART_COUNT", "0")
@@ -138,7 +134,7 @@ def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int) -
     also requeues a job that is being cancelled, and a preempted job is requeued by Slurm itself (the script asks
     for --requeue). A TERM after the time-limit warning is the time limit itself (the save outlasted the warning's
     lead): it requeues. The ranks decide together (all-reduces; a process without a group decides alone)."""
-    terminated = any_rank(stop.signum == signal.SIGTERM and not stop.is_time_limit)
+    terminated = any_rank(stop.signum == signal.SIGTERM and not stop.time_limit)
     if terminated:
         if rank == 0:
             log.warning("stopping at step %d on TERM (scancel or preemption): checkpoint saved, not requeueing", step)

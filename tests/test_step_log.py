@@ -15,6 +15,7 @@ from mcorekit.config.experiment import load_experiment
 from mcorekit.models.spec import PRESETS
 from mcorekit.train.flops import train_flops_per_token
 from mcorekit.train.loop import StepLog
+from mcorekit.train.tasks import TASKS
 
 
 class Clock:
@@ -36,7 +37,9 @@ def _log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task: str, *overrides:
     spec = PRESETS["llama-tiny"]
     t = SimpleNamespace(spec=spec, padded_vocab=256, model=[],
                         optimizer=SimpleNamespace(param_groups=[{"lr": 1e-4}]))
-    task_ = SimpleNamespace(name=task, rows_per_sample=1, packed=None)
+    kind = TASKS[task]
+    task_ = SimpleNamespace(name=task, rows_per_sample=1, packed=None, loop_rates=kind.loop_rates,
+                            perplexity=kind.perplexity)
     return StepLog(t, exp, tmp_path, 989.0, None, task_, start), clock  # type: ignore[arg-type]
 
 

@@ -6,7 +6,6 @@ with real gloo ranks (one in-process, two as processes); the model's per-token l
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,7 +32,9 @@ def _sft_micro_batches() -> list[dict[str, torch.Tensor]]:
 def test_sft_step_loss_is_the_mean_over_the_steps_response_tokens(model_parallel: None) -> None:
     batches = _sft_micro_batches()
     chunks = [iter(batches), iter(batches)]  # two virtual pipeline stages read the same micro-batches
-    step = SupervisedFineTuning.prepare_step(SimpleNamespace(packed=None), None, chunks, 2)  # type: ignore[arg-type]
+    task = SupervisedFineTuning.__new__(SupervisedFineTuning)  # the step alone: no experiment needed
+    task.packed = None
+    step = task.prepare_step(None, chunks, 2)  # type: ignore[arg-type]
     assert [list(c) for c in step] == [batches, batches] and next(chunks[1], None) is None
     assert float(batches[0]["token_share"]) == 11 / 2
     losses = [masked_mean(b["per_token"], b["loss_mask"], None, b["token_share"]) for b in batches]

@@ -229,7 +229,7 @@ def prune(root: Path, latest: Path, keep_last: int) -> threading.Thread | None:
     process ends only when it is done (a normal exit and train/shutdown.shut_down join it). Returns the thread."""
     newest = step_of(latest)
     older = [p for p in root.glob("iter_*") if newest is not None and (n := step_of(p)) is not None and n < newest]
-    complete = [p for p in complete_steps(root) if p in older]
+    complete = sorted((p for p in older if format_of(p) is not None), key=step_of)
     # the complete ones beyond keep_last, and what saves that never completed left; never one newer than `latest`
     superseded = complete[: max(0, len(complete) - (keep_last - 1))] + [p for p in older if p not in complete]
     doomed, mine = [], f".{os.getpid()}."
@@ -358,11 +358,11 @@ def _part(sd: dict[str, Any], part: str) -> dict[str, Any]:
     return {k: v for k, v in sd.items() if is_adapter_key(k) == (part == ADAPTERS)}
 
 
-def read(sharded: dict[str, Any], path: Path, **kwargs: Any) -> dict[str, Any]:
+def read(sharded: dict[str, Any], path: Path, metadata: Any = None, **kwargs: Any) -> dict[str, Any]:
     """Megatron-Core's dist_checkpointing.load of a torch_dist checkpoint, its records read ahead of the
     deserializing (train/checkpoint_reader.py). A record that cannot be read (a truncated or damaged file) is one
     error line on every rank: each rank reads its own part, and one that failed alone would leave the others
-    waiting in the next collective."""
+    waiting in the next collective. `metadata`: its checked .metadata when the caller has read it already."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -370,7 +370,7 @@ def read(sharded: dict[str, Any], path: Path, **kwargs: Any) -> dict[str, Any]:
     from mcorekit.train.checkpoint_reader import check_fit, checked_metadata, read_ahead
 
     # Megatron-Core's loader unpickles .metadata without restriction: nothing unsafe in it, and what it describes fits
-    check_fit(sharded, path, checked_metadata(path))
+    check_fit(sharded, path, metadata or checked_metadata(path))
     state, failed = None, ""
     try:
         with read_ahead():
@@ -434,12 +434,12 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
 
     from mcorekit.train.checkpoint_reader import checked_metadata
 
-    checked_metadata(path)  # every path below has DCP unpickle its .metadata
+    metadata = checked_metadata(path)  # every path below has DCP unpickle its .metadata
     fmt, fsdp = format_of(path), is_fsdp(chunks)
     if fmt == FSDP_DTENSOR and fsdp:
         return _load_fsdp(path, chunks, optimizer, scheduler)
     if fmt == FSDP_DTENSOR:
-        load_fsdp_weights(path, chunks)
+        load_fsdp_weights(path, chunks, metadata)
         optimizer.reload_model_params()
         info = fsdp_info(path)
         scheduler.load_state_dict(from_json(info["scheduler"]))
@@ -463,7 +463,7 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
                           f"or a converted `release`")
     model_sd = _model_state(chunks, part)
     sharded = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=SHARDING)}
-    state = read(sharded, path)
+    state = read(sharded, path, metadata)
     optimizer_state = state.pop("optimizer")
     _load_model(chunks, state, part)
     optimizer.load_state_dict(optimizer_state)
@@ -604,10 +604,11 @@ def _load_fsdp(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) ->
     return int(info["iteration"])
 
 
-def load_fsdp_weights(path: Path, chunks: list[Any]) -> None:
+def load_fsdp_weights(path: Path, chunks: list[Any], metadata: Any = None) -> None:
     """The weights of an fsdp_dtensor checkpoint into a model that is not Megatron-FSDP-wrapped (unwrapped, or in
     DDP): DCP reads each tensor whole by its global shape (fp32 main weights, cast on load), this rank takes its
-    TP/ETP slice. Same TP/ETP as saved (a SwiGLU fc1 is two halves per TP rank); PP=1; EP may differ."""
+    TP/ETP slice. Same TP/ETP as saved (a SwiGLU fc1 is two halves per TP rank); PP=1; EP may differ. `metadata`:
+    its checked .metadata when the caller has read it already."""
     import torch
     import torch.distributed.checkpoint as dcp
     from megatron.core import parallel_state as ps
@@ -625,7 +626,7 @@ def load_fsdp_weights(path: Path, chunks: list[Any]) -> None:
     names = fsdp_model_keys(list(own), model.config.num_moe_experts)
     from mcorekit.train.checkpoint_reader import checked_metadata
 
-    meta = checked_metadata(path).state_dict_metadata  # before DCP's reader unpickles it
+    meta = (metadata or checked_metadata(path)).state_dict_metadata  # before DCP's reader unpickles it
     reader = dcp.FileSystemReader(str(path))
     absent = [saved_key for saved_key in names.values() if f"model.{saved_key}" not in meta]
     if absent:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from mcorekit.config.cluster import gpu_peak_tflops
 from mcorekit.config.experiment import Experiment, layout_of
 from mcorekit.errors import MCoreKitError
-from mcorekit.runtime.ranks import any_rank
+from mcorekit.runtime.ranks import any_rank, collective_device
 from mcorekit.runtime.requeue import RestartGuard, StopSignal, stop_and_exit
 from mcorekit.train import checkpoint
 from mcorekit.train.build import Trainer, build, mtp_weights_check
@@ -153,7 +153,7 @@ class StepLog:
         self.experts = ExpertLoad(t.model, exp.parallel.sequence_parallel) if moe else None
         self.tokens_per_step = exp.schedule.global_batch_size * task.rows_per_sample * exp.data.seq_length
         self.timer, self.paused_seconds, self.skipped, self.last_step = time.perf_counter(), 0.0, 0, start_step
-        if dist.get_rank() == 0 and task.name != "grpo":
+        if dist.get_rank() == 0 and task.loop_rates:
             print(f"mcorekit.train: MFU against {peak_tflops:g} TFLOP/s per GPU (--peak-tflops, else the cluster "
                   f"profile's gpu_peak_tflops_bf16, else an H100's)", flush=True)
 
@@ -183,7 +183,7 @@ class StepLog:
         n, self.last_step = step - self.last_step, step  # steps since the last line (or since a resume)
         row = {"step": step, **{k: v for k, v in metrics.items() if k != "updated"},
                "lr": float(self.t.optimizer.param_groups[0]["lr"]), "mem_gb": peak_memory_gb()}
-        if self.task.name != "grpo":  # its step is mostly generation: its own gen_ and prev_train_ rates say more
+        if self.task.loop_rates:
             attended = self.task.packed.fraction() if self.task.packed else 1.0  # packed: within each example
             flops_per_step = self.flops_per_token(attended) * self.tokens_per_step
             tflops = flops_per_step * n / elapsed / dist.get_world_size() / 1e12
@@ -201,7 +201,7 @@ class StepLog:
         with self.paused():
             val = run()
         row = {"step": step, **{f"val_{k}": v for k, v in val.items()}}
-        if self.task.name in ("lm", "sft"):  # a perplexity of the next-token loss only (not of DPO's)
+        if self.task.perplexity:
             row["val_ppl"] = math.exp(min(val["loss"], 30.0))
         self.writer.write(step, self.exp.schedule.train_iters, row)
 
@@ -212,8 +212,7 @@ class StepLog:
 def peak_memory_gb() -> float:
     """The largest peak of allocated GPU memory over the ranks (the stage or expert group nearest its limit, not
     rank 0's), since the process started."""
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device=device)
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device=collective_device())
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return float(peak)
 

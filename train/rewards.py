@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from mcorekit.config.loading import short_repr
 from mcorekit.errors import ConfigError
 
 RewardFn = Callable[..., float]
@@ -172,8 +173,7 @@ class Rewards:
                 raise RewardError(f"reward {r.spec} raised {type(e).__name__} on prompt {_shown(prompt)}: "
                                   f"{_one_line(e)}") from None
             if not _finite(value):
-                returned = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-                raise RewardError(f"reward {r.spec} returned {returned} on prompt {_shown(prompt)}; a reward must "
-                                  f"return a finite float")
+                raise RewardError(f"reward {r.spec} returned {short_repr(value, 60)} on prompt {_shown(prompt)}; a "
+                                  f"reward must return a finite float")
             values.append(float(value))
         return sum(r.weight * v for r, v in zip(self.rewards, values)), values

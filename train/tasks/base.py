@@ -22,6 +22,8 @@ class Task:
     name = "task"
     metrics: tuple[str, ...] = ("loss",)  # the names its loss function reports, "loss" first
     rows_per_sample = 1  # sequences the model sees per sample of the batch sizes (DPO: 2, a chosen and a rejected)
+    loop_rates = True  # the loop's tokens/s and MFU mean something (not when a step is mostly generation: GRPO)
+    perplexity = False  # its loss is a next-token cross entropy, so exp(val loss) is a perplexity (lm, sft)
 
     def __init__(self, exp: Experiment, spec: ModelSpec, run_dir: Path) -> None:
         self.exp, self.spec, self.run_dir = exp, spec, run_dir
@@ -48,6 +50,14 @@ class Task:
         from the task's persistent ones. Most tasks use them as they are; DPO first runs its reference model over
         the step's micro-batches and attaches the reference log-probs."""
         return data
+
+    def read_counted_step(self, t: Trainer, data: list[Iterator[dict[str, Any]]],
+                          num_microbatches: int) -> list[dict[str, Any]]:
+        """read_step, and the packed rows of a training step counted for MFU (validation runs in eval mode)."""
+        step = read_step(data, num_microbatches)
+        if self.packed and t.model[0].training:
+            self.packed.count(step)
+        return step
 
 
 def read_step(data: list[Iterator[dict[str, Any]]], num_microbatches: int) -> list[dict[str, Any]]:
@@ -94,7 +104,9 @@ class PackedAttention:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        from mcorekit.runtime.ranks import collective_device
+
+        device = collective_device()
         totals = torch.stack([torch.as_tensor(self.squares, dtype=torch.float64, device=device),
                               torch.tensor(self.rows * self.seq_length**2, dtype=torch.float64, device=device)])
         dist.all_reduce(totals, group=ps.get_data_parallel_group())

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from mcorekit.errors import ConfigError
 from mcorekit.runtime.ranks import any_rank
 from mcorekit.train.data.preference import TOKEN_KEYS, collate, pair_batches
-from mcorekit.train.tasks.base import LossFunc, Task, read_step, step_share
+from mcorekit.train.tasks.base import LossFunc, Task, step_share
 from mcorekit.train.tasks.lm import next_token_losses
 
 if TYPE_CHECKING:
@@ -188,9 +188,7 @@ class DirectPreferenceOptimization(Task):
                 for name, data_set in sorted(self.datasets.items()):
                     self._precompute(t, name, data_set, num_microbatches)
                 self.reference.release()
-        step = read_step(data, num_microbatches)
-        if self.packed and t.model[0].training:  # training steps only (validation runs in eval mode)
-            self.packed.count(step)
+        step = self.read_counted_step(t, data, num_microbatches)
         if self.exp.dpo.reference == "live":
             for batch, logps in zip(step, self.reference.logps(step)):  # the last pipeline stage gets them
                 batch["ref_logps"] = logps

@@ -198,6 +198,7 @@ def rollout_row(prompt: list[int], completion: list[int], seq_length: int, pad_i
 
 class GroupRelativePolicyOptimization(Task):
     name = "grpo"
+    loop_rates = False  # a step is mostly generation: it logs its own gen_ and prev_train_ rates
 
     def __init__(self, exp: Experiment, spec: ModelSpec, run_dir: Path) -> None:
         super().__init__(exp, spec, run_dir)

@@ -12,6 +12,7 @@ from mcorekit.train.tasks.base import LossFunc, Task
 
 class LanguageModelling(Task):
     name = "lm"
+    perplexity = True
 
     def dataset(self, validation: bool = False) -> Any:
         from mcorekit.train.data import build_dataset

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator
 
-from mcorekit.train.tasks.base import read_step, step_share
+from mcorekit.train.tasks.base import step_share
 from mcorekit.train.tasks.lm import LanguageModelling
 
 if TYPE_CHECKING:
@@ -21,9 +21,7 @@ class SupervisedFineTuning(LanguageModelling):
 
     def prepare_step(self, t: Trainer, data: list[Iterator[dict[str, Any]]],
                      num_microbatches: int) -> list[Iterator[dict[str, Any]]]:
-        step = read_step(data, num_microbatches)
-        if self.packed and t.model[0].training:  # training steps only (validation runs in eval mode)
-            self.packed.count(step)
+        step = self.read_counted_step(t, data, num_microbatches)
         share = step_share([b["loss_mask"].sum() for b in step], step[0]["loss_mask"].device)
         for batch in step:
             batch["token_share"] = share
