@@ -27,6 +27,8 @@ defaults for the shape and --run):
            fused_single_qkv_rope): no split copies forward, no concatenation of the gradients backward
   ce-plain Megatron-Core's unfused cross entropy (PyTorch ops) instead of its native fused one, which
            torch.compile compiles at step 1
+  ce-te    TE's fused cross entropy (a Triton kernel; Megatron-Core's cross_entropy_fusion_impl="te") instead of
+           Megatron-Core's native fused one
   sync     (MoE) the dispatcher copies the tokens per expert to the host and waits for them in each MoE layer and
            micro-batch (Megatron-Core's own behaviour, which stops the host running ahead): the default before
            2026-12-01. It cannot be captured: use it with `eager`
@@ -50,8 +52,8 @@ from pathlib import Path
 from results import compile_env, compile_summary, finish, metrics_summary, run_training, startup_marks, timed
 from train_bench import SHAPES, hf_run, write_config
 
-LEVERS = {"base", "eager", "gaf", "no-gaf", "no-te-act", "te-ops", "qkv-rope", "ce-plain", "sync", "sort", "router",
-          "fp8-attn"}
+LEVERS = {"base", "eager", "gaf", "no-gaf", "no-te-act", "te-ops", "qkv-rope", "ce-plain", "ce-te", "sync", "sort",
+          "router", "fp8-attn"}
 FP8_ATTN_RUNS = ("fp8-delayed", "fp8-tensorwise", "fp8-mxfp8")  # Megatron-Core's block-scaling recipe has no fp8_dpa
 
 # Run in the training process before mcorekit.train's main: patches that switch a lever on (no config key yet), for
@@ -73,6 +75,8 @@ def kwargs(*args, **kw):
         out["fused_single_qkv_rope"] = True
     if "ce-plain" in levers:
         out["cross_entropy_loss_fusion"] = False
+    if "ce-te" in levers:
+        out["cross_entropy_fusion_impl"] = "te"
     if "fp8-attn" in levers:
         out["fp8_dot_product_attention"] = True
     return out

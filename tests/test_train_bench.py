@@ -94,7 +94,8 @@ kw = margs.transformer_kwargs(exp, spec, use_te=True)
 config = margs.transformer_config(exp, spec, use_te=True, fusions=False)
 got = mm.layer_spec(spec, use_te=True)
 print("RESULT " + json.dumps({k: kw.get(k) for k in ("gradient_accumulation_fusion", "use_te_activation_func",
-      "bias_activation_fusion", "cross_entropy_loss_fusion", "fp8_dot_product_attention", "fused_single_qkv_rope")}
+      "bias_activation_fusion", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "fp8_dot_product_attention",
+      "fused_single_qkv_rope")}
       | {"activation": getattr(got.submodules.mlp.keywords["submodules"].activation_func, "__name__", None),
          "spec_kwargs": calls[0],
          "restored": gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec is recorder}))
@@ -103,8 +104,9 @@ print("RESULT " + json.dumps({k: kw.get(k) for k in ("gradient_accumulation_fusi
 
 @pytest.mark.parametrize("lever, expected", [
     ("base", {"gradient_accumulation_fusion": True, "use_te_activation_func": True, "bias_activation_fusion": False,
-              "cross_entropy_loss_fusion": True, "fp8_dot_product_attention": None, "fused_single_qkv_rope": None,
-              "spec_kwargs": {}}),
+              "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native",
+              "fp8_dot_product_attention": None, "fused_single_qkv_rope": None, "spec_kwargs": {}}),
+    ("ce-te", {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te", "spec_kwargs": {}}),
     ("fp8-attn", {"gradient_accumulation_fusion": True, "fp8_dot_product_attention": True, "spec_kwargs": {}}),
     ("no-gaf+no-te-act+ce-plain", {"gradient_accumulation_fusion": False, "use_te_activation_func": False,
                                    "bias_activation_fusion": True, "cross_entropy_loss_fusion": False,
