@@ -4,9 +4,11 @@ On CPU with one gloo rank; the checkpoints are written by the Saver's writer (te
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -185,3 +187,144 @@ def test_a_damaged_record_is_one_line_on_a_resume(model_parallel: None, tmp_path
         checkpoint.read(_zeroed(), tmp_path / "iter_0000005")
     assert "\n" not in str(e.value)
     assert not _readers()
+
+
+# ------------------------------------------------------- the records of a checkpoint from elsewhere (checked_records)
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "megatron-written-torch_dist.tgz"
+
+
+def _with_record(path: Path, data: Any) -> Path:
+    """A checkpoint written by the Saver's writer with one more bytes record, `data` (pickled as torch.save does)."""
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    state = _state()
+    state["layer._extra_state"] = ShardedObject("layer._extra_state", data, (1,), (0,), replica_id=0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _save(path, ours=True, state=state)
+    return path
+
+
+def _te_recipe_module() -> Any:
+    """A stand-in for TE's recipe module (TE is not installed on this machine): a dataclass and an enum under
+    transformer_engine.common.recipe, as TE's DelayedScaling and Format are."""
+    import dataclasses
+    import enum
+    import sys
+    import types
+
+    name = "transformer_engine.common.recipe"
+    if name in sys.modules:
+        return sys.modules[name]
+    for parent in ("transformer_engine", "transformer_engine.common"):
+        sys.modules.setdefault(parent, types.ModuleType(parent))
+    mod = types.ModuleType(name)
+
+    class Format(enum.Enum):
+        E4M3, HYBRID = "e4m3", "hybrid"
+
+    @dataclasses.dataclass
+    class DelayedScaling:
+        margin: int = 0
+        fp8_format: Format = Format.HYBRID
+        amax_history_len: int = 1024
+
+    for cls in (Format, DelayedScaling):
+        cls.__module__, cls.__qualname__ = name, cls.__name__
+        setattr(mod, cls.__name__, cls)
+    sys.modules[name] = mod
+    return mod
+
+
+def _te_extra_state(payload: dict) -> list:
+    """TE's extra state as Megatron-Core saves it: a list holding a uint8 tensor of a plain pickle."""
+    import pickle
+
+    return [torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)]
+
+
+def test_records_of_checkpoints_megatron_and_we_write_pass(model_parallel: None, tmp_path: Path) -> None:
+    """What real checkpoints hold passes: Megatron-Core's own (the shared fixtures: TE's empty extra states, the
+    common state), the Saver's, an FP8 extra state of TE's shape (tensors, the recipe's dataclass and enum), a
+    Megatron-LM `args` namespace with a Megatron-Core enum and numpy's RNG state."""
+    import argparse
+    import tarfile
+
+    import numpy as np
+    from megatron.core.enums import ModelType
+
+    from mcorekit.train.checkpoint_reader import checked_records
+
+    recipe = _te_recipe_module()
+    paths = [_with_record(tmp_path / "fp8", _te_extra_state({
+        "recipe": recipe.DelayedScaling(), "scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(16, 3),
+        "extra_fp8_variables": {"num_gemms": 3, "names": ["a", 1.5], "t": (1,)}})),
+        _with_record(tmp_path / "args", {"args": argparse.Namespace(model_type=ModelType.encoder_or_decoder,
+                                                                    params_dtype=torch.bfloat16),
+                                         "rng": np.random.get_state(), "buffer": io.BytesIO(b"x")})]
+    if FIXTURES.is_file():
+        with tarfile.open(FIXTURES) as tar:
+            tar.extractall(tmp_path / "fixtures", filter="data")
+        paths += sorted((tmp_path / "fixtures").glob("*/mcore/iter_*"))
+    for path in paths:
+        checked_records(path, checkpoint_reader.checked_metadata(path))
+    assert len(paths) == 2 + 5 * FIXTURES.is_file()
+
+
+@pytest.mark.parametrize("where", ["record", "extra state", "extra state's tensor"])
+def test_a_record_that_would_run_code_is_refused_before_any_loader_reads_it(
+        model_parallel: None, tmp_path: Path, where: str) -> None:
+    """A crafted bytes record (torch's and Megatron-Core's loaders unpickle them without restriction) or TE extra
+    state (TE unpickles it with pickle.loads; a tensor inside it unpickles its storage with torch.load unrestricted):
+    a run whose checkpoint.load names such a checkpoint stops at its start with one line naming the call, before
+    build or any loader, and nothing of it runs."""
+    import pickle
+
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint
+
+    _te_recipe_module()
+    marker = tmp_path / "MARKER"
+
+    class EvilStorageTensor:  # a tensor whose storage bytes are a pickle that calls os.system
+        def __reduce__(self) -> tuple:
+            return torch._utils._rebuild_tensor_v2, (_evil_storage(marker), 0, (1,), (1,), False, {})
+
+    data = {"record": lambda: [Evil(marker)],
+            "extra state": lambda: _te_extra_state({"recipe": Evil(marker)}),
+            "extra state's tensor": lambda: [torch.frombuffer(bytearray(pickle.dumps(
+                {"scale_fwd": EvilStorageTensor()})), dtype=torch.uint8)]}[where]()
+    iter_dir = _with_record(tmp_path / "base" / "iter_0000003", data)
+    (tmp_path / "base" / "latest_checkpointed_iteration.txt").write_text("3")
+    exp = SimpleNamespace(checkpoint=SimpleNamespace(load=str(tmp_path / "base")), peft=SimpleNamespace(lora=None))
+    with pytest.raises(ConfigError, match=rf"^checkpoint {iter_dir}: record layer._extra_state.* asks to run "
+                                          rf"posix.system when it is unpickled: refusing to load it .*mcorekit convert"):
+        checkpoint.checked_sources(exp)
+    assert not marker.exists()
+    if where == "record":  # what the check stops: Megatron-Core's own load of the record runs the call
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing import ShardedObject
+
+        state = _zeroed()
+        state["layer._extra_state"] = ShardedObject("layer._extra_state", None, (1,), (0,), replica_id=0)
+        dist_checkpointing.load(state, str(iter_dir))
+        assert marker.exists()
+
+
+class _EvilStorage:
+    """Pickles as a tensor storage whose bytes are a pickle that calls os.system (the function that unpickles a
+    storage is the one torch.storage names at pickling time: Megatron-Core's weights-only one once it is imported)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        import torch.storage
+
+        payload = io.BytesIO()
+        torch.save(Evil(self.marker), payload)
+        return torch.storage._load_from_bytes, (payload.getvalue(),)
+
+
+def _evil_storage(marker: Path) -> _EvilStorage:
+    return _EvilStorage(marker)

@@ -386,6 +386,20 @@ def read(sharded: dict[str, Any], path: Path, metadata: Any = None, **kwargs: An
     return state
 
 
+def checked_sources(exp: Any) -> None:
+    """The checkpoints a run reads from elsewhere at each start, checked before any loader unpickles their records
+    (checkpoint_reader.checked_records): checkpoint.load as its latest iteration (a base to fine-tune or to
+    continue, a LoRA base, a DPO reference) and peft.lora.load's adapters. One that is gone is left to the code
+    that would read it."""
+    from mcorekit.train.checkpoint_reader import checked_metadata, checked_records
+
+    lora = exp.peft.lora
+    sources = [Path(p) for p in (exp.checkpoint.load, lora.load if lora else None) if p]
+    for path in (latest(p) or p for p in sources):
+        if (path / ".metadata").is_file():
+            checked_records(path, checked_metadata(path))
+
+
 def load_base(path: Path, chunks: list[Any]) -> None:
     """A LoRA run's frozen base model from a full checkpoint (a converted `release`, or a run's iteration), every
     start; no optimizer state (the base has none)."""

@@ -17,6 +17,7 @@ import io
 import os
 import pickle
 import queue
+import re
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -183,13 +184,91 @@ def load_metadata(file: Path, error: type[Exception] = ConfigError) -> Metadata:
     return metadata
 
 
+# The name of what a refused pickle asked for, in torch's weights-only error and Megatron-Core's SafeUnpickler's
+REFUSED_NAME = re.compile(r"(?:GLOBAL |class ')([\w.]+)")
+
+
+class UnsafeRecord(Exception):
+    """A record whose unpickling would call something that is not data."""
+
+
+def _refused(e: pickle.UnpicklingError) -> UnsafeRecord | None:
+    named = REFUSED_NAME.search(str(e))
+    return UnsafeRecord(named.group(1)) if named else None  # None: damaged, not unsafe
+
+
+def _weights_only(data: bytes) -> Any:
+    """A record deserialized by torch's weights-only unpickler, with what Megatron-Core registers as safe when it is
+    imported (its enums and args namespace, numpy's RNG arrays, BytesIO: megatron.core.safe_globals)."""
+    import megatron.core  # noqa: F401 - registers them, and makes torch's storage unpickling weights-only too
+
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise _refused(e) or e from None
+
+
+def _check_extra_state(state: torch.Tensor) -> None:
+    """TE's extra state: a uint8 tensor holding a plain pickle (FP8 scales and amax histories, the recipe), which TE's
+    set_extra_state unpickles with pickle.loads. Unpickled here by Megatron-Core's SafeUnpickler, the restricted
+    unpickler it uses for the same states of its grouped experts."""
+    from megatron.core.safe_globals import SafeUnpickler
+
+    try:
+        SafeUnpickler(io.BytesIO(state.numpy().tobytes())).load()
+    except pickle.UnpicklingError as e:
+        raise _refused(e) or e from None
+
+
+def _extra_states(obj: Any) -> Iterator[torch.Tensor]:
+    """The non-empty uint8 tensors in a record (Megatron-Core wraps an extra state in a list)."""
+    if isinstance(obj, torch.Tensor) and obj.dtype == torch.uint8 and obj.numel():
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _extra_states(item)
+
+
+def checked_records(iter_dir: Path, metadata: Metadata) -> None:
+    """Every bytes record of a checkpoint from elsewhere (checkpoint.load: a base to fine-tune, a DPO reference, a
+    LoRA base), deserialized here by restricted unpicklers before any loader reads it: torch's and Megatron-Core's
+    loaders unpickle these records without restriction, and TE unpickles its extra states itself, so a crafted
+    record would run its code there. A record that names anything but data is one error line and nothing of it
+    runs; what passes here is what the loaders then unpickle, byte for byte. The run's own checkpoints, which it
+    wrote itself, are not read twice."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    records = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in records:
+            continue
+        where = f"checkpoint {iter_dir}: record {index.fqn}"
+        if info.transform_descriptors:
+            raise ConfigError(f"{where} is stored transformed ({', '.join(info.transform_descriptors)}), which "
+                              f"mcorekit cannot check before a loader unpickles it; convert it with `mcorekit "
+                              f"convert` instead")
+        try:
+            with open(iter_dir / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            for state in _extra_states(_weights_only(data)):
+                _check_extra_state(state)
+        except UnsafeRecord as e:
+            raise ConfigError(f"{where} asks to run {e} when it is unpickled: refusing to load it (a checkpoint "
+                              f"from an untrusted source goes through `mcorekit convert`, which runs nothing of it)"
+                              ) from None
+        except OSError as e:
+            raise ConfigError(f"{where} cannot be read ({e.strerror or e})") from None
+        except Exception as e:  # noqa: BLE001 - unpickling damaged bytes can raise anything
+            first = str(e).strip().splitlines()
+            raise ConfigError(f"{where} is not readable ({type(e).__name__}: {first[0] if first else ''}): a "
+                              f"damaged or incomplete checkpoint") from None
+
+
 def checked_metadata(iter_dir: Path) -> Metadata:
     """A checkpoint's DCP metadata (torch_dist or fsdp_dtensor), read by load_metadata: run before torch's or
     Megatron-Core's loaders read the checkpoint, which unpickle `.metadata` without restriction, so a crafted one
-    is one error line and nothing in it runs. The bytes records are not checked here: Megatron-LM's hold `args` and
-    numpy RNG states (which weights_only refuses, while Megatron-Core reads them), and TE's extra states hold pickles
-    inside tensors, which TE unpickles itself; a checkpoint from an untrusted source is still to be converted
-    (`mcorekit convert`, which reads every record safely) rather than loaded."""
+    is one error line and nothing in it runs. Its bytes records: checked_records, for checkpoints from elsewhere."""
     return load_metadata(iter_dir / ".metadata")
 
 
