@@ -137,6 +137,22 @@ def job_record(job_id: str) -> JobRecord | None:
     return ended or live
 
 
+def work_dir(job_id: str) -> str | None:
+    """The directory job `job_id` ran in (sbatch's working directory, where it was submitted from) as accounting or,
+    for a recent job, the controller recorded it; None when neither answers with one."""
+    for cmd in (["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "WorkDir"], ["scontrol", "-o", "show", "job", job_id]):
+        if shutil.which(cmd[0]) is None:
+            continue
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            continue
+        for line in proc.stdout.splitlines():
+            found = line.strip() if cmd[0] == "sacct" else next(iter(re.findall(r"\bWorkDir=(\S+)", line)), "")
+            if found.startswith("/"):
+                return found
+    return None
+
+
 def wait_final(job_id: str, timeout_s: float = 300, poll_s: float = 1.0) -> JobRecord:
     """Poll sacct until the job reaches a final state (accounting can lag the job by a second or two)."""
     deadline = time.monotonic() + timeout_s

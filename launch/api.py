@@ -20,7 +20,7 @@ from mcorekit.config.experiment import Experiment, load_experiment
 from mcorekit.config.loading import dump, parse_value
 from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError
-from mcorekit.hub import is_hub_id
+from mcorekit.hub import HUB_ID_RE, is_hub_id
 from mcorekit.launch.plan import check
 from mcorekit.launch.submit import (REGISTRY, Built, JobSpec, build, check_writable, cli_command,
                                     literal_env_warnings, record, removed_on_error, scancel, submit_built, submit_one,
@@ -37,12 +37,21 @@ class Prepared:
     model: ModelSpec
     spec: JobSpec
     warnings: list[str] = field(default_factory=list)
+    # a resumed folder whose config.yaml held relative paths: the job reads it, so the submission rewrites it
+    config_resolved: bool = False
 
     def save(self) -> None:
         """Write the resolved experiment and profile into the run directory, next to logs/."""
         self.spec.run_dir.mkdir(parents=True, exist_ok=True)
         (self.spec.run_dir / "config.yaml").write_text(dump(self.experiment))
         (self.spec.run_dir / "cluster.yaml").write_text(dump(self.profile))
+
+    def save_config(self) -> None:
+        """Rewrite config.yaml with the resolved experiment, whole or not at all (it is the run's only copy)."""
+        path = self.spec.run_dir / "config.yaml"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(dump(self.experiment))
+        os.replace(tmp, path)
 
     def job(self) -> Built:
         """The training job (built when asked: a caller may still adjust the profile)."""
@@ -65,17 +74,22 @@ PATH_FIELDS = ("checkpoint.dir", "checkpoint.load", "peft.lora.load", "data.path
 MODEL_DIR_FIELDS = ("model.hf_config", "data.tokenizer")  # there `org/name` with no such folder is a Hub model ID
 
 
-def absolute(path: str, what: str) -> str:
-    """`path` absolute against the current directory, `~` expanded (symbolic links kept as named)."""
+def absolute(path: str, what: str, base: str | None = None) -> str:
+    """`path` absolute against `base` (default: the current directory), `~` expanded (symbolic links kept as named)."""
     expanded = os.path.expanduser(path)
     if expanded.startswith("~"):
         raise ConfigError(f"{what} {shown(path)}: a path starts with ~ and a user name this machine does not know")
-    return os.path.abspath(expanded)
+    return os.path.normpath(os.path.join(base, expanded)) if base else os.path.abspath(expanded)
 
 
-def absolute_paths(exp: Experiment) -> Experiment:
-    """The experiment with every path field absolute (PATH_FIELDS, MODEL_DIR_FIELDS unless a Hub model ID, and
-    reward functions given as path/to/file.py:function)."""
+def _hub_id(value: str, base: str | None) -> bool:
+    """is_hub_id, with the local folder that would win looked for in `base` (default: the current directory)."""
+    return is_hub_id(value) if base is None else bool(HUB_ID_RE.fullmatch(value)) and not Path(base, value).exists()
+
+
+def _each_path(exp: Experiment, change: Callable[[str, str], str], hub_id: Callable[[str], bool]) -> Experiment:
+    """The experiment with change(value, field) applied to every path: PATH_FIELDS, MODEL_DIR_FIELDS unless hub_id
+    says a Hub model ID, and reward functions given as path/to/file.py:function."""
     data = exp.model_dump()
     for key in PATH_FIELDS + MODEL_DIR_FIELDS:
         *parents, last = key.split(".")
@@ -84,14 +98,33 @@ def absolute_paths(exp: Experiment) -> Experiment:
             node = node.get(part) or {}  # peft.lora unset
         value = node.get(last)
         if isinstance(value, list):
-            node[last] = [absolute(v, key) for v in value]
-        elif value is not None and not (key in MODEL_DIR_FIELDS and is_hub_id(value)):
-            node[last] = absolute(value, key)
+            node[last] = [change(v, key) for v in value]
+        elif value is not None and not (key in MODEL_DIR_FIELDS and hub_id(value)):
+            node[last] = change(value, key)
     for reward in data["grpo"]["rewards"]:
         where, _, name = reward["function"].rpartition(":")
         if where.endswith(".py") or "/" in where:  # as train/rewards.py tells a file from a module
-            reward["function"] = f"{absolute(where, 'grpo.rewards function')}:{name}"
+            reward["function"] = f"{change(where, 'grpo.rewards function')}:{name}"
     return Experiment.model_validate(data)
+
+
+def absolute_paths(exp: Experiment, base: str | None = None) -> Experiment:
+    """The experiment with every path field absolute against `base` (default: the current directory)."""
+    return _each_path(exp, lambda value, key: absolute(value, key, base), lambda value: _hub_id(value, base))
+
+
+def relative_paths(exp: Experiment) -> list[str]:
+    """"field 'path'" for each path the experiment holds relative; `org/name` in a model field counts as a Hub model
+    ID (by its shape: which folder would make it a path is what is not known yet)."""
+    found: list[str] = []
+
+    def note(value: str, key: str) -> str:
+        if not (value.startswith("~") or os.path.isabs(value)):
+            found.append(f"{key} {value!r}")
+        return value
+
+    _each_path(exp, note, lambda value: bool(HUB_ID_RE.fullmatch(value)))
+    return found
 
 
 def prepare(experiment: Experiment, profile: ClusterProfile, run_dir: Path | None = None) -> Prepared:
@@ -216,19 +249,32 @@ def resume(run_dir: str | Path) -> tuple[Prepared, Path]:
     profile = load_profile(folder / "cluster.yaml")
     root = _registry_root(folder)
     profile = profile.model_copy(update={"run_root": str(root)})
+    relative, base, job = relative_paths(experiment), None, None
+    if relative:  # a folder from before paths were made absolute at launch: read them where that launch would have
+        base, job = launch_dir(folder, root)
+        if base is None:
+            why = (f"Slurm no longer knows the directory its job {job} was launched from" if job else
+                   f"{root / REGISTRY} lists no job of it to ask Slurm where it was launched from")
+            raise ConfigError(f"--resume {shown(run_dir)}: {folder / 'config.yaml'} holds relative paths "
+                              f"({', '.join(relative)}) from a launcher that did not make them absolute, and {why}, "
+                              f"which they were read against; make them absolute in that file, then resume again")
+        experiment = absolute_paths(experiment, base)
     try:
-        return prepare(experiment, profile, run_dir=folder), root
+        p = prepare(experiment, profile, run_dir=folder)
     except (LayoutError, ModelError) as e:
         raise _naming(folder / "config.yaml", e) from None
+    if relative:
+        p.config_resolved = True
+        p.warnings.append(f"{folder / 'config.yaml'}: its relative paths ({', '.join(relative)}) are read against "
+                          f"{base}, where job {job} was launched (Slurm's WorkDir); the submission "
+                          f"rewrites config.yaml with them absolute")
+    return p, root
 
 
-def still_running(run_dir: Path, root: Path) -> list[str]:
-    """'123 RUNNING' for each job of the registry in this run folder that has not ended: a second job would write
-    the same checkpoints. A chain records each stage in its own folder inside the run folder (<run>/<name>-train):
-    those count too (the later stages read the checkpoints)."""
+def _jobs_of(run_dir: Path, root: Path) -> list[str]:
+    """The registry's job ids for this run folder, in submission order: its own, a sweep point's array task, and a
+    chain's stages (each in its own folder inside the run folder)."""
     import json
-
-    from mcorekit.launch.accounting import job_record
 
     ids = []
     registry = root / REGISTRY
@@ -241,7 +287,25 @@ def still_running(run_dir: Path, root: Path) -> list[str]:
             continue
         if str(run_dir) in (entry["run_dir"], entry.get("point_dir"), str(Path(entry["run_dir"]).parent)):
             ids.append(str(entry.get("job_id")))
-    records = [job_record(jid) for jid in ids]  # squeue first: accounting lags a just-submitted job
+    return ids
+
+
+def launch_dir(run_dir: Path, root: Path) -> tuple[str | None, str | None]:
+    """The directory the folder's first job was launched from, as Slurm recorded it (sbatch runs a job where it was
+    called, so an older launcher's relative paths were read there), and that job's id; None for what is not known."""
+    from mcorekit.launch.accounting import work_dir
+
+    ids = _jobs_of(run_dir, root)
+    return (work_dir(ids[0]), ids[0]) if ids else (None, None)
+
+
+def still_running(run_dir: Path, root: Path) -> list[str]:
+    """'123 RUNNING' for each job of the registry in this run folder that has not ended: a second job would write
+    the same checkpoints. A chain records each stage in its own folder inside the run folder (<run>/<name>-train):
+    those count too (the later stages read the checkpoints)."""
+    from mcorekit.launch.accounting import job_record
+
+    records = [job_record(jid) for jid in _jobs_of(run_dir, root)]  # squeue first: accounting lags a just-submitted job
     return [f"{r.job_id} {r.state}" for r in records if r is not None and not r.final]
 
 
@@ -256,7 +320,8 @@ def submit_resumed(p: Prepared, root: Path, payload: Callable[[], Any] | None = 
     if payload is None:
         require_gpus(p.profile)
     refuse_if_running(p, root)
-    return submit_one(p.job(), payload or training_payload(p.spec.run_dir), kind, run_root=root)
+    return submit_one(p.job(), payload or training_payload(p.spec.run_dir), kind,
+                      save=p.save_config if p.config_resolved else None, run_root=root)
 
 
 def smoke_job(profile: ClusterProfile, nodes: int) -> Built:

@@ -59,7 +59,7 @@ class JobSpec:
     array_parallelism: int | None = None
     gpus_per_node: int | None = None  # default: the profile's; 0 runs a CPU job on a GPU cluster
     tasks_per_node: int | None = None  # default: one per GPU (a single-process GPU tool such as trtllm-build sets 1)
-    max_restarts: int = 3  # requeues after a time limit or preemption (submitit's max_num_timeout)
+    max_restarts: int = 3  # the job's own requeues on the time limit (runtime/requeue; submitit's max_num_timeout)
     env: dict[str, str] = field(default_factory=dict)
     # an array's tasks whose environment differs (a sweep point with parallel.fsdp): task index -> what it adds to env
     task_env: dict[int, dict[str, str]] = field(default_factory=dict)

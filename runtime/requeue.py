@@ -6,7 +6,7 @@ only sets a flag; the loop polls `StopSignal.requested()` between steps (all ran
 all-reduce), saves collectively, and then (`stop_and_exit`) rank 0 asks Slurm to requeue the job on the time-limit
 warning, while TERM (scancel, preemption) only stops: Slurm requeues a preempted job itself. On every start the
 payload finds its latest complete checkpoint by itself (nothing is pickled), and `RestartGuard` stops a job that keeps
-requeueing itself without progress or restarts past its cap.
+requeueing itself without progress or past its cap.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from mcorekit.errors import MCoreKitError
-from mcorekit.runtime.ranks import any_rank
+from mcorekit.runtime.ranks import any_rank, rank_zero_choice
 
 log = logging.getLogger("mcorekit.requeue")
 
@@ -65,9 +65,13 @@ def restart_count() -> int:
 
 @dataclass
 class RestartGuard:
-    """Refuses to loop: caps restarts and stops a restart that finds no progress since the previous start, when that
-    start requeued the job itself (restarts.json marks it: `requeued_at_step`). A restart Slurm made (preemption,
-    node failure) may find no progress, having been stopped before its first save, and goes on."""
+    """Refuses to loop: caps the job's own requeues and stops a restart that finds no progress since the previous
+    start, when that start requeued the job itself (restarts.json marks it: `requeued_at_step`).
+
+    A restart Slurm made (node failure, preemption, an admin's `scontrol requeue`) counts toward neither: the job did
+    not ask for it, so it spends none of resources.max_restarts (SLURM_RESTART_COUNT counts it, hence not that), and
+    it may find no progress, having been stopped before its first save. The cap is per job: `launch --resume`
+    submits a new job, with a budget of its own."""
 
     run_dir: Path
     max_restarts: int
@@ -80,10 +84,11 @@ class RestartGuard:
         """Call once at start (rank 0) with the step the job resumes from; raises MCoreKitError to stop for good."""
         restarts = restart_count()
         history = self._history()
-        if restarts > self.max_restarts:
+        own = self._own_requeues(history)
+        if own > self.max_restarts:  # allow_requeue stops at the cap: only a max_restarts lowered since gets here
             raise MCoreKitError(
-                f"restart {restarts} exceeds resources.max_restarts={self.max_restarts}; not resuming "
-                f"(raise resources.max_restarts or resources.time)"
+                f"restart {restarts}: the job has requeued itself {own} times, more than resources.max_restarts="
+                f"{self.max_restarts}; not resuming (raise resources.max_restarts or resources.time)"
             )
         last = history[-1] if history else None
         if (restarts > 0 and last and "requeued_at_step" in last and last["start_step"] == start_step
@@ -113,14 +118,24 @@ class RestartGuard:
 
     def record_requeue(self, step: int) -> None:
         """Rank 0, just before it requeues the job itself: marks this start as one that asked for its restart."""
-        history, restarts = self._history(), restart_count()
-        if not (history and history[-1]["restart"] == restarts):  # check() was not called at this start
-            history.append({"restart": restarts, "start_step": step, "job_id": os.environ.get("SLURM_JOB_ID")})
+        history, restarts, job = self._history(), restart_count(), os.environ.get("SLURM_JOB_ID")
+        if not (history and history[-1]["restart"] == restarts and history[-1].get("job_id") == job):
+            history.append({"restart": restarts, "start_step": step, "job_id": job})  # check() was not called
         history[-1]["requeued_at_step"] = step
         _write_atomic(self.path, json.dumps(history, indent=1))
 
+    @staticmethod
+    def _own_requeues(history: list[dict[str, Any]]) -> int:
+        """How often this job (SLURM_JOB_ID, kept across requeues) requeued itself: its marked starts."""
+        job = os.environ.get("SLURM_JOB_ID")
+        return sum(1 for h in history if job is not None and h.get("job_id") == job and "requeued_at_step" in h)
+
+    def own_requeues(self) -> int:
+        return self._own_requeues(self._history())
+
     def allow_requeue(self) -> bool:
-        return restart_count() < self.max_restarts
+        """Whether the time-limit warning may requeue the job once more: its own requeues so far below the cap."""
+        return self.own_requeues() < self.max_restarts
 
 
 # A stop on TERM exits as a process killed by TERM would (128 + 15): the job stopped before its work was done.
@@ -139,12 +154,19 @@ def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int) -
         if rank == 0:
             log.warning("stopping at step %d on TERM (scancel or preemption): checkpoint saved, not requeueing", step)
         _exit(TERMINATED_EXIT)
-    if not guard.allow_requeue():
+    try:  # restarts.json, on a file system the nodes may see differently: rank 0 reads it for every rank
+        own = rank_zero_choice(guard.own_requeues)
+    except (MCoreKitError, OSError) as e:
         if rank == 0:
-            log.error("time limit near at step %d: checkpoint saved; not requeueing: this is restart %d of "
-                      "resources.max_restarts=%d; `mcorekit launch --resume %s` continues from this checkpoint "
-                      "(raise resources.time or max_restarts for fewer, longer jobs)", step, restart_count(),
-                      guard.max_restarts, guard.run_dir)
+            log.error("%s; the checkpoint of step %d is saved: `mcorekit launch --resume %s` continues from it",
+                      e, step, guard.run_dir)
+        _exit(1)
+    if own >= guard.max_restarts:
+        if rank == 0:
+            log.error("time limit near at step %d: checkpoint saved; not requeueing: the job has requeued itself %d "
+                      "times, resources.max_restarts=%d (restarts Slurm made are not counted); `mcorekit launch "
+                      "--resume %s` continues from this checkpoint (raise resources.time or max_restarts for fewer, "
+                      "longer jobs)", step, own, guard.max_restarts, guard.run_dir)
         _exit(1)
     failed = None
     if rank == 0:

@@ -4,6 +4,7 @@ and the requeue survives a busy controller. (Cancel and time-limit requeue on th
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -32,15 +33,22 @@ if [ "$n" -le {failures} ]; then echo "slurm_requeue error: Socket timed out on 
 
 
 def run_until_signalled(tmp_path: Path, sig: int | tuple[int, ...], restart: int, max_restarts: int,
-                        failures: int = 0) -> tuple[int, str, list[str]]:
-    """CountingJob as job 4242 at SLURM_RESTART_COUNT=restart: it steps, gets `sig` (or those signals, in order),
-    saves; its exit code, stderr and the scontrol calls it made."""
+                        failures: int = 0, own_requeues: int = 0) -> tuple[int, str, list[str]]:
+    """CountingJob as job 4242 at SLURM_RESTART_COUNT=restart, after `own_requeues` starts of it that requeued
+    themselves on the time limit (restarts.json, a checkpoint at step 10 each): it steps, gets `sig` (or those
+    signals, in order), saves; its exit code, stderr and the scontrol calls it made."""
     calls = fake_scontrol(tmp_path / "bin", failures)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PATH=f"{tmp_path / 'bin'}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_RESTART_COUNT=str(restart),
                MCOREKIT_REQUEUE_BACKOFF_S="0.1")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    if own_requeues:
+        history = [{"restart": i, "start_step": 10 * i, "job_id": "4242", "requeued_at_step": 10 * (i + 1)}
+                   for i in range(own_requeues)]
+        (run_dir / "restarts.json").write_text(json.dumps(history))
+        (run_dir / "ckpt").mkdir()
+        (run_dir / "ckpt" / "latest").write_text(str(10 * own_requeues))
     proc = subprocess.Popen([sys.executable, "-c", RUN, str(run_dir), str(max_restarts)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
@@ -74,11 +82,22 @@ def test_term_alone_stops_without_requeueing(tmp_path: Path) -> None:
 
 def test_at_the_restart_cap_the_job_saves_and_stops_without_requeueing(tmp_path: Path) -> None:
     """It requeued itself and only the next start refused: a whole queue wait for nothing."""
-    code, err, calls = run_until_signalled(tmp_path, signal.SIGUSR2, restart=3, max_restarts=3)
+    code, err, calls = run_until_signalled(tmp_path, signal.SIGUSR2, restart=3, max_restarts=3, own_requeues=3)
     assert calls == [] and code == STOPPED
-    assert "not requeueing: this is restart 3 of resources.max_restarts=3" in err, err
+    assert "not requeueing: the job has requeued itself 3 times, resources.max_restarts=3" in err, err
     assert "mcorekit launch --resume" in err
-    assert (tmp_path / "run" / "ckpt" / "latest").is_file()
+    assert int((tmp_path / "run" / "ckpt" / "latest").read_text()) > 30
+
+
+def test_restarts_slurm_made_leave_the_restart_budget_alone(tmp_path: Path) -> None:
+    """Restart 3 after one requeue of its own and two Slurm made (node failures, an admin's `scontrol requeue`,
+    preemption): the cap counts the job's own requeues, 1 of 3, so the time limit requeues it. It counted
+    SLURM_RESTART_COUNT, and stopped a run whose budget the cluster had spent."""
+    code, err, calls = run_until_signalled(tmp_path, signal.SIGUSR2, restart=3, max_restarts=3, own_requeues=1)
+    assert calls == ["requeue 4242"] and code == REQUEUED, err
+    history = json.loads((tmp_path / "run" / "restarts.json").read_text())
+    assert [h.get("requeued_at_step") is not None for h in history] == [True, True]
+    assert history[-1]["restart"] == 3 and history[-1]["start_step"] == 10
 
 
 def test_a_busy_controller_is_asked_again(tmp_path: Path) -> None:

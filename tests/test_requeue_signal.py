@@ -85,6 +85,7 @@ def test_the_guard_refuses_in_one_line_and_records_each_start(tmp_path, monkeypa
     from mcorekit.errors import MCoreKitError
     from mcorekit.runtime.requeue import RestartGuard
 
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     RestartGuard(tmp_path, 1).check(0)
     RestartGuard(tmp_path, 1).record_requeue(0)  # the job requeued itself without saving anything new
@@ -92,9 +93,46 @@ def test_the_guard_refuses_in_one_line_and_records_each_start(tmp_path, monkeypa
     with pytest.raises(MCoreKitError, match="would resume from step 0, the same step as the previous start"):
         RestartGuard(tmp_path, 1).check(0)
     RestartGuard(tmp_path, 1).check(5)
+    RestartGuard(tmp_path, 5).record_requeue(9)  # as under max_restarts=5, lowered to 1 in config.yaml since
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
-    with pytest.raises(MCoreKitError, match="restart 2 exceeds resources.max_restarts=1"):
+    with pytest.raises(MCoreKitError, match="restart 2: the job has requeued itself 2 times, more than "
+                                            "resources.max_restarts=1"):
         RestartGuard(tmp_path, 1).check(9)
+
+
+def test_the_restart_cap_counts_the_jobs_own_requeues_only(tmp_path, monkeypatch) -> None:
+    """A node failure (Slurm requeues the job: --requeue), an admin's `scontrol requeue` or a preemption raises
+    SLURM_RESTART_COUNT too; the cap counted it, so a flaky node spent a run's requeues on the time limit. Now only
+    the starts that requeued themselves count (restarts.json: requeued_at_step), per job: a --resume starts afresh."""
+    import json
+
+    from mcorekit.runtime.requeue import RestartGuard
+
+    guard = RestartGuard(tmp_path, 2)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    for restart in range(4):  # the first start and three node failures, each before a save
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        guard.check(0)
+    assert guard.allow_requeue()  # restart 3, none of them the job's own
+    guard.record_requeue(50)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "4")
+    guard.check(50)
+    assert guard.allow_requeue()
+    guard.record_requeue(90)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "5")
+    guard.check(90)  # 2 own requeues of max_restarts=2: this start runs, and stops at its time limit
+    assert not guard.allow_requeue()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "6")
+    guard.check(95)  # a node failure after that: resumes too
+    assert not guard.allow_requeue()
+    monkeypatch.setenv("SLURM_JOB_ID", "78")  # `mcorekit launch --resume`: a new job, its own budget
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    guard.check(100)
+    assert guard.allow_requeue()
+    history = json.loads((tmp_path / "restarts.json").read_text())
+    assert [(h["job_id"], h["restart"], h["start_step"], h.get("requeued_at_step")) for h in history] == [
+        ("77", 0, 0, None), ("77", 1, 0, None), ("77", 2, 0, None), ("77", 3, 0, 50), ("77", 4, 50, 90),
+        ("77", 5, 90, None), ("77", 6, 95, None), ("78", 0, 100, None)]
 
 
 def test_a_restart_slurm_made_is_no_loop_even_without_progress(tmp_path, monkeypatch) -> None:
