@@ -1,5 +1,5 @@
 """train/metrics.ExpertLoad on Megatron-Core's own MoE model (CPU, one gloo rank): tokens routed per expert and
-layer, named as the metrics name them."""
+layer, named as the metrics name them, and the share of routed token-slots a capacity factor dropped."""
 
 from __future__ import annotations
 
@@ -33,3 +33,53 @@ def test_expert_load_names_multi_token_prediction_routers_apart(deepseek: Path, 
     out = load.read_and_reset()
     assert list(out["expert_tokens"]) == ["2", "3", "mtp_1"]  # layer 1 is dense
     assert all(sum(row) == 16 * spec.moe_router_topk for row in out["expert_tokens"].values())
+    assert not {"expert_dropped", "expert_dropped_max", "expert_dropped_per_layer"} & set(out)  # nothing is dropped
+
+
+def test_tokens_dropped_by_the_capacity_factor_are_reported_per_layer_and_in_all(
+        deepseek: Path, model_parallel: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With moe.capacity_factor (Megatron-Core's token dropping, as config/megatron.py sets it), the share of routed
+    token-slots (tokens x top-k) that the capacity dropped, against Megatron-Core's own routing map before and after
+    it applied the capacity (recorded at its apply_router_token_dropping), over two forward passes."""
+    import dataclasses
+
+    from megatron.core.transformer.moe import router
+
+    from mcorekit.models.megatron import build_gpt, padded_vocab_size, transformer_config
+    from mcorekit.models.spec import from_hf_config, load_hf_config
+    from mcorekit.train.metrics import ExpertLoad
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    seen: list[tuple[int, int]] = []  # (slots routed, slots kept) per router call, in call order
+    drop = router.apply_router_token_dropping
+
+    def recorded(probs: torch.Tensor, routing_map: torch.Tensor, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, kept = drop(probs, routing_map, **kw)
+        seen.append((int(routing_map.sum()), int(kept.sum())))
+        return probs, kept
+
+    monkeypatch.setattr(router, "apply_router_token_dropping", recorded)
+    spec = dataclasses.replace(from_hf_config(load_hf_config(deepseek)), mtp_layers=1)
+    cfg = transformer_config(spec, cpu_init=True, moe_token_dispatcher_type="allgather",
+                             moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs",
+                             moe_pad_expert_input_to_capacity=False)
+    model = build_gpt(spec, cfg, padded_vocab_size(spec.vocab_size, 128), use_te=False).train()
+    load = ExpertLoad([model], sequence_parallel=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):  # two micro-batches before the log line
+        tokens = torch.randint(0, spec.vocab_size, (2, 8), generator=g)
+        model(tokens, torch.arange(8).expand(2, 8), attention_mask=None, labels=tokens, loss_mask=torch.ones(2, 8))
+    out = load.read_and_reset()
+    layers = ["2", "3", "mtp_1"]  # the routers' call order in a forward pass
+    routed = {layer: sum(r for r, _ in seen[i::3]) for i, layer in enumerate(layers)}
+    kept = {layer: sum(k for _, k in seen[i::3]) for i, layer in enumerate(layers)}
+    assert len(seen) == 6 and all(v == 2 * 16 * spec.moe_router_topk for v in routed.values())
+    assert {layer: sum(row) for layer, row in out["expert_tokens"].items()} == kept  # counted after the drop
+    want = {layer: 1 - kept[layer] / routed[layer] for layer in layers}
+    assert min(want.values()) > 0.2  # half the even share per expert: many slots dropped
+    assert out["expert_dropped_per_layer"] == pytest.approx(want, abs=1e-4)
+    assert out["expert_dropped_max"] == pytest.approx(max(want.values()))
+    assert out["expert_dropped"] == pytest.approx(1 - sum(kept.values()) / sum(routed.values()))
+    model(tokens, torch.arange(8).expand(2, 8), attention_mask=None, labels=tokens, loss_mask=torch.ones(2, 8))
+    again = load.read_and_reset()  # the counts start again after a read
+    assert again["expert_dropped"] == pytest.approx(1 - sum(k for _, k in seen[6:]) / sum(r for r, _ in seen[6:]))

@@ -1,6 +1,7 @@
 """train/loop.StepLog's rates on CPU (one gloo rank; the clock and the CUDA calls replaced, as there is no GPU here):
 the steps of the first line after a resume are the steps run, a save's time is left out like validation's, LoRA's
-frozen weights count x4, GRPO logs no loop rates and DPO no perplexity."""
+frozen weights count x4, GRPO logs no loop rates and DPO no perplexity; tokens/s counts real tokens, MFU every
+position (padding included)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task: str, *overrides:
     t = SimpleNamespace(spec=spec, padded_vocab=256, model=[],
                         optimizer=SimpleNamespace(param_groups=[{"lr": 1e-4}]))
     kind = TASKS[task]
-    task_ = SimpleNamespace(name=task, rows_per_sample=1, packed=None, loop_rates=kind.loop_rates,
+    task_ = SimpleNamespace(name=task, rows_per_sample=1, packed=None, tokens=None, loop_rates=kind.loop_rates,
                             perplexity=kind.perplexity)
     return StepLog(t, exp, tmp_path, 989.0, None, task_, start), clock  # type: ignore[arg-type]
 
@@ -109,6 +110,67 @@ def test_packed_rows_are_charged_the_attention_within_each_example(model_paralle
     want = log.flops_per_token(0.75) * log.tokens_per_step * 10 / 2.0 / 1e12
     assert row["tflops_per_gpu"] == pytest.approx(want) and log.flops_per_token(0.75) < log.flops_per_token()
     assert (log.task.packed.squares, log.task.packed.rows) == (0.0, 0)  # read once per line
+
+
+def _padded(lengths: list[int], seq: int) -> dict[str, torch.Tensor]:
+    """Unpacked rows as the SFT data makes them (packing.pad_one): an example of `length` positions (its first two a
+    prompt), then padding to seq."""
+    from mcorekit.train.data.packing import Example, pad_one
+
+    rows = [pad_one(Example(list(range(1, n + 2)), [0, 0] + [1] * (n - 1)), seq, 0) for n in lengths]
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def test_tokens_per_s_counts_real_tokens_mfu_every_position_padding_included(
+        model_parallel: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unpacked SFT rows are padded to seq_length: tokens/s counts the examples' positions only (the real tokens);
+    TFLOP/s and MFU count the FLOPs the GPU spent, on every position of every row (Megatron's convention). A step read
+    in eval mode (validation) is not counted, and the count is read once per line."""
+    from mcorekit.train.tasks.sft import SupervisedFineTuning
+
+    log, clock = _log(tmp_path, monkeypatch, "sft", start=9)
+    seq = log.exp.data.seq_length  # 128; global batch 8 = 4 micro-batches of 2 rows
+    task = SupervisedFineTuning(log.exp, log.t.spec, tmp_path)
+    log.task = task
+    lengths = [[10, 30], [128, 127], [1, 64], [5, 7]]  # a full row, a row with one padding position
+    step = [_padded(pair, seq) for pair in lengths]
+    log.t.model = [SimpleNamespace(training=False)]
+    task.prepare_step(log.t, [iter(step)], 4)  # validation: not training throughput
+    log.t.model = [SimpleNamespace(training=True)]
+    task.prepare_step(log.t, [iter(step)], 4)
+    clock.now += 2.0
+    log.step(10, {"loss": 2.0, "updated": True, "grad_norm": 1.0})
+    row = _rows(tmp_path)[-1]
+    real = sum(sum(pair) for pair in lengths)
+    assert log.tokens_per_step == 8 * seq > real
+    assert row["tokens_per_s"] == pytest.approx(real / 2.0)
+    tflops = log.flops_per_token(1.0) * 8 * seq / 2.0 / 1e12
+    assert row["tflops_per_gpu"] == pytest.approx(tflops) and row["mfu"] == pytest.approx(tflops / 989.0)
+    clock.now += 2.0
+    log.step(20, {"loss": 2.0, "updated": True, "grad_norm": 1.0})  # no step read since: nothing counted twice
+    assert _rows(tmp_path)[-1]["tokens_per_s"] == 0.0
+
+
+def test_real_tokens_of_dpo_pairs_and_packed_rows(model_parallel: None) -> None:
+    """DPO's unpacked rows (a chosen and a rejected sequence, each padded) and packed rows (whole examples, then the
+    padding as its own segment) count their examples' positions."""
+    from mcorekit.train.data.packing import Example, pack, pad_one
+    from mcorekit.train.data.preference import collate
+    from mcorekit.train.tasks.base import RealTokens
+
+    seq = 32
+    chosen, rejected = Example(list(range(1, 12)), [0] * 4 + [1] * 7), Example(list(range(1, 8)), [0] * 4 + [1] * 3)
+    pairs = collate([{"chosen": pad_one(chosen, seq, 0), "rejected": pad_one(rejected, seq, 0),
+                      "pair_ids": torch.tensor([0])}], device="cpu")
+    packed = pack([chosen, rejected, Example([3, 4, 5], [0, 1, 1])], seq, 0)
+    full = pack([Example(list(range(1, 20)), [0] * 3 + [1] * 16), Example(list(range(1, 16)), [0] * 3 + [1] * 12)],
+                seq, 0)  # 18 + 14 positions: no padding
+    counter = RealTokens()
+    counter.count([pairs, {k: v.unsqueeze(0) if torch.is_tensor(v) and k != "cu_seqlens" else v
+                           for k, v in packed.items()}, {k: v.unsqueeze(0) if k != "cu_seqlens" else v
+                                                         for k, v in full.items() if torch.is_tensor(v)}])
+    assert counter.read() == (10 + 6) + (10 + 6 + 2) + 32
+    assert counter.read() == 0  # reset once read
 
 
 def _peak(rank: int, tmp: Path) -> None:

@@ -9,7 +9,9 @@ Model FLOPs, not hardware FLOPs: recomputed activations are not counted (full re
 and FP8 runs are measured against the bf16 peak. With LoRA the frozen weights get no weight gradient: their matmuls
 count 4x (forward, input gradient) instead of 6x, core attention (no weights) 6x, as Megatron-Bridge counts them; the
 adapters themselves (under 1% at rank 16 on the 3B shape) are left out. Packed rows (SFT, DPO) count the attention
-each example computes within itself (tasks/base.PackedAttention), not the row's full length."""
+each example computes within itself (tasks/base.PackedAttention), not the row's full length. Padding counts, as the
+GPU computes it (an unpacked row's padding like any position, a packed row's as its own segment): MFU is the FLOPs
+spent, Megatron's convention; tokens/s counts real tokens only (tasks/base.RealTokens)."""
 
 from __future__ import annotations
 

@@ -141,8 +141,10 @@ def micro_batches(t: Trainer) -> int:
 class StepLog:
     """Metrics at logging.log_interval: loss, grad norm, lr, tokens/s, TFLOP/s per GPU, MFU, memory (and loss scale,
     skipped steps, expert load where they apply); validation results. The time spent validating and saving is left
-    out of tokens/s. Tokens are the rows' positions (padding included: the GPU computes them); packed rows are
-    charged the attention within each example. A GRPO step holds its generation: it logs its own rates instead."""
+    out of tokens/s. tokens/s counts real tokens: SFT's and DPO's rows leave their padding out (tasks/base.RealTokens).
+    TFLOP/s and MFU count the FLOPs the GPU spent, on every position of every row, padding included (Megatron's
+    convention); packed rows are charged the attention within each example. A GRPO step holds its generation: it
+    logs its own rates instead."""
 
     def __init__(self, t: Trainer, exp: Experiment, run_dir: Path, peak_tflops: float, on_step: Any, task: Task,
                  start_step: int = 0) -> None:
@@ -156,7 +158,8 @@ class StepLog:
         self.timer, self.paused_seconds, self.skipped, self.last_step = time.perf_counter(), 0.0, 0, start_step
         if dist.get_rank() == 0 and task.loop_rates:
             print(f"mcorekit.train: MFU against {peak_tflops:g} TFLOP/s per GPU (--peak-tflops, else the cluster "
-                  f"profile's gpu_peak_tflops_bf16, else an H100's)", flush=True)
+                  f"profile's gpu_peak_tflops_bf16, else an H100's); TFLOP/s and MFU count every row position, "
+                  f"padding included, tokens/s {'real tokens only' if task.tokens else 'every position'}", flush=True)
 
     def flops_per_token(self, attended: float = 1.0) -> float:
         e = self.exp
@@ -186,10 +189,10 @@ class StepLog:
                "lr": float(self.t.optimizer.param_groups[0]["lr"]), "mem_gb": peak_memory_gb()}
         if self.task.loop_rates:
             attended = self.task.packed.fraction() if self.task.packed else 1.0  # packed: within each example
-            flops_per_step = self.flops_per_token(attended) * self.tokens_per_step
+            flops_per_step = self.flops_per_token(attended) * self.tokens_per_step  # every position: padding too
             tflops = flops_per_step * n / elapsed / dist.get_world_size() / 1e12
-            row.update(tokens_per_s=self.tokens_per_step * n / elapsed, tflops_per_gpu=tflops,
-                       mfu=tflops / self.peak_tflops)
+            tokens = self.task.tokens.read() if self.task.tokens else self.tokens_per_step * n  # padding left out
+            row.update(tokens_per_s=tokens / elapsed, tflops_per_gpu=tflops, mfu=tflops / self.peak_tflops)
         if self.exp.precision.dtype == "fp16":
             row.update(loss_scale=float(self.t.optimizer.get_loss_scale()), skipped_steps=self.skipped)
         if self.experts:
@@ -220,12 +223,15 @@ def peak_memory_gb() -> float:
 
 def evaluate(t: Trainer, task: Task, dataset: Any) -> dict[str, float]:
     """Mean metrics over the first schedule.eval_iters global batches of the held-out data (the same batches at
-    every validation, so the values compare), forward only, dropout off."""
+    every validation, so the values compare), forward only, dropout off. A metric that is a mean over a step's
+    tokens (pairs) is the mean over all the validation tokens (pairs), as a training step's is over its own
+    (Task.mean_over_steps): a batch with few response tokens weighs less than a full one."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     s = t.exp.schedule
     data = [task.batches(dataset, 0, t.dp_rank, t.dp_size) for _ in t.model]
-    results = []
+    results: list[dict[str, float]] = []
+    counts: list[dict[str, float]] = []  # each batch's tokens (pairs) per metric, from task.step_counts
     for chunk in t.model:
         chunk.eval()
     with torch.no_grad(), forward_pre_hooks_off(t.model):
@@ -236,9 +242,10 @@ def evaluate(t: Trainer, task: Task, dataset: Any) -> dict[str, float]:
                 model=t.model, num_microbatches=micro_batches(t), seq_length=t.exp.data.seq_length,
                 micro_batch_size=s.micro_batch_size * task.rows_per_sample, forward_only=True)
             results.append(_mean_metrics(out, task.metrics))
+            counts.append({k: float(v) for k, v in (task.step_counts or {}).items()})  # a sync, as _mean_metrics'
     for chunk in t.model:
         chunk.train()
-    return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+    return task.mean_over_steps(results, counts)
 
 
 @contextmanager

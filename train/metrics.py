@@ -133,27 +133,38 @@ class MetricsWriter:
 class ExpertLoad:
     """Tokens routed to each expert, per MoE layer, counted on the GPU by a hook on every router (no host sync
     until it is read). Read it at log time: summed over the data-parallel ranks (and expert-parallel ranks,
-    which see other tokens), it gives per-layer counts and the imbalance max/mean (1.0 = perfectly even)."""
+    which see other tokens), it gives per-layer counts and the imbalance max/mean (1.0 = perfectly even).
+    With token dropping (moe.capacity_factor: Megatron-Core's moe_expert_capacity_factor, no padding to capacity)
+    the router's routing map is the one after the capacity dropped token-slots: the counts are what was kept, and
+    the slots routed (tokens x top-k) give the share dropped, per layer and over all of them."""
 
     def __init__(self, model_chunks: list[Any], sequence_parallel: bool) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.sequence_parallel = sequence_parallel
         self.counts: dict[str, torch.Tensor] = {}
+        self.routed: dict[str, torch.Tensor] = {}  # token-slots routed before the capacity, where it drops any
         for chunk in model_chunks:
             for name, module in chunk.named_modules():
                 if isinstance(module, TopKRouter):
-                    module.register_forward_hook(functools.partial(self._hook, router_label(name, module)))
+                    c = module.config
+                    drops = c.moe_expert_capacity_factor is not None and not c.moe_pad_expert_input_to_capacity
+                    module.register_forward_hook(functools.partial(self._hook, router_label(name, module), drops))
 
-    def _hook(self, layer: str, module: Any, inputs: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _hook(self, layer: str, drops: bool, module: Any, inputs: Any,
+              output: tuple[torch.Tensor, torch.Tensor]) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # validation, or the no-grad first pass of a recomputed region (its replay in backward counts)
         per_expert = output[1].sum(dim=0)
         if layer not in self.counts:
             self.counts[layer] = torch.zeros_like(per_expert)  # int64: exact at any count
+            if drops:
+                self.routed[layer] = torch.zeros_like(per_expert[:1])
         # in place: a step captured as a CUDA graph replays this add into the same buffer (the hook itself runs
         # only while capturing)
         self.counts[layer].add_(per_expert)
+        if drops:  # every token is routed to top-k experts; the map [tokens, experts] keeps those within capacity
+            self.routed[layer].add_(output[1].shape[0] * module.topk)
 
     def read_and_reset(self) -> dict[str, Any]:
         if not self.counts:
@@ -161,13 +172,15 @@ class ExpertLoad:
         from megatron.core import parallel_state as ps
 
         layers = sorted(self.counts, key=label_order)
-        stacked = torch.stack([self.counts[layer] for layer in layers])
+        none = torch.zeros_like(self.counts[layers[0]][:1])
+        # one row per layer: its experts' counts, then its routed slots (0 where nothing is dropped)
+        stacked = torch.stack([torch.cat([self.counts[layer], self.routed.get(layer, none)]) for layer in layers])
         # Sum over every rank that routes other tokens: data- and context-parallel peers (expert-parallel ranks
         # are among them), and tensor-parallel peers when sequence parallelism splits the tokens between them.
         dist.all_reduce(stacked, group=ps.get_data_parallel_group(with_context_parallel=True))
         if ps.get_tensor_model_parallel_world_size() > 1 and self.sequence_parallel:
             dist.all_reduce(stacked, group=ps.get_tensor_model_parallel_group())
-        for counts in self.counts.values():
+        for counts in (*self.counts.values(), *self.routed.values()):
             counts.zero_()
         pairs = list(zip(layers, stacked.long().tolist()))
         if ps.get_pipeline_model_parallel_world_size() > 1:  # other stages hold the other layers
@@ -175,12 +188,27 @@ class ExpertLoad:
             dist.all_gather_object(gathered, pairs, group=ps.get_pipeline_model_parallel_group())
             pairs = sorted((p for part in gathered for p in part), key=lambda p: label_order(p[0]))
         layers = [layer for layer, _ in pairs]
-        rows = [row for _, row in pairs]
+        rows = [row[:-1] for _, row in pairs]
+        routed = [row[-1] for _, row in pairs]
         counts = torch.tensor(rows, dtype=torch.float32)
         imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1)).tolist()
-        return {"expert_imbalance_max": max(imbalance),
-                "expert_imbalance": {layer: round(v, 4) for layer, v in zip(layers, imbalance)},
-                "expert_tokens": {layer: row for layer, row in zip(layers, rows)}}
+        out = {"expert_imbalance_max": max(imbalance),
+               "expert_imbalance": {layer: round(v, 4) for layer, v in zip(layers, imbalance)},
+               "expert_tokens": {layer: row for layer, row in zip(layers, rows)}}
+        if any(routed):
+            out.update(dropped_shares(layers, rows, routed))
+        return out
+
+
+def dropped_shares(layers: list[str], rows: list[list[int]], routed: list[int]) -> dict[str, Any]:
+    """The share of routed token-slots the capacity dropped: `expert_dropped` over every MoE layer,
+    `expert_dropped_max` the worst layer's, `expert_dropped_per_layer` each one's (the layers under a capacity)."""
+    kept = {layer: sum(row) for layer, row, n in zip(layers, rows, routed) if n}
+    total = {layer: n for layer, n in zip(layers, routed) if n}
+    share = {layer: 1 - kept[layer] / total[layer] for layer in total}
+    return {"expert_dropped": 1 - sum(kept.values()) / sum(total.values()),
+            "expert_dropped_max": max(share.values()),
+            "expert_dropped_per_layer": {layer: round(v, 4) for layer, v in share.items()}}
 
 
 MTP_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.")  # under the model's wrappers (DDP, Float16Module) too

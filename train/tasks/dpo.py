@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from mcorekit.errors import ConfigError
 from mcorekit.runtime.ranks import any_rank
 from mcorekit.train.data.preference import TOKEN_KEYS, collate, pair_batches
-from mcorekit.train.tasks.base import LossFunc, Task, step_share
+from mcorekit.train.tasks.base import LossFunc, Task, share_of, step_total, weighted_mean
 from mcorekit.train.tasks.lm import next_token_losses
 
 if TYPE_CHECKING:
@@ -159,6 +159,7 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
 
 class DirectPreferenceOptimization(Task):
     name = "dpo"
+    padded = True
 
     def __init__(self, exp: Experiment, spec: ModelSpec, run_dir: Path) -> None:
         super().__init__(exp, spec, run_dir)
@@ -194,11 +195,28 @@ class DirectPreferenceOptimization(Task):
                 batch["ref_logps"] = logps
         # a mean over the step's pairs: packed rows hold different numbers of pairs
         device = step[0]["tokens"].device
-        share = step_share([b["pair_ids"].numel() for b in step], device)
-        token_share = step_share([chosen_tokens(b) for b in step], device) if self.exp.dpo.sft_weight else None
+        pairs = step_total([b["pair_ids"].numel() for b in step], device)
+        share = share_of(pairs, len(step))
+        self.step_counts = {name: pairs for name in self.metrics}  # validation: means over all its batches' pairs
+        token_share = None
+        if self.exp.dpo.sft_weight:
+            chosen = step_total([chosen_tokens(b) for b in step], device)
+            token_share = share_of(chosen, len(step))
+            self.step_counts["nll_loss"] = chosen  # over all their chosen response tokens
         for batch in step:
             batch["pair_share"], batch["chosen_share"] = share, token_share
         return [iter(step) for _ in data]
+
+    def mean_over_steps(self, values: list[dict[str, float]],
+                        counts: list[dict[str, float]]) -> dict[str, float]:
+        """Task.mean_over_steps; with sft_weight the loss is, as a step's, the DPO term's mean over all the pairs plus
+        sft_weight x the NLL's mean over all the chosen response tokens: each part weighed by its own count."""
+        out = super().mean_over_steps(values, counts)
+        w = self.exp.dpo.sft_weight
+        if w:
+            term = weighted_mean([v["loss"] - w * v["nll_loss"] for v in values], [c.get("loss") for c in counts])
+            out["loss"] = term + w * out["nll_loss"]
+        return out
 
     def forward_step(self, data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, LossFunc]:
         batch = next(data_iterator)

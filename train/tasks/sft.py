@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator
 
-from mcorekit.train.tasks.base import step_share
+from mcorekit.train.tasks.base import share_of, step_total
 from mcorekit.train.tasks.lm import LanguageModelling
 
 if TYPE_CHECKING:
@@ -18,11 +18,14 @@ class SupervisedFineTuning(LanguageModelling):
     """LanguageModelling's step; its data (train/data/sft.py, chosen by data.kind=sft) carries the masks."""
 
     name = "sft"
+    padded = True
 
     def prepare_step(self, t: Trainer, data: list[Iterator[dict[str, Any]]],
                      num_microbatches: int) -> list[Iterator[dict[str, Any]]]:
         step = self.read_counted_step(t, data, num_microbatches)
-        share = step_share([b["loss_mask"].sum() for b in step], step[0]["loss_mask"].device)
+        total = step_total([b["loss_mask"].sum() for b in step], step[0]["loss_mask"].device)
+        self.step_counts = {"loss": total}  # validation: the mean over all its batches' response tokens
+        share = share_of(total, len(step))
         for batch in step:
             batch["token_share"] = share
         return [iter(step) for _ in data]
