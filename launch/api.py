@@ -252,6 +252,8 @@ def resume(run_dir: str | Path) -> tuple[Prepared, Path]:
     relative, base, job = relative_paths(experiment), None, None
     if relative:  # a folder from before paths were made absolute at launch: read them where that launch would have
         base, job = launch_dir(folder, root)
+        if profile.container.image and profile.container.workdir:  # the job ran in the container's workdir
+            base = profile.container.workdir
         if base is None:
             why = (f"Slurm no longer knows the directory its job {job} was launched from" if job else
                    f"{root / REGISTRY} lists no job of it to ask Slurm where it was launched from")
@@ -266,7 +268,7 @@ def resume(run_dir: str | Path) -> tuple[Prepared, Path]:
     if relative:
         p.config_resolved = True
         p.warnings.append(f"{folder / 'config.yaml'}: its relative paths ({', '.join(relative)}) are read against "
-                          f"{base}, where job {job} was launched (Slurm's WorkDir); the submission "
+                          f"{base}, where job {job} ran (Slurm's WorkDir, or the container's workdir); the submission "
                           f"rewrites config.yaml with them absolute")
     return p, root
 

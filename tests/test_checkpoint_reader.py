@@ -271,7 +271,7 @@ def test_records_of_checkpoints_megatron_and_we_write_pass(model_parallel: None,
     assert len(paths) == 2 + 5 * FIXTURES.is_file()
 
 
-@pytest.mark.parametrize("where", ["record", "extra state", "extra state's tensor"])
+@pytest.mark.parametrize("where", ["record", "extra state", "extra state's tensor", "extra state as int8"])
 def test_a_record_that_would_run_code_is_refused_before_any_loader_reads_it(
         model_parallel: None, tmp_path: Path, where: str) -> None:
     """A crafted bytes record (torch's and Megatron-Core's loaders unpickle them without restriction) or TE extra
@@ -293,7 +293,9 @@ def test_a_record_that_would_run_code_is_refused_before_any_loader_reads_it(
     data = {"record": lambda: [Evil(marker)],
             "extra state": lambda: _te_extra_state({"recipe": Evil(marker)}),
             "extra state's tensor": lambda: [torch.frombuffer(bytearray(pickle.dumps(
-                {"scale_fwd": EvilStorageTensor()})), dtype=torch.uint8)]}[where]()
+                {"scale_fwd": EvilStorageTensor()})), dtype=torch.uint8)],
+            "extra state as int8": lambda: [t.view(torch.int8) for t in _te_extra_state({"recipe": Evil(marker)})],
+            }[where]()
     iter_dir = _with_record(tmp_path / "base" / "iter_0000003", data)
     (tmp_path / "base" / "latest_checkpointed_iteration.txt").write_text("3")
     exp = SimpleNamespace(checkpoint=SimpleNamespace(load=str(tmp_path / "base")), peft=SimpleNamespace(lora=None))

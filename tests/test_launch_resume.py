@@ -126,3 +126,21 @@ def test_the_launch_directory_comes_from_the_controller_when_accounting_has_none
         (bin_dir / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     assert (accounting.work_dir("11"), accounting.work_dir("12")) == ("/home/u/exp", None)
+
+
+def test_an_old_container_folders_relative_paths_resolve_against_the_containers_workdir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An old container job ran in container.workdir (srun --container-workdir), so its relative paths were read
+    there, not in Slurm's WorkDir: that is where a --resume reads them, with Slurm not asked."""
+    workdir = tmp_path / "inside"
+    (workdir / "tok").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    run = old_run_folder(tmp_path / "runs")
+    cluster = yaml.safe_load((run / "cluster.yaml").read_text())
+    cluster["container"] = {**(cluster.get("container") or {}), "image": "nvcr.io/nvidia/pytorch:25.01-py3",
+                            "workdir": str(workdir)}
+    (run / "cluster.yaml").write_text(yaml.safe_dump(cluster))
+    slurm_that_knows(tmp_path, monkeypatch, tmp_path / "launched")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    p, _ = api.resume(run)
+    assert (p.experiment.data.paths, p.experiment.data.tokenizer) == ([str(workdir / "d1")], str(workdir / "tok"))

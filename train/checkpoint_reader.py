@@ -215,14 +215,15 @@ def _check_extra_state(state: torch.Tensor) -> None:
     from megatron.core.safe_globals import SafeUnpickler
 
     try:
-        SafeUnpickler(io.BytesIO(state.numpy().tobytes())).load()
+        SafeUnpickler(io.BytesIO(state.detach().cpu().numpy().tobytes())).load()  # TE's own expression
     except pickle.UnpicklingError as e:
         raise _refused(e) or e from None
 
 
 def _extra_states(obj: Any) -> Iterator[torch.Tensor]:
-    """The non-empty uint8 tensors in a record (Megatron-Core wraps an extra state in a list)."""
-    if isinstance(obj, torch.Tensor) and obj.dtype == torch.uint8 and obj.numel():
+    """The non-empty tensors in an extra state's record (Megatron-Core wraps one in a list), of any dtype: TE
+    unpickles the bytes of whatever tensor it is given."""
+    if isinstance(obj, torch.Tensor) and obj.numel():
         yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:
@@ -251,7 +252,8 @@ def checked_records(iter_dir: Path, metadata: Metadata) -> None:
             with open(iter_dir / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 data = f.read(info.length)
-            for state in _extra_states(_weights_only(data)):
+            obj = _weights_only(data)
+            for state in _extra_states(obj) if "_extra_state" in index.fqn else ():
                 _check_extra_state(state)
         except UnsafeRecord as e:
             raise ConfigError(f"{where} asks to run {e} when it is unpickled: refusing to load it (a checkpoint "
