@@ -205,19 +205,17 @@ def _with_record(path: Path, data: Any) -> Path:
     return path
 
 
-def _te_recipe_module() -> Any:
+@pytest.fixture
+def te_recipe(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A stand-in for TE's recipe module (TE is not installed on this machine): a dataclass and an enum under
-    transformer_engine.common.recipe, as TE's DelayedScaling and Format are."""
+    transformer_engine.common.recipe, as TE's DelayedScaling and Format are; in sys.modules for this test only (a
+    package without a spec left there breaks other libraries' find_spec("transformer_engine"))."""
     import dataclasses
     import enum
     import sys
     import types
 
     name = "transformer_engine.common.recipe"
-    if name in sys.modules:
-        return sys.modules[name]
-    for parent in ("transformer_engine", "transformer_engine.common"):
-        sys.modules.setdefault(parent, types.ModuleType(parent))
     mod = types.ModuleType(name)
 
     class Format(enum.Enum):
@@ -232,7 +230,9 @@ def _te_recipe_module() -> Any:
     for cls in (Format, DelayedScaling):
         cls.__module__, cls.__qualname__ = name, cls.__name__
         setattr(mod, cls.__name__, cls)
-    sys.modules[name] = mod
+    for module in ("transformer_engine", "transformer_engine.common", name):
+        assert module not in sys.modules, "TE is installed here: use it, not this stand-in"
+        monkeypatch.setitem(sys.modules, module, mod if module == name else types.ModuleType(module))
     return mod
 
 
@@ -243,7 +243,8 @@ def _te_extra_state(payload: dict) -> list:
     return [torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)]
 
 
-def test_records_of_checkpoints_megatron_and_we_write_pass(model_parallel: None, tmp_path: Path) -> None:
+def test_records_of_checkpoints_megatron_and_we_write_pass(model_parallel: None, tmp_path: Path,
+                                                           te_recipe: Any) -> None:
     """What real checkpoints hold passes: Megatron-Core's own (the shared fixtures: TE's empty extra states, the
     common state), the Saver's, an FP8 extra state of TE's shape (tensors, the recipe's dataclass and enum), a
     Megatron-LM `args` namespace with a Megatron-Core enum and numpy's RNG state."""
@@ -255,7 +256,7 @@ def test_records_of_checkpoints_megatron_and_we_write_pass(model_parallel: None,
 
     from mcorekit.train.checkpoint_reader import checked_records
 
-    recipe = _te_recipe_module()
+    recipe = te_recipe
     paths = [_with_record(tmp_path / "fp8", _te_extra_state({
         "recipe": recipe.DelayedScaling(), "scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(16, 3),
         "extra_fp8_variables": {"num_gemms": 3, "names": ["a", 1.5], "t": (1,)}})),
@@ -273,7 +274,7 @@ def test_records_of_checkpoints_megatron_and_we_write_pass(model_parallel: None,
 
 @pytest.mark.parametrize("where", ["record", "extra state", "extra state's tensor", "extra state as int8"])
 def test_a_record_that_would_run_code_is_refused_before_any_loader_reads_it(
-        model_parallel: None, tmp_path: Path, where: str) -> None:
+        model_parallel: None, tmp_path: Path, where: str, te_recipe: Any) -> None:
     """A crafted bytes record (torch's and Megatron-Core's loaders unpickle them without restriction) or TE extra
     state (TE unpickles it with pickle.loads; a tensor inside it unpickles its storage with torch.load unrestricted):
     a run whose checkpoint.load names such a checkpoint stops at its start with one line naming the call, before
@@ -283,7 +284,6 @@ def test_a_record_that_would_run_code_is_refused_before_any_loader_reads_it(
     from mcorekit.errors import ConfigError
     from mcorekit.train import checkpoint
 
-    _te_recipe_module()
     marker = tmp_path / "MARKER"
 
     class EvilStorageTensor:  # a tensor whose storage bytes are a pickle that calls os.system
@@ -299,8 +299,8 @@ def test_a_record_that_would_run_code_is_refused_before_any_loader_reads_it(
     iter_dir = _with_record(tmp_path / "base" / "iter_0000003", data)
     (tmp_path / "base" / "latest_checkpointed_iteration.txt").write_text("3")
     exp = SimpleNamespace(checkpoint=SimpleNamespace(load=str(tmp_path / "base")), peft=SimpleNamespace(lora=None))
-    with pytest.raises(ConfigError, match=rf"^checkpoint {iter_dir}: record layer._extra_state.* asks to run "
-                                          rf"posix.system when it is unpickled: refusing to load it .*mcorekit convert"):
+    refused = rf"^checkpoint {iter_dir}: record layer._extra_state.* asks to run posix.system when it is unpickled: "
+    with pytest.raises(ConfigError, match=refused + "refusing to load it .*mcorekit convert"):
         checkpoint.checked_sources(exp)
     assert not marker.exists()
     if where == "record":  # what the check stops: Megatron-Core's own load of the record runs the call
