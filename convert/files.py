@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mcorekit.errors import ConversionError, OutputError
+from mcorekit.errors import ConversionError, OutputError, first_line
 from mcorekit.outputs import require_inside
 from mcorekit.train.checkpoint import RELEASE, TRACKER, tracked
 
@@ -98,8 +98,7 @@ def write_failure(path: Path, error: BaseException) -> str:
         free = None
     if free is not None and free < 1024**2:
         return f"no space left on device ({free} bytes free)"
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    return first_line(error)
 
 
 MAP_BYTES = 1024**2  # tensors this large are mapped rather than read

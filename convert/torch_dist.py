@@ -61,7 +61,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from mcorekit.convert import distcp
 from mcorekit.convert.direct_io import DirectFile
 from mcorekit.convert.files import model_file, read_json, write_failure
-from mcorekit.errors import ConversionError
+from mcorekit.errors import ConversionError, first_line
+from mcorekit.train.checkpoint_reader import dcp_cause
 from mcorekit.outputs import without_crc32
 from mcorekit.train.checkpoint_reader import load_metadata as checked_load_metadata
 
@@ -113,19 +114,6 @@ def _quiet_dcp() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _cause(e: BaseException) -> BaseException:
-    """The exception inside DCP's CheckpointException (it wraps whatever failed, as (exception, traceback))."""
-    if isinstance(e, CheckpointException):
-        inner = next(iter(e.failures.values()), e)
-        return inner[0] if isinstance(inner, tuple) else inner
-    return e
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 class StreamingSavePlanner(SavePlanner):
@@ -253,7 +241,7 @@ def write(path: Path, tensors: list[PlannedTensor], blobs: dict[str, bytes], thr
         try:
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as e:
-            failures.append(_cause(e))
+            failures.append(dcp_cause(e))
         finally:  # DCP does not join its helper threads when its own part fails: wait, so none writes on
             for thread in set(threading.enumerate()) - running:
                 if not thread.daemon:
@@ -388,7 +376,7 @@ class TorchDistReader:
         try:
             problem = metadata_problem(self.metadata, self.path)
         except (AttributeError, TypeError) as e:  # a Metadata instance built with odd attributes
-            problem = f"{type(e).__name__}: {_first_line(e)}"
+            problem = f"{type(e).__name__}: {first_line(e)}"
         if problem:
             raise ConversionError(f"{meta_file}: not valid checkpoint metadata ({problem})")
         self.reader = _SafeReader(self.path, self.metadata)
@@ -431,7 +419,7 @@ class TorchDistReader:
         except ConversionError:
             raise
         except Exception as e:  # noqa: BLE001 - a corrupt data file fails in many ways in torch.load
-            raise ConversionError(f"{self.path}: cannot read tensor {fqn!r} ({type(e).__name__}: {_first_line(e)})") from None
+            raise ConversionError(f"{self.path}: cannot read tensor {fqn!r} ({type(e).__name__}: {first_line(e)})") from None
         return out.reshape(size[len(index):])
 
     def _read_items(self, md: TensorStorageMetadata, sizes: tuple[int, ...], items: list[Any]) -> torch.Tensor:
@@ -510,8 +498,8 @@ class TorchDistReader:
             with _quiet_dcp():
                 dcp.load({key: io.BytesIO() for key in keys}, storage_reader=self.reader, planner=planner, no_dist=True)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a corrupt data file fails in many ways in DCP
-            cause = _cause(e)
-            raise ConversionError(f"{self.path}: cannot read bytes entries ({type(cause).__name__}: {_first_line(cause)})") from None
+            cause = dcp_cause(e)
+            raise ConversionError(f"{self.path}: cannot read bytes entries ({type(cause).__name__}: {first_line(cause)})") from None
         out = {}
         for key in keys:
             try:
@@ -520,7 +508,7 @@ class TorchDistReader:
                     out[key] = torch.load(io.BytesIO(planner.loaded[key]), map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - refused globals and corrupt bytes alike
                 raise ConversionError(f"{self.path}: cannot load bytes entry {key!r} with weights_only, so it is not "
-                                      f"read ({type(e).__name__}: {_first_line(e)})") from None
+                                      f"read ({type(e).__name__}: {first_line(e)})") from None
         return out
 
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import torch
 
 from mcorekit.convert.hf_io import HFReader
-from mcorekit.errors import ExportError
+from mcorekit.errors import ExportError, first_line
 from mcorekit.models import registry
 from mcorekit.models.spec import ModelSpec
 
@@ -110,12 +110,6 @@ def _checked_ids(ids: object, vocab_size: int, where: str) -> list[int]:
     return ids
 
 
-def _first_line(e: Exception) -> str:
-    """Library messages can span lines; the CLI prints one."""
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
-
-
 def _tokenizer(tokenizer_dir: str | Path | None) -> Any:
     import transformers
 
@@ -125,7 +119,7 @@ def _tokenizer(tokenizer_dir: str | Path | None) -> Any:
     try:
         return transformers.AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001  (transformers raises many types for a missing or broken tokenizer)
-        raise ExportError(f"calibration text needs a tokenizer in {tokenizer_dir}: {_first_line(e)}") from None
+        raise ExportError(f"calibration text needs a tokenizer in {tokenizer_dir}: {first_line(e)}") from None
 
 
 def calibrate(hf_dir: str | Path, samples: list[torch.Tensor]) -> dict[str, float]:
@@ -136,7 +130,7 @@ def calibrate(hf_dir: str | Path, samples: list[torch.Tensor]) -> dict[str, floa
         model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
                                                                   trust_remote_code=False).eval()
     except Exception as e:  # noqa: BLE001  (transformers raises many types for a model it cannot load)
-        raise ExportError(f"{hf_dir}: transformers cannot load the model for the calibration pass: {_first_line(e)}") from None
+        raise ExportError(f"{hf_dir}: transformers cannot load the model for the calibration pass: {first_line(e)}") from None
     amax: dict[str, float] = {}
     hooks = []
     for name, module in model.named_modules():

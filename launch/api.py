@@ -26,6 +26,7 @@ from mcorekit.launch.submit import (REGISTRY, Built, JobSpec, build, check_writa
                                     literal_env_warnings, record, removed_on_error, scancel, submit_built, submit_one,
                                     train_command)
 from mcorekit.models.spec import ModelSpec
+from mcorekit.outputs import write_atomic
 
 log = logging.getLogger("mcorekit.launch")
 
@@ -48,10 +49,7 @@ class Prepared:
 
     def save_config(self) -> None:
         """Rewrite config.yaml with the resolved experiment, whole or not at all (it is the run's only copy)."""
-        path = self.spec.run_dir / "config.yaml"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(dump(self.experiment))
-        os.replace(tmp, path)
+        write_atomic(self.spec.run_dir / "config.yaml", dump(self.experiment))
 
     def job(self) -> Built:
         """The training job (built when asked: a caller may still adjust the profile)."""
@@ -82,11 +80,6 @@ def absolute(path: str, what: str, base: str | None = None) -> str:
     return os.path.normpath(os.path.join(base, expanded)) if base else os.path.abspath(expanded)
 
 
-def _hub_id(value: str, base: str | None) -> bool:
-    """is_hub_id, with the local folder that would win looked for in `base` (default: the current directory)."""
-    return is_hub_id(value) if base is None else bool(HUB_ID_RE.fullmatch(value)) and not Path(base, value).exists()
-
-
 def _each_path(exp: Experiment, change: Callable[[str, str], str], hub_id: Callable[[str], bool]) -> Experiment:
     """The experiment with change(value, field) applied to every path: PATH_FIELDS, MODEL_DIR_FIELDS unless hub_id
     says a Hub model ID, and reward functions given as path/to/file.py:function."""
@@ -110,7 +103,7 @@ def _each_path(exp: Experiment, change: Callable[[str, str], str], hub_id: Calla
 
 def absolute_paths(exp: Experiment, base: str | None = None) -> Experiment:
     """The experiment with every path field absolute against `base` (default: the current directory)."""
-    return _each_path(exp, lambda value, key: absolute(value, key, base), lambda value: _hub_id(value, base))
+    return _each_path(exp, lambda value, key: absolute(value, key, base), lambda value: is_hub_id(value, base))
 
 
 def relative_paths(exp: Experiment) -> list[str]:
@@ -251,9 +244,14 @@ def resume(run_dir: str | Path) -> tuple[Prepared, Path]:
     profile = profile.model_copy(update={"run_root": str(root)})
     relative, base, job = relative_paths(experiment), None, None
     if relative:  # a folder from before paths were made absolute at launch: read them where that launch would have
-        base, job = launch_dir(folder, root)
+        ids = _jobs_of(folder, root)
+        job = ids[0] if ids else None
         if profile.container.image and profile.container.workdir:  # the job ran in the container's workdir
             base = profile.container.workdir
+        elif job:  # sbatch runs a job where it was called: an older launcher's relative paths were read there
+            from mcorekit.launch.accounting import work_dir
+
+            base = work_dir(job)
         if base is None:
             why = (f"Slurm no longer knows the directory its job {job} was launched from" if job else
                    f"{root / REGISTRY} lists no job of it to ask Slurm where it was launched from")
@@ -290,15 +288,6 @@ def _jobs_of(run_dir: Path, root: Path) -> list[str]:
         if str(run_dir) in (entry["run_dir"], entry.get("point_dir"), str(Path(entry["run_dir"]).parent)):
             ids.append(str(entry.get("job_id")))
     return ids
-
-
-def launch_dir(run_dir: Path, root: Path) -> tuple[str | None, str | None]:
-    """The directory the folder's first job was launched from, as Slurm recorded it (sbatch runs a job where it was
-    called, so an older launcher's relative paths were read there), and that job's id; None for what is not known."""
-    from mcorekit.launch.accounting import work_dir
-
-    ids = _jobs_of(run_dir, root)
-    return (work_dir(ids[0]), ids[0]) if ids else (None, None)
 
 
 def still_running(run_dir: Path, root: Path) -> list[str]:

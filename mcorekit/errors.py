@@ -33,6 +33,13 @@ class OutputError(MCoreKitError):
     """An output path is unsafe (it overlaps an input, or is not ours to replace) or cannot be written."""
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to its first line (library messages can span lines; ours print one), else its
+    type's name."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def one_line(e: BaseException) -> str | None:
     """What a command prints for an error that its input or the machine caused, in one line: our own errors; the
     OS's (a read-only or full filesystem, a vanished file), with the file; pathlib's symlink loop and unknown `~user`

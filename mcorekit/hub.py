@@ -34,10 +34,11 @@ class HubError(MCoreKitError):
     """A Hub model ID that cannot be had: offline and not cached, unknown or gated, or the download failed."""
 
 
-def is_hub_id(name: str | Path) -> bool:
-    """Whether `name` is no local path but is shaped like an `org/name` Hub model ID."""
+def is_hub_id(name: str | Path, base: str | None = None) -> bool:
+    """Whether `name` is no local path (in `base`, default the current directory) but is shaped like an `org/name`
+    Hub model ID."""
     text = str(name)
-    return not Path(text).expanduser().exists() and bool(HUB_ID_RE.fullmatch(text))
+    return not Path(base or "", text).expanduser().exists() and bool(HUB_ID_RE.fullmatch(text))
 
 
 def _offline() -> bool:

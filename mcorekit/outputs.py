@@ -57,6 +57,13 @@ def without_crc32() -> Iterator[None]:
                 torch.serialization.set_crc32_options(_crc32["before"])
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """`text` into `path`, whole or not at all: written aside, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def overlaps(a: Path, b: Path) -> bool:
     """True when a and b are the same path or one lies inside the other (symlinks resolved)."""
     a, b = a.resolve(), b.resolve()

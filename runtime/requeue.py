@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from mcorekit.errors import MCoreKitError
+from mcorekit.outputs import write_atomic
 from mcorekit.runtime.ranks import any_rank, rank_zero_choice
 
 log = logging.getLogger("mcorekit.requeue")
@@ -99,7 +100,7 @@ class RestartGuard:
                 f"time?); stopping instead of looping"
             )
         history.append({"restart": restarts, "start_step": start_step, "job_id": os.environ.get("SLURM_JOB_ID")})
-        _write_atomic(self.path, json.dumps(history, indent=1))
+        write_atomic(self.path, json.dumps(history, indent=1))
 
     def _history(self) -> list[dict[str, Any]]:
         """The starts so far ([] before the first); a file that is not that list is one error line, not a guess."""
@@ -122,7 +123,7 @@ class RestartGuard:
         if not (history and history[-1]["restart"] == restarts and history[-1].get("job_id") == job):
             history.append({"restart": restarts, "start_step": step, "job_id": job})  # check() was not called
         history[-1]["requeued_at_step"] = step
-        _write_atomic(self.path, json.dumps(history, indent=1))
+        write_atomic(self.path, json.dumps(history, indent=1))
 
     @staticmethod
     def _own_requeues(history: list[dict[str, Any]]) -> int:
@@ -223,7 +224,3 @@ def _exit(code: int) -> NoReturn:
     raise SystemExit(code)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -187,7 +187,7 @@ def _load_lora_start(exp: Experiment, chunks: list[Any]) -> None:
     from mcorekit.train.lora import adapter_start
 
     base = Path(exp.checkpoint.load)
-    start = checkpoint.latest(base) or base
+    start = checkpoint.start_of(base)
     if start.name != checkpoint.RELEASE and not exp.checkpoint.finetune:
         raise LayoutError(f"peft.lora adapts the model in checkpoint.load={base}, a training checkpoint: set "
                           f"checkpoint.finetune=true to take its weights as the base (or use a converted release)")

@@ -84,6 +84,12 @@ def format_of(path: Path) -> str | None:
     return None
 
 
+def start_of(path: str | Path) -> Path:
+    """A checkpoint named by a path: the latest complete iteration under a checkpoints root, or the folder itself (an
+    iteration, a release)."""
+    return latest(Path(path)) or Path(path)
+
+
 def complete_steps(root: Path) -> list[Path]:
     """The complete iter_N checkpoints under root (torch_dist or fsdp_dtensor), oldest first."""
     found = [p for p in root.glob("iter_*") if step_of(p) is not None and format_of(p) is not None]
@@ -367,7 +373,8 @@ def read(sharded: dict[str, Any], path: Path, metadata: Any = None, **kwargs: An
     from torch.distributed.checkpoint.api import CheckpointException
 
     from mcorekit.errors import ConfigError
-    from mcorekit.train.checkpoint_reader import check_fit, checked_metadata, read_ahead
+    from mcorekit.errors import first_line
+    from mcorekit.train.checkpoint_reader import check_fit, checked_metadata, dcp_cause, read_ahead
 
     # Megatron-Core's loader unpickles .metadata without restriction: nothing unsafe in it, and what it describes fits
     check_fit(sharded, path, metadata or checked_metadata(path))
@@ -376,8 +383,7 @@ def read(sharded: dict[str, Any], path: Path, metadata: Any = None, **kwargs: An
         with read_ahead():
             state = dist_checkpointing.load(sharded, str(path), **kwargs)
     except CheckpointException as e:  # a BaseException: torch's wrapper of each rank's failure
-        cause = next(iter(e.failures.values()))[0] if e.failures else e
-        failed = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        failed = first_line(dcp_cause(e))
     if any_rank(bool(failed)):
         hint = (f": resume from an earlier one by setting its step in {path.parent / TRACKER}"
                 if step_of(path) is not None else "")  # a run's iteration; not a release or converted adapters
@@ -395,7 +401,7 @@ def checked_sources(exp: Any) -> None:
 
     lora = exp.peft.lora
     sources = [Path(p) for p in (exp.checkpoint.load, lora.load if lora else None) if p]
-    for path in (latest(p) or p for p in sources):
+    for path in map(start_of, sources):
         if (path / ".metadata").is_file():
             checked_records(path, checked_metadata(path))
 
@@ -516,8 +522,7 @@ def weights_before_wrap(exp: Any, root: Path | None) -> Path | None:
     if own is not None:
         return own if format_of(own) == TORCH_DIST else None
     if exp.checkpoint.load:
-        start = Path(exp.checkpoint.load)
-        return latest(start) or start
+        return start_of(exp.checkpoint.load)
     return None
 
 

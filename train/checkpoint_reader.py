@@ -184,6 +184,16 @@ def load_metadata(file: Path, error: type[Exception] = ConfigError) -> Metadata:
     return metadata
 
 
+def dcp_cause(e: BaseException) -> BaseException:
+    """The exception inside torch's CheckpointException (it wraps each rank's failure as (exception, traceback))."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException):
+        inner = next(iter(e.failures.values()), e)
+        return inner[0] if isinstance(inner, tuple) else inner
+    return e
+
+
 # The name of what a refused pickle asked for, in torch's weights-only error and Megatron-Core's SafeUnpickler's
 REFUSED_NAME = re.compile(r"(?:GLOBAL |class ')([\w.]+)")
 

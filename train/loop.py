@@ -274,7 +274,7 @@ def _resume(t: Trainer, root: Path, exp: Experiment) -> tuple[int, bool]:
         return step, True
     if not exp.checkpoint.load:
         return 0, False
-    start = checkpoint.latest(Path(exp.checkpoint.load)) or Path(exp.checkpoint.load)
+    start = checkpoint.start_of(exp.checkpoint.load)
     if note := mtp_weights_check(start, t.spec):
         log.warning(note)
     if exp.checkpoint.finetune or start.name == checkpoint.RELEASE:

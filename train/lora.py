@@ -417,7 +417,7 @@ def adapter_start(lora: Any) -> Path:
     from mcorekit.train import checkpoint  # it imports this module
 
     given = Path(str(lora.load))
-    path = checkpoint.latest(given) or given
+    path = checkpoint.start_of(given)
     file = path / checkpoint.LORA_JSON
     if not file.is_file():
         raise ConfigError(f"peft.lora.load={given}: {path} has no {checkpoint.LORA_JSON}, so it holds no LoRA adapters "

@@ -110,7 +110,7 @@ def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq_leng
     keep = min(keep, len(prompt))
     if keep < 1 or (keep < len(prompt) and keep <= keep_first):
         return None
-    p = prompt[:keep_first] + prompt[len(prompt) - keep + keep_first:] if keep < len(prompt) else prompt
+    p = prompt[:keep_first] + prompt[len(prompt) - keep + keep_first:]  # the whole prompt when it fits
     return (Example(p + chosen, [0] * len(p) + [1] * len(chosen)),
             Example(p + rejected, [0] * len(p) + [1] * len(rejected)))
 

@@ -422,7 +422,7 @@ def frozen_copy(t: Trainer) -> list[Any]:
         model_parallel_cuda_manual_seed(seed)
         chunks = _chunks(t, config, use_te, nodes)
     if exp.checkpoint.load:
-        start = checkpoint.latest(Path(exp.checkpoint.load)) or Path(exp.checkpoint.load)
+        start = checkpoint.start_of(exp.checkpoint.load)
         checkpoint.load_weights(start, chunks)
     return chunks
 
