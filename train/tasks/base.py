@@ -63,7 +63,7 @@ class Task:
         """read_step, and a training step's rows counted: packed rows' attention for MFU, padded rows' real tokens
         for tokens/s (validation runs in eval mode: not counted)."""
         step = read_step(data, num_microbatches)
-        if t.model[0].training:
+        if (self.packed or self.tokens) and t.model[0].training:
             if self.packed:
                 self.packed.count(step)
             if self.tokens:
