@@ -8,7 +8,6 @@ import io
 import os
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -278,7 +277,7 @@ def test_a_record_that_would_run_code_is_refused_before_any_loader_reads_it(
     """A crafted bytes record (torch's and Megatron-Core's loaders unpickle them without restriction) or TE extra
     state (TE unpickles it with pickle.loads; a tensor inside it unpickles its storage with torch.load unrestricted):
     a run whose checkpoint.load names such a checkpoint stops at its start with one line naming the call, before
-    build or any loader, and nothing of it runs."""
+    the model is built or any loader reads it, and nothing of it runs."""
     import pickle
 
     from mcorekit.errors import ConfigError
@@ -298,10 +297,9 @@ def test_a_record_that_would_run_code_is_refused_before_any_loader_reads_it(
             }[where]()
     iter_dir = _with_record(tmp_path / "base" / "iter_0000003", data)
     (tmp_path / "base" / "latest_checkpointed_iteration.txt").write_text("3")
-    exp = SimpleNamespace(checkpoint=SimpleNamespace(load=str(tmp_path / "base")), peft=SimpleNamespace(lora=None))
     refused = rf"^checkpoint {iter_dir}: record layer._extra_state.* asks to run posix.system when it is unpickled: "
     with pytest.raises(ConfigError, match=refused + "refusing to load it .*mcorekit convert"):
-        checkpoint.checked_sources(exp)
+        checkpoint.pinned_sources(_experiment(load=tmp_path / "base"))
     assert not marker.exists()
     if where == "record":  # what the check stops: Megatron-Core's own load of the record runs the call
         from megatron.core import dist_checkpointing
@@ -330,3 +328,65 @@ class _EvilStorage:
 
 def _evil_storage(marker: Path) -> _EvilStorage:
     return _EvilStorage(marker)
+
+
+def _experiment(load: Path, adapters: Path | None = None) -> Any:
+    from mcorekit.config.experiment import Experiment
+
+    lora = {"peft": {"lora": {"rank": 4, "load": str(adapters)}}} if adapters else {}
+    return Experiment.model_validate({"name": "x", "model": {"preset": "llama-tiny"},
+                                      "checkpoint": {"load": str(load), "finetune": True}, **lora})
+
+
+def test_a_start_reads_the_iterations_it_checked(model_parallel: None, tmp_path: Path) -> None:
+    """checkpoint.load and peft.lora.load are pinned to the iterations checked at the start: a newer, crafted
+    iteration their runs save afterwards (the DPO reference is read at the first step, long after the check) is
+    not what the start reads; a start after it checks, and refuses, the new one."""
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint
+
+    marker = tmp_path / "MARKER"
+    base, adapters = tmp_path / "base", tmp_path / "adapters"
+    for root in (base, adapters):
+        _with_record(root / "iter_0000003", _te_extra_state({"scale": 1.0}))
+        (root / "latest_checkpointed_iteration.txt").write_text("3")
+    exp = _experiment(base, adapters)
+    pinned = checkpoint.pinned_sources(exp)
+    assert (pinned.checkpoint.load, pinned.peft.lora.load) == (str(base / "iter_0000003"),
+                                                                str(adapters / "iter_0000003"))
+    assert (exp.checkpoint.load, exp.peft.lora.load) == (str(base), str(adapters))  # the given exp is unchanged
+    assert pinned.peft.lora.rank == 4 and pinned.checkpoint.finetune
+
+    for root in (base, adapters):
+        _with_record(root / "iter_0000004", [Evil(marker)])
+        (root / "latest_checkpointed_iteration.txt").write_text("4")
+    assert checkpoint.start_of(pinned.checkpoint.load) == base / "iter_0000003"
+    assert checkpoint.start_of(pinned.peft.lora.load) == adapters / "iter_0000003"
+    with pytest.raises(ConfigError, match=rf"^checkpoint {base / 'iter_0000004'}: record .* asks to run posix.system"):
+        checkpoint.pinned_sources(exp)
+    assert not marker.exists()
+
+
+def test_paths_that_name_no_checkpoints_root_stay_as_given(model_parallel: None, tmp_path: Path) -> None:
+    """An iteration folder, a release and a folder that is gone are not resolved further."""
+    from mcorekit.train import checkpoint
+
+    release = _with_record(tmp_path / "conv" / "release", _te_extra_state({"scale": 1.0}))
+    for given in (release, tmp_path / "gone"):
+        assert checkpoint.pinned_sources(_experiment(given)).checkpoint.load == str(given)
+
+
+def test_a_crafted_common_pt_is_refused_in_one_line(model_parallel: None, tmp_path: Path) -> None:
+    """common.pt, where older Megatron-Core wrote the common state: checked as the records are."""
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint
+
+    marker = tmp_path / "MARKER"
+    iter_dir = _with_record(tmp_path / "base" / "iter_0000001", _te_extra_state({"scale": 1.0}))
+    exp = _experiment(iter_dir)
+    torch.save({"args": [1, 2], "rng": torch.zeros(2)}, iter_dir / "common.pt")
+    assert checkpoint.pinned_sources(exp).checkpoint.load == str(iter_dir)
+    torch.save({"args": Evil(marker)}, iter_dir / "common.pt")
+    with pytest.raises(ConfigError, match=rf"^checkpoint {iter_dir}: common.pt asks to run posix.system when it is "):
+        checkpoint.pinned_sources(exp)
+    assert not marker.exists()

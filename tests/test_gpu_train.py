@@ -397,6 +397,34 @@ def test_finetune_trains_from_the_loaded_weights(tmp_path: Path) -> None:
         assert abs(got - want) < 0.02 * want
 
 
+
+def test_fp8_checkpoint_starts_another_run(tmp_path: Path) -> None:
+    """An FP8 run's checkpoint as another run's checkpoint.load: its TE extra states (FP8 scales and amax histories,
+    pickled by TE) pass the record check at the start, the whole state continues (finetune: false) at the saved
+    step with the loss where the first run left it, and the weights alone start a fine-tune at step 0."""
+    from mcorekit.train.checkpoint import iter_dir
+    from mcorekit.train.checkpoint_reader import checked_metadata, checked_records
+
+    fp8 = {"precision": {"dtype": "bf16", "fp8": "delayed"}}
+    first = run(tmp_path, "first", {**BASE, **fp8, "schedule": {**BASE["schedule"], "train_iters": 12}})
+    saved = iter_dir(tmp_path / "first" / "checkpoints", 12)
+    metadata = checked_metadata(saved)
+    states = [k for k, v in metadata.state_dict_metadata.items() if "_extra_state" in k and "Bytes" in type(v).__name__]
+    assert states, "an FP8 run saves TE's extra states as bytes records"
+    checked_records(saved, metadata)  # what the start of the next runs does, here in this process
+    load = {"load": str(tmp_path / "first" / "checkpoints")}
+    cont = run(tmp_path, "continued", {**BASE, **fp8, "schedule": {**BASE["schedule"], "train_iters": 16},
+                                       "checkpoint": {**BASE["checkpoint"], **load, "finetune": False}})
+    assert [x["step"] for x in cont] == [13, 14, 15, 16]
+    assert f"continuing from {saved} at step 12" in (tmp_path / "continued" / "stdout.txt").read_text()
+    tuned = run(tmp_path, "tuned", {**BASE, **fp8, "schedule": {**BASE["schedule"], "train_iters": 4},
+                                    "checkpoint": {**BASE["checkpoint"], **load, "finetune": True}})
+    print("fp8 first run's last losses", [round(x["loss"], 4) for x in first[-3:]], "continued",
+          [round(x["loss"], 4) for x in cont], "fine-tune", [round(x["loss"], 4) for x in tuned])
+    assert [x["step"] for x in tuned] == [1, 2, 3, 4]
+    for later in (cont[0]["loss"], tuned[0]["loss"]):  # a random init would start near ln(512) = 6.24
+        assert abs(later - first[-1]["loss"]) < 0.15 * first[-1]["loss"], (later, first[-1]["loss"])
+
 def test_fp16_with_dynamic_loss_scaling(tmp_path: Path) -> None:
     m = run(tmp_path, "fp16", {**BASE, "precision": {"dtype": "fp16"}})
     assert m[-1]["loss"] < m[0]["loss"] - 0.5

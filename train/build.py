@@ -15,6 +15,7 @@ from mcorekit.errors import LayoutError
 from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size
 from mcorekit.models.spec import ModelSpec
 from mcorekit.runtime.env import DistEnv, from_environ, init_process_group
+from mcorekit.train import checkpoint
 from mcorekit.train.fsdp import wrap_chunk
 from mcorekit.train.lora import apply_lora, is_lora
 from mcorekit.train.metrics import startup
@@ -84,6 +85,7 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
     full_graph = use_full_graph(exp, spec, use_te, nodes.gpus, layout_of(exp).dp(ranks.world_size), nodes.capability)
     startup.mark("checks")  # Megatron-Core's and TE's imports happen here: the rules build Megatron-Core's configs
     env = init_distributed(exp, graph_safe_rng=full_graph)
+    exp = checkpoint.pinned_sources(exp)  # before anything reads checkpoint.load or peft.lora.load
     if full_graph:
         use_capture_stream()
     startup.mark("dist_init")
@@ -155,15 +157,11 @@ def _weights_before_wrap(exp: Experiment, ddp_config: Any, checkpoints: Any) -> 
         return None
     from pathlib import Path
 
-    from mcorekit.train import checkpoint
-
     return checkpoint.weights_before_wrap(exp, Path(checkpoints) if checkpoints is not None else None)
 
 
 def _load_before_wrap(path: Any, chunk: Any) -> None:
     import logging
-
-    from mcorekit.train import checkpoint
 
     checkpoint.load_weights(path, [chunk])
     logging.getLogger("mcorekit.train").warning("weights from %s loaded before Megatron-FSDP wraps the model", path)
@@ -183,7 +181,6 @@ def _load_lora_start(exp: Experiment, chunks: list[Any]) -> None:
     adapters from peft.lora.load if given (a converted PEFT adapter); a resume then loads the run's own adapters."""
     from pathlib import Path
 
-    from mcorekit.train import checkpoint
     from mcorekit.train.lora import adapter_start
 
     base = Path(exp.checkpoint.load)

@@ -392,18 +392,36 @@ def read(sharded: dict[str, Any], path: Path, metadata: Any = None, **kwargs: An
     return state
 
 
-def checked_sources(exp: Any) -> None:
-    """The checkpoints a run reads from elsewhere at each start, checked before any loader unpickles their records
+def checked_sources(exp: Any) -> tuple[str | None, str | None]:
+    """The checkpoints a run reads from elsewhere, checked before any loader unpickles their records
     (checkpoint_reader.checked_records): checkpoint.load as its latest iteration (a base to fine-tune or to
     continue, a LoRA base, a DPO reference) and peft.lora.load's adapters. One that is gone is left to the code
-    that would read it."""
+    that would read it. Returns the two as checked (pinned_sources). The launcher calls it before queueing."""
     from mcorekit.train.checkpoint_reader import checked_metadata, checked_records
 
     lora = exp.peft.lora
-    sources = [Path(p) for p in (exp.checkpoint.load, lora.load if lora else None) if p]
-    for path in map(start_of, sources):
+    pinned = _pinned(exp.checkpoint.load), _pinned(lora.load if lora else None)
+    for path in (Path(p) for p in pinned if p):
         if (path / ".metadata").is_file():
             checked_records(path, checked_metadata(path))
+    return pinned
+
+
+def pinned_sources(exp: Any) -> Any:
+    """exp with checkpoint.load and peft.lora.load pinned to the iterations checked_sources checked, on rank 0;
+    every rank takes its answer (or its refusal). Whatever the start reads afterwards (the base, the adapters, the
+    DPO reference at the first step) is what was checked, even if their run saves a newer iteration meanwhile."""
+    load, adapters = rank_zero_choice(lambda: checked_sources(exp))
+    lora = exp.peft.lora.model_copy(update={"load": adapters}) if exp.peft.lora else None
+    return exp.model_copy(update={"checkpoint": exp.checkpoint.model_copy(update={"load": load}),
+                                  "peft": exp.peft.model_copy(update={"lora": lora})})
+
+
+def _pinned(path: str | None) -> str | None:
+    """The iteration a checkpoints root names now (as latest, on this process only), else the path as given (an
+    iteration, a release, a hub id, a folder that is gone)."""
+    found = _latest_on_disk(Path(path)) if path else None
+    return str(found) if found is not None else path
 
 
 def load_base(path: Path, chunks: list[Any]) -> None:

@@ -246,7 +246,8 @@ def checked_records(iter_dir: Path, metadata: Metadata) -> None:
     loaders unpickle these records without restriction, and TE unpickles its extra states itself, so a crafted
     record would run its code there. A record that names anything but data is one error line and nothing of it
     runs; what passes here is what the loaders then unpickle, byte for byte. The run's own checkpoints, which it
-    wrote itself, are not read twice."""
+    wrote itself, are not read twice. A `common.pt` (older Megatron-Core writes the common state there; torch
+    loads it weights-only, which refuses such a file with a traceback) is checked the same way."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     records = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
@@ -258,23 +259,28 @@ def checked_records(iter_dir: Path, metadata: Metadata) -> None:
             raise ConfigError(f"{where} is stored transformed ({', '.join(info.transform_descriptors)}), which "
                               f"mcorekit cannot check before a loader unpickles it; convert it with `mcorekit "
                               f"convert` instead")
-        try:
-            with open(iter_dir / info.relative_path, "rb") as f:
-                f.seek(info.offset)
-                data = f.read(info.length)
-            obj = _weights_only(data)
-            for state in _extra_states(obj) if "_extra_state" in index.fqn else ():
-                _check_extra_state(state)
-        except UnsafeRecord as e:
-            raise ConfigError(f"{where} asks to run {e} when it is unpickled: refusing to load it (a checkpoint "
-                              f"from an untrusted source goes through `mcorekit convert`, which runs nothing of it)"
-                              ) from None
-        except OSError as e:
-            raise ConfigError(f"{where} cannot be read ({e.strerror or e})") from None
-        except Exception as e:  # noqa: BLE001 - unpickling damaged bytes can raise anything
-            first = str(e).strip().splitlines()
-            raise ConfigError(f"{where} is not readable ({type(e).__name__}: {first[0] if first else ''}): a "
-                              f"damaged or incomplete checkpoint") from None
+        _checked(where, iter_dir / info.relative_path, info.offset, info.length, "_extra_state" in index.fqn)
+    if (common := iter_dir / "common.pt").is_file():
+        _checked(f"checkpoint {iter_dir}: {common.name}", common, 0, -1, extra_state=False)
+
+
+def _checked(where: str, file: Path, offset: int, length: int, extra_state: bool) -> None:
+    """One record (`length` bytes at `offset`; -1: to the end) unpickled as checked_records says, or one line."""
+    try:
+        with open(file, "rb") as f:
+            f.seek(offset)
+            obj = _weights_only(f.read(length))
+        for state in _extra_states(obj) if extra_state else ():
+            _check_extra_state(state)
+    except UnsafeRecord as e:
+        raise ConfigError(f"{where} asks to run {e} when it is unpickled: refusing to load it (a checkpoint from an "
+                          f"untrusted source goes through `mcorekit convert`, which runs nothing of it)") from None
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read ({e.strerror or e})") from None
+    except Exception as e:  # noqa: BLE001 - unpickling damaged bytes can raise anything
+        first = str(e).strip().splitlines()
+        raise ConfigError(f"{where} is not readable ({type(e).__name__}: {first[0] if first else ''}): a damaged or "
+                          f"incomplete checkpoint") from None
 
 
 def checked_metadata(iter_dir: Path) -> Metadata:

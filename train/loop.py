@@ -41,8 +41,8 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float | None = None, on_s
     `peak_tflops`, by default the run folder's cluster profile's (config.cluster.gpu_peak_tflops)."""
     peak_tflops = peak_tflops or gpu_peak_tflops(run_dir)
     root = Path(exp.checkpoint.dir or run_dir / "checkpoints")
-    checkpoint.checked_sources(exp)  # before build, which may read checkpoint.load (a LoRA base, FSDP weights)
     t = build(exp, checkpoints=root)
+    exp = t.exp  # checkpoint.load and peft.lora.load pinned to the iterations checked (checkpoint.pinned_sources)
     announce(t, exp)
     task = task_for(exp, t.spec, run_dir)
     stop = StopSignal()
