@@ -377,7 +377,8 @@ def test_paths_that_name_no_checkpoints_root_stay_as_given(model_parallel: None,
 
 
 def test_a_crafted_common_pt_is_refused_in_one_line(model_parallel: None, tmp_path: Path) -> None:
-    """common.pt, where older Megatron-Core wrote the common state: checked as the records are."""
+    """common.pt, where older Megatron-Core wrote the common state: checked as the records are, in checkpoint.load
+    and in the run's own folder at a resume (a run folder can be copied from elsewhere)."""
     from mcorekit.errors import ConfigError
     from mcorekit.train import checkpoint
 
@@ -386,7 +387,9 @@ def test_a_crafted_common_pt_is_refused_in_one_line(model_parallel: None, tmp_pa
     exp = _experiment(iter_dir)
     torch.save({"args": [1, 2], "rng": torch.zeros(2)}, iter_dir / "common.pt")
     assert checkpoint.pinned_sources(exp).checkpoint.load == str(iter_dir)
+    checkpoint.checked_resume(iter_dir)
     torch.save({"args": Evil(marker)}, iter_dir / "common.pt")
-    with pytest.raises(ConfigError, match=rf"^checkpoint {iter_dir}: common.pt asks to run posix.system when it is "):
-        checkpoint.pinned_sources(exp)
+    for check in (lambda: checkpoint.pinned_sources(exp), lambda: checkpoint.checked_resume(iter_dir)):
+        with pytest.raises(ConfigError, match=rf"^checkpoint {iter_dir}: common.pt asks to run posix.system when "):
+            check()
     assert not marker.exists()

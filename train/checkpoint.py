@@ -397,14 +397,25 @@ def checked_sources(exp: Any) -> tuple[str | None, str | None]:
     (checkpoint_reader.checked_records): checkpoint.load as its latest iteration (a base to fine-tune or to
     continue, a LoRA base, a DPO reference) and peft.lora.load's adapters. One that is gone is left to the code
     that would read it. Returns the two as checked (pinned_sources). The launcher calls it before queueing."""
-    from mcorekit.train.checkpoint_reader import checked_metadata, checked_records
-
     lora = exp.peft.lora
     pinned = _pinned(exp.checkpoint.load), _pinned(lora.load if lora else None)
-    for path in (Path(p) for p in pinned if p):
-        if (path / ".metadata").is_file():
-            checked_records(path, checked_metadata(path))
+    for path in pinned:
+        if path:
+            _check(Path(path))
     return pinned
+
+
+def checked_resume(path: Path) -> None:
+    """The run's own checkpoint, checked as checkpoint.load's are, before it is loaded: a run folder can come from
+    elsewhere (copied, shared) as a base can. Rank 0 reads; every rank takes its refusal."""
+    rank_zero_choice(lambda: _check(path))
+
+
+def _check(path: Path) -> None:
+    from mcorekit.train.checkpoint_reader import checked_metadata, checked_records
+
+    if (path / ".metadata").is_file():
+        checked_records(path, checked_metadata(path))
 
 
 def pinned_sources(exp: Any) -> Any:

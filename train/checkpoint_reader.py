@@ -242,11 +242,11 @@ def _extra_states(obj: Any) -> Iterator[torch.Tensor]:
 
 def checked_records(iter_dir: Path, metadata: Metadata) -> None:
     """Every bytes record of a checkpoint from elsewhere (checkpoint.load: a base to fine-tune, a DPO reference, a
-    LoRA base), deserialized here by restricted unpicklers before any loader reads it: torch's and Megatron-Core's
-    loaders unpickle these records without restriction, and TE unpickles its extra states itself, so a crafted
-    record would run its code there. A record that names anything but data is one error line and nothing of it
-    runs; what passes here is what the loaders then unpickle, byte for byte. The run's own checkpoints, which it
-    wrote itself, are not read twice. A `common.pt` (older Megatron-Core writes the common state there; torch
+    LoRA base) or of the run's own folder (which may have been copied from elsewhere), deserialized here by
+    restricted unpicklers before any loader reads it: torch's and Megatron-Core's loaders unpickle these records
+    without restriction, and TE unpickles its extra states itself, so a crafted record would run its code there. A
+    record that names anything but data is one error line and nothing of it runs; what passes here is what the
+    loaders then unpickle, byte for byte. A `common.pt` (older Megatron-Core writes the common state there; torch
     loads it weights-only, which refuses such a file with a traceback) is checked the same way."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
