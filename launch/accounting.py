@@ -141,12 +141,11 @@ def work_dir(job_id: str) -> str | None:
     """The directory job `job_id` ran in (sbatch's working directory, where it was submitted from) as accounting or,
     for a recent job, the controller recorded it; None when neither answers with one."""
     for cmd in (["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "WorkDir"], ["scontrol", "-o", "show", "job", job_id]):
-        if shutil.which(cmd[0]) is None:
+        try:
+            out = _run(cmd)
+        except LaunchError:  # the tool absent or failing (no accounting, a job the controller forgot): ask the next
             continue
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            continue
-        for line in proc.stdout.splitlines():
+        for line in out.splitlines():
             found = line.strip() if cmd[0] == "sacct" else next(iter(re.findall(r"\bWorkDir=(\S+)", line)), "")
             if found.startswith("/"):
                 return found

@@ -32,7 +32,14 @@ def check(exp: Experiment, profile: ClusterProfile) -> tuple[ModelSpec, list[str
     world = world_size(profile, exp.resources.nodes)
     if bad := problems(exp, world, Nodes.of(profile), model):
         raise LayoutError(listed("invalid layout", bad))
-    if (lora := exp.peft.lora) and lora.load and Path(lora.load).is_dir():  # rank, alpha, targets: before queueing
+    lora = exp.peft.lora
+    # a record that would run code when unpickled: refused before queueing, as at training's start (hub ids and
+    # folders this machine lacks have nothing to read here)
+    if any(p and Path(p).is_dir() for p in (exp.checkpoint.load, lora.load if lora else None)):
+        from mcorekit.train.checkpoint import checked_sources  # imports torch (seconds): only with a folder to read
+
+        checked_sources(exp)
+    if lora and lora.load and Path(lora.load).is_dir():  # rank, alpha, targets: before queueing
         from mcorekit.train.lora import adapter_start
 
         adapter_start(lora)

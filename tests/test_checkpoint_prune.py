@@ -110,4 +110,4 @@ def test_resume_finds_the_newest_complete_checkpoint_whatever_the_tracker_says(t
         (tmp_path / checkpoint.TRACKER).write_text(tracker)
     expected = 20 if tracker == "20" else 30  # a tracker naming a complete checkpoint is followed
     assert checkpoint.latest(tmp_path) == checkpoint.iter_dir(tmp_path, expected)
-    assert ("resuming from" in caplog.text) == (tracker != "20")
+    assert ("the newest complete checkpoint under" in caplog.text) == (tracker != "20")

@@ -115,7 +115,7 @@ def _latest_on_disk(root: Path) -> Path | None:
     complete = complete_steps(root) if root.is_dir() else []
     if not complete:
         return None
-    log.warning("resuming from %s, the newest complete checkpoint under %s (its tracker %s)", complete[-1], root,
+    log.warning("taking %s, the newest complete checkpoint under %s (its tracker %s)", complete[-1], root,
                 "names another" if path is not None else "is missing or unreadable")
     return complete[-1]
 
