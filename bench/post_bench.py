@@ -23,10 +23,11 @@ offline), plain-text records of random words. SFT: prompt 256 + response 1792 wo
 padding, and the rows' positions are the tokens the model processes.
 
 Columns:
-  tokens/s    positions of the packed rows per second, median over the logged 2-step intervals after the first (that
-              one holds warm-up, and for dpo-precomputed the reference pass). For DPO both the chosen and the rejected
-              sequence of a pair count: a row of 2048 is one pair. Taken from the run's metrics.jsonl.
-  step s      seconds per optimizer step (8 rows, 16,384 tokens) = tokens per step / tokens/s
+  tokens/s    real tokens per second as the run's metrics.jsonl logs them (a row's positions less its padding; these
+              rows hold none), median over the logged 2-step intervals after the first (that one holds warm-up, and
+              for dpo-precomputed the reference pass). For DPO both the chosen and the rejected sequence of a pair
+              count: a row of 2048 is one pair.
+  step s      seconds per optimizer step (8 rows), median over the same intervals, as metrics.jsonl logs it (step_s)
   peak mem    torch.cuda.max_memory_allocated of the training process, GB (1e9), since it started (metrics.jsonl's
               mem_gb): the most the run ever held at once (start-up included: for LoRA loading the base, for
               dpo-precomputed the reference pass), not the caching allocator's reserve nor the CUDA context
@@ -151,7 +152,8 @@ def write_config(name: str, steps: int, run_dir: Path, work: Path, data: dict[st
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     cfg: dict[str, Any] = {
         "name": f"post-{name}", "model": {"preset": PRESET}, "precision": {"dtype": "bf16"},
-        "data": {"kind": c.kind, "paths": [str(data[c.kind + ("-unseen" if c.lora else "")])], "tokenizer": str(data["tokenizer"]),
+        "data": {"kind": c.kind, "paths": [str(data[c.kind + ("-unseen" if c.lora else "")])],
+                 "tokenizer": str(data["tokenizer"]),
                  "seq_length": SEQ, "packing": True},
         "optimizer": {"lr": c.lr, "min_lr": round(c.lr / 10, 12), "weight_decay": 0.0},
         "schedule": {"train_iters": steps, "warmup_iters": 1, "micro_batch_size": 1,
@@ -276,14 +278,12 @@ def run_case(name: str, steps: int, out: Path, work: Path, port: int, timeout_s:
     if not m:
         return {**row, "error": "no metrics.jsonl rows with tokens_per_s"}
     steady = m[1:] or m
-    tps = statistics.median(x["tokens_per_s"] for x in steady)
-    tokens_per_step = MICRO_BATCHES * SEQ
-    first_steps, step_s = m[0]["step"], tokens_per_step / tps
-    first_s = first_steps * tokens_per_step / m[0]["tokens_per_s"]
+    tps, step_s = (statistics.median(x[k] for x in steady) for k in ("tokens_per_s", "step_s"))
+    first_steps, first_s = m[0]["step"], m[0]["step"] * m[0]["step_s"]
     return {**row, "tokens_per_s": tps, "step_s": step_s, "seq_length": SEQ, "rows_per_step": MICRO_BATCHES,
-            "tokens_per_step": tokens_per_step,
-            # DPO: a row is one pair (its chosen and rejected sequence)
-            **({"pairs_per_s": tps / SEQ} if c.kind == "dpo" else {"sequences_per_s": tps / SEQ}),
+            # a row is one sequence, or one pair (its chosen and rejected sequence)
+            **({"pairs_per_s": MICRO_BATCHES / step_s} if c.kind == "dpo" else
+               {"sequences_per_s": MICRO_BATCHES / step_s}),
             "mem_gb": max(x["mem_gb"] for x in m),
             # the first logged interval beyond its steps at the steady pace: warm-up, and for dpo-precomputed the
             # reference pass over every pair
@@ -324,8 +324,8 @@ def table(results: list[dict]) -> str:
         rows.append(f"| {r['case']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['step_s']:.3f} | {r['mem_gb']:.1f} | "
                     f"{fmt_params(r['trainable_params'])}{saved} | {fmt_bytes(r['ckpt_bytes'])} | {vs_t} | {vs_m} |")
     rows.append(f"\n{PRESET}, bf16, 1 GPU; rows of {SEQ} packed tokens, micro-batch 1, {MICRO_BATCHES} per step; "
-                f"tokens = row positions (DPO: chosen + rejected of a pair in one row); peak mem = "
-                f"max_memory_allocated since the process started")
+                f"tokens = real tokens, here every row position (DPO: chosen + rejected of a pair in one row); "
+                f"peak mem = max_memory_allocated since the process started")
     return "\n".join(rows)
 
 

@@ -71,7 +71,7 @@ def fake_training(fail: set[str]) -> Any:
         with open(run_dir / "metrics.jsonl", "w") as f:
             for step in range(2, steps + 1, 2):
                 f.write(json.dumps({"step": step, "loss": 10.0 - step / 10, "tokens_per_s": 1000.0 * step,
-                                    "mem_gb": 5.0 if lora else 20.0 + step}) + "\n")
+                                    "step_s": 0.5 / step, "mem_gb": 5.0 if lora else 20.0 + step}) + "\n")
         root = Path(cfg["checkpoint"]["dir"])
         (root / f"iter_{steps:07d}").mkdir(parents=True)
         (root / f"iter_{steps:07d}" / "shard").write_bytes(b"x" * (10 if lora else 1000))
@@ -88,13 +88,14 @@ def test_the_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: 
     results = {r["case"]: r for r in json.loads((out / "results.json").read_text())}
     assert list(results) == list(post_bench.CASES)
     full = results["sft-full"]
-    assert full["tokens_per_s"] == 4000.0 and full["step_s"] == 8 * 2048 / 4000.0  # the interval after the first
-    assert full["mem_gb"] == 24.0 and full["ckpt_bytes"] == 1000 + 1 and full["first_interval_s"] == 2 * 8 * 2048 / 2000
+    assert full["tokens_per_s"] == 4000.0 and full["step_s"] == 0.5 / 4  # the interval after the first, as logged
+    assert full["mem_gb"] == 24.0 and full["ckpt_bytes"] == 1000 + 1 and full["first_interval_s"] == 2 * 0.5 / 2
+    assert full["sequences_per_s"] == 8 / (0.5 / 4) and full["first_interval_extra_s"] == 0.5 - 2 * 0.125
     assert results["sft-lora"]["ckpt_bytes"] == 10 + 1 and results["sft-lora"]["mem_gb"] == 5.0
     assert "pairs_per_s" in results["dpo-live"] and "CUDA out of memory" in results["dpo-lora"]["error"]
     assert not list(work.glob("ckpt-*"))  # every checkpoint deleted once measured (the LoRA base at the end)
     table = capsys.readouterr().out
-    assert "| sft-lora | 4.0k | 4.096 | 5.0 | 9.6M | 0.0 MB | 1.00x | 0.21x |" in table
+    assert "| sft-lora | 4.0k | 0.125 | 5.0 | 9.6M | 0.0 MB | 1.00x | 0.21x |" in table
     assert "| dpo-lora | failed: RuntimeError: CUDA out of memory |" in table
 
 

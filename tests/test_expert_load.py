@@ -83,3 +83,62 @@ def test_tokens_dropped_by_the_capacity_factor_are_reported_per_layer_and_in_all
     model(tokens, torch.arange(8).expand(2, 8), attention_mask=None, labels=tokens, loss_mask=torch.ones(2, 8))
     again = load.read_and_reset()  # the counts start again after a read
     assert again["expert_dropped"] == pytest.approx(1 - sum(k for _, k in seen[6:]) / sum(r for r, _ in seen[6:]))
+
+
+def test_tokens_dropped_with_padding_to_capacity_are_reported(deepseek: Path, model_parallel: None,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With moe.pad_to_capacity too (moe_pad_expert_input_to_capacity, the alltoall dispatcher's drop-and-pad path):
+    the router's map is then the capacity's mask, each expert's column holding exactly its capacity, padding slots
+    included; the counts and the dropped share are still the routed slots kept, against Megatron-Core's routing map
+    before its apply_router_token_dropping and the one it returns (kept = routed and within the returned map)."""
+    import dataclasses
+
+    from megatron.core.transformer.moe import router, token_dispatcher
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    from mcorekit.models.megatron import build_gpt, padded_vocab_size, transformer_config
+    from mcorekit.models.spec import from_hf_config, load_hf_config
+    from mcorekit.train.metrics import ExpertLoad
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per router call: routed, kept, padded map
+    drop = router.apply_router_token_dropping
+
+    def recorded(probs: torch.Tensor, routing_map: torch.Tensor, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, out = drop(probs, routing_map, **kw)
+        seen.append((routing_map.clone(), routing_map & out, out.clone()))
+        return probs, out
+
+    monkeypatch.setattr(router, "apply_router_token_dropping", recorded)
+    # the alltoall dispatcher makes a CUDA stream for its device-to-host copies, which drop-and-pad never makes
+    monkeypatch.setattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
+    spec = dataclasses.replace(from_hf_config(load_hf_config(deepseek)), mtp_layers=1)
+    # as config/megatron.py sets moe.capacity_factor 1.0 with moe.pad_to_capacity, and the default dispatcher
+    cfg = transformer_config(spec, cpu_init=True, moe_token_dispatcher_type="alltoall",
+                             moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs",
+                             moe_pad_expert_input_to_capacity=True)
+    model = build_gpt(spec, cfg, padded_vocab_size(spec.vocab_size, 128), use_te=False).train()
+    load = ExpertLoad([model], sequence_parallel=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):  # two micro-batches before the log line
+        tokens = torch.randint(0, spec.vocab_size, (2, 8), generator=g)
+        model(tokens, torch.arange(8).expand(2, 8), attention_mask=None, labels=tokens, loss_mask=torch.ones(2, 8))
+    out = load.read_and_reset()
+    layers = ["2", "3", "mtp_1"]  # the routers' call order in a forward pass
+    topk, experts = spec.moe_router_topk, seen[0][0].shape[1]
+    capacity = get_capacity(16 * topk, experts, 1.0)
+    assert len(seen) == 6 and capacity < 16  # the capacity binds: padding and dropping both happen
+    dispatchers = [m.token_dispatcher for m in model.modules() if isinstance(m, MoELayer)]
+    assert len(dispatchers) == 3 and all(d.drop_and_pad and d.capacity == capacity for d in dispatchers)  # ran padded
+    assert all(m.sum(dim=0).tolist() == [capacity] * experts for _, _, m in seen)  # every column padded to it
+    routed = {layer: sum(int(r.sum()) for r, _, _ in seen[i::3]) for i, layer in enumerate(layers)}
+    kept = {layer: sum(k.sum(dim=0) for _, k, _ in seen[i::3]).tolist() for i, layer in enumerate(layers)}
+    padding = sum(int(m.sum() - k.sum()) for _, k, m in seen)
+    assert all(v == 2 * 16 * topk for v in routed.values()) and padding > 0
+    assert out["expert_tokens"] == kept  # per expert: the routed slots kept, not the padded capacity
+    want = {layer: 1 - sum(kept[layer]) / routed[layer] for layer in layers}
+    assert min(want.values()) > 0  # a capacity factor of 1.0 on random routing drops some slots in every layer
+    assert out["expert_dropped_per_layer"] == pytest.approx(want, abs=1e-4)
+    assert out["expert_dropped_max"] == pytest.approx(max(want.values()))
+    assert out["expert_dropped"] == pytest.approx(1 - sum(map(sum, kept.values())) / sum(routed.values()))

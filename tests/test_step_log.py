@@ -60,9 +60,11 @@ def test_the_first_line_after_a_resume_counts_the_steps_run_and_saves_are_left_o
     row = _rows(tmp_path)[-1]
     tokens = log.tokens_per_step
     assert row["step"] == 1010 and row["tokens_per_s"] == pytest.approx(tokens * 7 / 7.0)
+    assert row["step_s"] == pytest.approx(1.0)
     clock.now += 20.0
     log.step(1020, {"loss": 2.0, "updated": True, "grad_norm": 1.0})
     assert _rows(tmp_path)[-1]["tokens_per_s"] == pytest.approx(tokens * 10 / 20.0)
+    assert _rows(tmp_path)[-1]["step_s"] == pytest.approx(2.0)
 
 
 def test_lora_counts_frozen_weights_grpo_logs_no_loop_rates_dpo_no_perplexity(
@@ -73,7 +75,7 @@ def test_lora_counts_frozen_weights_grpo_logs_no_loop_rates_dpo_no_perplexity(
     grpo, clock = _log(tmp_path / "b", monkeypatch, "grpo")
     clock.now += 5.0
     grpo.step(10, {"loss": 0.1, "updated": True, "grad_norm": 1.0})
-    assert not {"tokens_per_s", "mfu", "tflops_per_gpu"} & set(_rows(tmp_path / "b")[-1])
+    assert not {"step_s", "tokens_per_s", "mfu", "tflops_per_gpu"} & set(_rows(tmp_path / "b")[-1])
     dpo, _ = _log(tmp_path / "c", monkeypatch, "dpo")
     dpo.validation(10, lambda: {"loss": 0.6})
     sft, _ = _log(tmp_path / "d", monkeypatch, "sft")
@@ -143,7 +145,7 @@ def test_tokens_per_s_counts_real_tokens_mfu_every_position_padding_included(
     row = _rows(tmp_path)[-1]
     real = sum(sum(pair) for pair in lengths)
     assert log.tokens_per_step == 8 * seq > real
-    assert row["tokens_per_s"] == pytest.approx(real / 2.0)
+    assert row["tokens_per_s"] == pytest.approx(real / 2.0) and row["step_s"] == 2.0  # 1 step: 9 -> 10
     tflops = log.flops_per_token(1.0) * 8 * seq / 2.0 / 1e12
     assert row["tflops_per_gpu"] == pytest.approx(tflops) and row["mfu"] == pytest.approx(tflops / 989.0)
     clock.now += 2.0

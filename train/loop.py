@@ -139,21 +139,19 @@ def micro_batches(t: Trainer) -> int:
 
 
 class StepLog:
-    """Metrics at logging.log_interval: loss, grad norm, lr, tokens/s, TFLOP/s per GPU, MFU, memory (and loss scale,
-    skipped steps, expert load where they apply); validation results. The time spent validating and saving is left
-    out of tokens/s. tokens/s counts real tokens: SFT's and DPO's rows leave their padding out (tasks/base.RealTokens).
-    TFLOP/s and MFU count the FLOPs the GPU spent, on every position of every row, padding included (Megatron's
-    convention); packed rows are charged the attention within each example. A GRPO step holds its generation: it
-    logs its own rates instead."""
+    """Metrics at logging.log_interval: loss, grad norm, lr, seconds per step, tokens/s, TFLOP/s per GPU, MFU, memory
+    (and loss scale, skipped steps, expert load where they apply); validation results. The time spent validating and
+    saving is left out of the rates. tokens/s counts real tokens: SFT's and DPO's rows leave their padding out
+    (tasks/base.RealTokens). TFLOP/s and MFU count the FLOPs the GPU spent, on every position of every row, padding
+    included (Megatron's convention); packed rows are charged the attention within each example. A GRPO step holds
+    its generation: it logs its own rates instead."""
 
     def __init__(self, t: Trainer, exp: Experiment, run_dir: Path, peak_tflops: float, on_step: Any, task: Task,
                  start_step: int = 0) -> None:
         self.t, self.exp, self.peak_tflops, self.on_step, self.task = t, exp, peak_tflops, on_step, task
         self.writer = MetricsWriter(run_dir, exp.logging.tensorboard, dist.get_rank() == 0, exp.logging.wandb,
                                     exp.name)
-        # padded to capacity, every expert gets exactly its capacity: the counts would say nothing
-        moe = t.spec.is_moe and not exp.moe.pad_to_capacity
-        self.experts = ExpertLoad(t.model, exp.parallel.sequence_parallel) if moe else None
+        self.experts = ExpertLoad(t.model, exp.parallel.sequence_parallel) if t.spec.is_moe else None
         self.tokens_per_step = exp.schedule.global_batch_size * task.rows_per_sample * exp.data.seq_length
         self.timer, self.paused_seconds, self.skipped, self.last_step = time.perf_counter(), 0.0, 0, start_step
         if dist.get_rank() == 0 and task.loop_rates:
@@ -192,7 +190,8 @@ class StepLog:
             flops_per_step = self.flops_per_token(attended) * self.tokens_per_step  # every position: padding too
             tflops = flops_per_step * n / elapsed / dist.get_world_size() / 1e12
             tokens = self.task.tokens.read() if self.task.tokens else self.tokens_per_step * n  # padding left out
-            row.update(tokens_per_s=tokens / elapsed, tflops_per_gpu=tflops, mfu=tflops / self.peak_tflops)
+            row.update(step_s=elapsed / n, tokens_per_s=tokens / elapsed, tflops_per_gpu=tflops,
+                       mfu=tflops / self.peak_tflops)
         if self.exp.precision.dtype == "fp16":
             row.update(loss_scale=float(self.t.optimizer.get_loss_scale()), skipped_steps=self.skipped)
         if self.experts:

@@ -28,8 +28,9 @@ def process_start() -> float:
 
 class Startup:
     """Seconds from process start to the end of each start-up phase (imports, checks: the rules against this node,
-    which import Megatron-Core and TE, distributed init, model built, optimizer built, resume, first step); reported once, at this process's first step: rank 0 prints it as one
-    line and writes <run>/startup.json (the issue: 33 s from start to step 1 on the 3B shape)."""
+    which import Megatron-Core and TE, distributed init, model built, optimizer built, resume, first step); reported
+    once, at this process's first step: rank 0 prints it as one line and writes <run>/startup.json (the issue: 33 s
+    from start to step 1 on the 3B shape)."""
 
     FILE = "startup.json"
 
@@ -86,7 +87,8 @@ class MetricsWriter:
     """Rank 0 writes metrics.jsonl, and TensorBoard and W&B where asked (`wandb`: an experiment's logging.wandb;
     `name`: the run's W&B name when that names none); other ranks hold a no-op writer."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool, wandb: Any = None, name: str | None = None) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool, wandb: Any = None,
+                 name: str | None = None) -> None:
         self.enabled = enabled
         self.jsonl = run_dir / "metrics.jsonl"
         if enabled:
@@ -134,9 +136,12 @@ class ExpertLoad:
     """Tokens routed to each expert, per MoE layer, counted on the GPU by a hook on every router (no host sync
     until it is read). Read it at log time: summed over the data-parallel ranks (and expert-parallel ranks,
     which see other tokens), it gives per-layer counts and the imbalance max/mean (1.0 = perfectly even).
-    With token dropping (moe.capacity_factor: Megatron-Core's moe_expert_capacity_factor, no padding to capacity)
-    the router's routing map is the one after the capacity dropped token-slots: the counts are what was kept, and
-    the slots routed (tokens x top-k) give the share dropped, per layer and over all of them."""
+    With token dropping (moe.capacity_factor: Megatron-Core's moe_expert_capacity_factor) the router's routing map
+    is the one after the capacity dropped token-slots: the counts are what was kept, and the slots routed (tokens x
+    top-k) give the share dropped, per layer and over all of them. Padded to capacity (moe.pad_to_capacity:
+    moe_pad_expert_input_to_capacity) the map is the capacity's own mask instead, every expert's column holding its
+    capacity, padding slots included: a kept slot is then one whose routing prob is not 0 (Megatron-Core's
+    apply_router_token_dropping zeroes the probs of dropped and of padding slots; a routed slot's prob is > 0)."""
 
     def __init__(self, model_chunks: list[Any], sequence_parallel: bool) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
@@ -148,14 +153,19 @@ class ExpertLoad:
             for name, module in chunk.named_modules():
                 if isinstance(module, TopKRouter):
                     c = module.config
-                    drops = c.moe_expert_capacity_factor is not None and not c.moe_pad_expert_input_to_capacity
-                    module.register_forward_hook(functools.partial(self._hook, router_label(name, module), drops))
+                    drops = c.moe_expert_capacity_factor is not None
+                    padded = drops and c.moe_pad_expert_input_to_capacity
+                    module.register_forward_hook(functools.partial(self._hook, router_label(name, module), drops,
+                                                                   padded))
 
-    def _hook(self, layer: str, drops: bool, module: Any, inputs: Any,
+    def _hook(self, layer: str, drops: bool, padded: bool, module: Any, inputs: Any,
               output: tuple[torch.Tensor, torch.Tensor]) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # validation, or the no-grad first pass of a recomputed region (its replay in backward counts)
-        per_expert = output[1].sum(dim=0)
+        probs, routing_map = output
+        if padded:  # the map is every expert's capacity, padding slots too: the kept slots are those with a prob
+            routing_map = routing_map & (probs != 0)
+        per_expert = routing_map.sum(dim=0)
         if layer not in self.counts:
             self.counts[layer] = torch.zeros_like(per_expert)  # int64: exact at any count
             if drops:
@@ -164,7 +174,7 @@ class ExpertLoad:
         # only while capturing)
         self.counts[layer].add_(per_expert)
         if drops:  # every token is routed to top-k experts; the map [tokens, experts] keeps those within capacity
-            self.routed[layer].add_(output[1].shape[0] * module.topk)
+            self.routed[layer].add_(routing_map.shape[0] * module.topk)
 
     def read_and_reset(self) -> dict[str, Any]:
         if not self.counts:
