@@ -419,6 +419,12 @@ def moe_problems(exp: Experiment, lay: Layout, uses_te: bool, model: ModelSpec |
     out += expert_gemm_problems(exp, uses_te, model, capability)
     if exp.moe.pad_to_capacity and exp.moe.capacity_factor is None:
         out.append("moe.pad_to_capacity pads each expert to its capacity, so it needs moe.capacity_factor (e.g. 1.0)")
+    if exp.moe.pad_to_capacity and (exp.moe.expert_bias or (model is not None and model.moe_router_expert_bias)):
+        # Megatron-Core 0.19 (TopKRouter._apply_expert_bias) counts the map after padding for the bias update
+        whose = "moe.expert_bias" if exp.moe.expert_bias else f"the {model.architecture} model's own expert bias"
+        out.append(f"moe.pad_to_capacity with {whose}: Megatron-Core counts each expert's tokens for the bias update "
+                   f"after the padding, so every expert counts its capacity and the bias never moves (no load "
+                   f"balancing); leave moe.pad_to_capacity off (moe.capacity_factor drops tokens without it)")
     return out
 
 

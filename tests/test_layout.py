@@ -153,3 +153,23 @@ def test_launch_check_applies_the_task_to_the_estimate() -> None:
     exp = Experiment.model_validate({"name": "x", "data": {"kind": "dpo", "paths": ["p.jsonl"], "tokenizer": "t"}})
     assert task_memory(exp) == {"rows_per_sample": 2, "reference_copy": True, "lora_rank": None}
     assert task_memory(Experiment(name="x")) == {"rows_per_sample": 1, "reference_copy": False, "lora_rank": None}
+
+
+@pytest.mark.parametrize("bias", ["given", "the model's own"])
+def test_padding_to_capacity_with_an_expert_bias_is_refused(bias: str) -> None:
+    """Megatron-Core's bias update counts the padded routing map: every expert its capacity, so the bias would never
+    move (aux-loss-free balancing silently off)."""
+    from mcorekit.config.rules import moe_problems
+    from mcorekit.models.spec import resolve
+
+    model = resolve("mixtral-tiny", None, {"moe_router_expert_bias": bias != "given"})
+    moe = {"capacity_factor": 1.0, "pad_to_capacity": True, "expert_bias": bias == "given"}
+    e = Experiment.model_validate({"name": "x", "model": {"preset": "mixtral-tiny"}, "moe": moe})
+    want = "moe.expert_bias" if bias == "given" else "the mixtral model's own expert bias"
+    assert [p for p in moe_problems(e, Layout(), True, model) if "bias never moves" in p] == [
+        f"moe.pad_to_capacity with {want}: Megatron-Core counts each expert's tokens for the bias update after the "
+        f"padding, so every expert counts its capacity and the bias never moves (no load balancing); leave "
+        f"moe.pad_to_capacity off (moe.capacity_factor drops tokens without it)"]
+    unpadded = Experiment.model_validate({"name": "x", "model": {"preset": "mixtral-tiny"},
+                                          "moe": {**moe, "pad_to_capacity": False}})
+    assert not any("bias never moves" in p for p in moe_problems(unpadded, Layout(), True, model))
