@@ -411,34 +411,63 @@ def test_stored_log_probs_follow_the_checkpoint_and_the_tokens(tmp_path: Path, t
                                                                           datasets: dict[bool, PreferenceDataset]
                                                                           ) -> None:
     """A checkpoint.load folder that gains a newer iteration gives another reference: its stored log-probs are
-    computed again, not read back."""
+    computed again, not read back. checkpoint.load pinned to that iteration (train() pins it before making the
+    task) names the same reference; the task resolves it once, whatever reads it (every dataset's fingerprint)."""
     from types import SimpleNamespace
 
     from mcorekit.train import checkpoint
     from mcorekit.train.tasks import task_for
+
+    def task_loading(load: Path):  # noqa: ANN202
+        return task_for(dpo_exp(f"data.paths=[{pairs_file}]", f"data.tokenizer={tok}", f"checkpoint.load={load}",
+                                "checkpoint.finetune=true"), SimpleNamespace(vocab_size=256), tmp_path)
 
     base, keys = tmp_path / "base", []
     for step in (10, 20):
         checkpoint.iter_dir(base, step).mkdir(parents=True)
         (checkpoint.iter_dir(base, step) / "metadata.json").write_text("{}")
         (base / checkpoint.TRACKER).write_text(str(step))
-        task = task_for(dpo_exp(f"data.paths=[{pairs_file}]", f"data.tokenizer={tok}", f"checkpoint.load={base}",
-                                "checkpoint.finetune=true"), SimpleNamespace(vocab_size=256), tmp_path)
+        task = task_loading(base)
         keys.append(task._fingerprint("train", datasets[False]))
-        assert task._start() == str(checkpoint.iter_dir(base, step))
+        assert task.start == checkpoint.iter_dir(base, step)
+        pinned = task_loading(checkpoint.iter_dir(base, step))
+        assert pinned.start == checkpoint.iter_dir(base, step)
+        assert pinned._fingerprint("train", datasets[False]) == keys[-1]
     assert keys[0] != keys[1]
     shifted = PreferenceDataset([str(pairs_file)], str(tok), 64, seed=3, packing=False, vocab_size=256)
     shifted.pairs[0] = (shifted.pairs[0][1], shifted.pairs[0][0])  # other tokens from the same files and tokenizer
     assert task._fingerprint("train", shifted) != keys[1]
 
+    calls = []
+    latest = checkpoint.latest
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint, "latest", lambda root: calls.append(root) or latest(root))
+        task = task_loading(base)
+        for _ in range(2):
+            task._fingerprint("train", datasets[False])
+        assert task.start == checkpoint.iter_dir(base, 20) and calls == [base]
+    assert task_for(dpo_exp(), SimpleNamespace(vocab_size=256), tmp_path).start is None
+
 
 def test_building_the_reference_leaves_the_policys_random_streams_as_they_were() -> None:
-    from mcorekit.train.tasks.dpo import random_states_kept
+    """torch's generators and (tracker=True, as frozen_copy asks) Megatron-Core's CUDA RNG tracker, dropout's."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    torch.manual_seed(5)
-    expected = torch.rand(4)
-    torch.manual_seed(5)
-    with random_states_kept():
-        torch.manual_seed(123)  # frozen_copy seeds the copy as the policy was seeded
-        torch.rand(100)
-    assert torch.equal(torch.rand(4), expected)
+    from mcorekit.train.generate import random_states_kept
+
+    tracker = get_cuda_rng_tracker()
+    before = tracker.get_states()
+    policys = {"model-parallel-rng": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    tracker.set_states(dict(policys))
+    try:
+        torch.manual_seed(5)
+        expected = torch.rand(4)
+        torch.manual_seed(5)
+        with random_states_kept(tracker=True):
+            torch.manual_seed(123)  # frozen_copy seeds the copy as the policy was seeded
+            torch.rand(100)
+            tracker.set_states({"model-parallel-rng": torch.tensor([9], dtype=torch.uint8)})  # as its reseed does
+        assert torch.equal(torch.rand(4), expected)
+        assert {k: v.tolist() for k, v in tracker.get_states().items()} == {"model-parallel-rng": [1, 2, 3]}
+    finally:
+        tracker.set_states(before)

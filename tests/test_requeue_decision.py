@@ -114,7 +114,7 @@ def test_a_controller_that_never_answers_is_one_error(tmp_path: Path) -> None:
 
 
 TWO_RANKS = """
-import os, sys, time
+import sys
 import torch.distributed as dist
 from pathlib import Path
 from mcorekit.runtime.requeue import RestartGuard, StopSignal, stop_and_exit
@@ -126,23 +126,51 @@ stop.signum = 12  # USR2 on every rank, as Slurm sends it
 try:
     stop_and_exit(stop, RestartGuard(Path(sys.argv[1]), 3), rank, 5)
 finally:
-    Path(sys.argv[1], f"exit-{rank}").write_text(repr(time.time()))
+    with open(Path(sys.argv[1], "events"), "a") as f:  # appended: the file's order is the order things happened
+        print(f"exit {rank}", file=f)
+    # a gloo group left to interpreter exit at times aborts the process (SIGABRT, "terminate called without an
+    # active exception": its worker thread frees a tensor after Python is gone), more often on a loaded machine
+    dist.destroy_process_group()
 """
 
 
 def test_other_ranks_leave_only_after_rank_0_requeued(tmp_path: Path) -> None:
     """A rank that exits non-zero before rank 0 has requeued can end the job FAILED first (srun, KillOnBadExit), and
-    a chain's afterok children with it; the ranks wait for rank 0's requeue."""
-    bin_dir = tmp_path / "bin"
+    a chain's afterok children with it; the ranks wait for rank 0's requeue. The order is the one the processes
+    wrote their events in (one file, appended), not their clocks': a loaded machine changes no order. The slow
+    `scontrol` gives rank 1 2-3 s to leave first and returns as soon as it has, so a rank that does not wait shows."""
+    bin_dir, events = tmp_path / "bin", tmp_path / "events"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\nsleep 2\n{sys.executable} -c 'import time; print(time.time())' "
-                                      f"> {tmp_path}/requeued\n")
+    (bin_dir / "scontrol").write_text(f"""#!/bin/sh
+echo "scontrol $*" >> '{events}'
+end=$(($(date +%s) + 3))
+until [ "$(date +%s)" -ge "$end" ] || grep -qx 'exit 1' '{events}'; do sleep 0.05; done
+echo requeued >> '{events}'
+""")
     (bin_dir / "scontrol").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="0")
-    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(tmp_path), str(r)], env=env,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    errs = [p.communicate(timeout=120)[1] for p in procs]
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="0",
+               MCOREKIT_REQUEUE_BACKOFF_S="0.1")
+    logs = [tmp_path / f"rank{r}.err" for r in (0, 1)]
+    procs = []
+    for r, log in enumerate(logs):
+        with log.open("w") as err:  # a file, not a pipe: nothing blocks on a full pipe while the other is waited for
+            procs.append(subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(tmp_path), str(r)], env=env,
+                                          stderr=err))
+    deadline = time.monotonic() + 300  # two torch imports and a gloo group, ~15 s here alone: generous when loaded
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # the return codes below fail, with both ranks' stderr
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errs = [log.read_text() for log in logs]
     assert [p.returncode for p in procs] == [REQUEUED, REQUEUED], errs
-    requeued = float((tmp_path / "requeued").read_text())
-    assert float((tmp_path / "exit-1").read_text()) >= requeued, errs
+    order = events.read_text().splitlines()  # scontrol requeue 4242, requeued, exit 0, exit 1 (or 1, 0)
+    assert order[0] == "scontrol requeue 4242", order
+    assert sorted(e for e in order if e.startswith("exit")) == ["exit 0", "exit 1"], order
+    assert "requeued" in order[: order.index("exit 1")], (order, errs)

@@ -156,33 +156,50 @@ def generation_mode(chunks: list[Any], inference: bool) -> Iterator[None]:
     from megatron.core.inference.utils import InferenceMode
 
     modes = [c.training for c in chunks]
-    hooked = [c for c in chunks if getattr(c, "use_forward_hook", False) and getattr(c, "remove_forward_pre_hook_handles", None)]
-    gpu = torch.cuda.is_available()
-    cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state() if gpu else None
-    for c in hooked:
-        c.disable_forward_pre_hook()
-    for c in chunks:
-        c.eval()
-        # FP8 layers (TE's, and the FP8 experts) cache their weights' FP8 copies until told a new step began; the
-        # schedule tells them each training step, generation calls the model directly: recast after the update
-        model = unwrap(c)
-        if hasattr(model, "set_is_first_microbatch"):
-            model.set_is_first_microbatch()
-    if inference:
-        InferenceMode.set_active()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        clear_rope_caches(chunks)
-        InferenceMode.unset_active()
-        for c, mode in zip(chunks, modes):
-            c.train(mode)
+    hooked = [c for c in chunks
+              if getattr(c, "use_forward_hook", False) and getattr(c, "remove_forward_pre_hook_handles", None)]
+    with random_states_kept():  # whatever generation draws or reseeds, training's streams go on as if it never ran
         for c in hooked:
-            c.enable_forward_pre_hook()
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng)
+            c.disable_forward_pre_hook()
+        for c in chunks:
+            c.eval()
+            # FP8 layers (TE's, and the FP8 experts) cache their weights' FP8 copies until told a new step began; the
+            # schedule tells them each training step, generation calls the model directly: recast after the update
+            model = unwrap(c)
+            if hasattr(model, "set_is_first_microbatch"):
+                model.set_is_first_microbatch()
+        if inference:
+            InferenceMode.set_active()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            clear_rope_caches(chunks)
+            InferenceMode.unset_active()
+            for c, mode in zip(chunks, modes):
+                c.train(mode)
+            for c in hooked:
+                c.enable_forward_pre_hook()
+
+
+@contextmanager
+def random_states_kept(tracker: bool = False) -> Iterator[None]:
+    """torch's CPU and CUDA generators as they were before the block, and with `tracker` Megatron-Core's CUDA RNG
+    tracker too (dropout's streams: dpo.frozen_copy reseeds it to rebuild the policy's initial weights mid-run).
+    generation_mode keeps the global generators only: in eval mode nothing draws from the tracker."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    states = get_cuda_rng_tracker().get_states() if tracker else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+        if states is not None:
+            get_cuda_rng_tracker().set_states(states)
 
 
 def clear_rope_caches(chunks: list[Any]) -> None:
@@ -302,7 +319,8 @@ def _dynamic(model: Any, prompts: list[list[int]], sampling: Sampling, eos_id: i
     return out
 
 
-def _plain(chunks: list[Any], prompts: list[list[int]], sampling: Sampling, eos_id: int, vocab_size: int) -> list[list[int]]:
+def _plain(chunks: list[Any], prompts: list[list[int]], sampling: Sampling, eos_id: int,
+           vocab_size: int) -> list[list[int]]:
     """Sampling over the training forward, no KV cache: each step runs the model on every row's whole prefix
     (right-padded; causal attention keeps padding out of the positions that matter) through Megatron's forward-only
     schedule (pipeline stages; one model chunk: choose_backend refuses more), samples on the last stage and
@@ -367,7 +385,8 @@ def _pipelined_next(chunks: list[Any], tokens: torch.Tensor, positions: torch.Te
     result = get_forward_backward_func()(
         forward_step_func=forward, data_iterator=iter([batch]),
         model=chunks, num_microbatches=1, seq_length=span, micro_batch_size=rows, forward_only=True)
-    nxt = result[0]["next"] if ps.is_pipeline_last_stage() else torch.empty(rows, dtype=torch.long, device=tokens.device)
+    on_last_stage = ps.is_pipeline_last_stage()
+    nxt = result[0]["next"] if on_last_stage else torch.empty(rows, dtype=torch.long, device=tokens.device)
     dist.broadcast(nxt, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
     return nxt
 

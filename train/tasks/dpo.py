@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 from contextlib import contextmanager, nullcontext
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 from mcorekit.errors import ConfigError
 from mcorekit.runtime.ranks import any_rank
 from mcorekit.train.data.preference import TOKEN_KEYS, collate, pair_batches
-from mcorekit.train.tasks.base import LossFunc, Task, share_of, step_total, weighted_mean
+from mcorekit.train.tasks.base import LossFunc, Task, share_of, weighted_mean
 from mcorekit.train.tasks.lm import next_token_losses
 
 if TYPE_CHECKING:
@@ -148,6 +149,18 @@ def chosen_tokens(batch: dict[str, Any]) -> torch.Tensor:
     return mask[batch["seq_ids"] < pairs].sum() if "seq_ids" in batch else mask[:pairs].sum()
 
 
+def step_totals(counts: list[list[Any]], device: Any) -> torch.Tensor:
+    """base.step_total of several counts at once: one row per micro-batch, one column per count (pairs, tokens),
+    each column summed over the step and the data-parallel ranks in one all-reduce over the DP group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    rows = [torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device) for c in row]) for row in counts]
+    total = torch.stack(rows).sum(dim=0)  # whole counts in float32: the same sums as step_total's, column by column
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    return total
+
+
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """What next_token_losses cuts for context parallelism and feeds the model: the per-token tensors (and a packed
     row's boundaries), not the per-pair values."""
@@ -193,16 +206,18 @@ class DirectPreferenceOptimization(Task):
         if self.exp.dpo.reference == "live":
             for batch, logps in zip(step, self.reference.logps(step)):  # the last pipeline stage gets them
                 batch["ref_logps"] = logps
-        # a mean over the step's pairs: packed rows hold different numbers of pairs
-        device = step[0]["tokens"].device
-        pairs = step_total([b["pair_ids"].numel() for b in step], device)
+        # a mean over the step's pairs: packed rows hold different numbers of pairs; with sft_weight the NLL's over
+        # the step's chosen response tokens, counted in the same all-reduce
+        sft = bool(self.exp.dpo.sft_weight)
+        counts = [[b["pair_ids"].numel(), chosen_tokens(b)] if sft else [b["pair_ids"].numel()] for b in step]
+        totals = step_totals(counts, step[0]["tokens"].device)
+        pairs = totals[0]
         share = share_of(pairs, len(step))
         self.step_counts = {name: pairs for name in self.metrics}  # validation: means over all its batches' pairs
         token_share = None
-        if self.exp.dpo.sft_weight:
-            chosen = step_total([chosen_tokens(b) for b in step], device)
-            token_share = share_of(chosen, len(step))
-            self.step_counts["nll_loss"] = chosen  # over all their chosen response tokens
+        if sft:
+            token_share = share_of(totals[1], len(step))
+            self.step_counts["nll_loss"] = totals[1]  # over all their chosen response tokens
         for batch in step:
             batch["pair_share"], batch["chosen_share"] = share, token_share
         return [iter(step) for _ in data]
@@ -282,13 +297,17 @@ class DirectPreferenceOptimization(Task):
             dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())
         return values.cpu().numpy()
 
-    def _start(self) -> str | None:
-        """The checkpoint the reference's weights come from, as frozen_copy resolves it: a checkpoint.load folder
-        that gained a newer iteration since the log-probs were stored gives another reference."""
+    @cached_property
+    def start(self) -> Path | None:
+        """The checkpoint the reference's weights come from (checkpoint.load's latest iteration, or the folder
+        itself: an iteration, a release), None without checkpoint.load. Resolved once, at first use (on every rank
+        at the same point: latest is collective), so that the fingerprint and frozen_copy name the same one; a
+        checkpoint.load folder that gained a newer iteration since the log-probs were stored gives another
+        reference."""
         from mcorekit.train import checkpoint
 
         load = self.exp.checkpoint.load
-        return str(checkpoint.latest(Path(load)) or load) if load else None
+        return checkpoint.start_of(load) if load else None
 
     def _fingerprint(self, name: str, data: PreferenceDataset) -> str:
         """What the stored log-probs depend on: the data files, the tokens (and masks) made of them, how pairs were
@@ -306,8 +325,8 @@ class DirectPreferenceOptimization(Task):
         what = {"files": files, "tokenizer": e.data.tokenizer, "tokens": tokens.hexdigest(),
                 "seq_length": e.data.seq_length, "packing": e.data.packing, "pairs": len(data.pairs),
                 "model": e.model.model_dump(mode="json"),
-                "load": self._start(), "dtype": e.precision.dtype, "fp8": e.precision.fp8,
-                "lora": e.peft.lora is not None}
+                "load": None if self.start is None else str(self.start), "dtype": e.precision.dtype,
+                "fp8": e.precision.fp8, "lora": e.peft.lora is not None}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
@@ -352,7 +371,7 @@ class Reference:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if self.chunks is None and not self.lora:
-            self.chunks = frozen_copy(self.t)
+            self.chunks = frozen_copy(self.t, self.task.start)
         chunks = self.t.model if self.lora else self.chunks
         data = [iter(batches) for _ in chunks]
         with torch.no_grad(), self._adapters_off(), evaluation(chunks):
@@ -399,16 +418,18 @@ def evaluation(chunks: list[Any]) -> Iterator[None]:
             c.train(mode)
 
 
-def frozen_copy(t: Trainer) -> list[Any]:
+def frozen_copy(t: Trainer, start: Path | None) -> list[Any]:
     """The starting weights in the policy's layout: one chunk per virtual pipeline stage built as train/build.py
     builds the policy's (models.megatron.build_gpt, Float16Module), without DDP or an optimizer, gradients off.
-    Weights: checkpoint.load's (weights only), else the initial ones, rebuilt from build.init_distributed's seeds.
+    Weights: `start`'s (checkpoint.load resolved, DirectPreferenceOptimization.start; weights only), else the
+    initial ones, rebuilt from build.init_distributed's seeds.
     The schedule reads its sync hooks from the model's config: the copy gets a config without the policy's."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from mcorekit.config.rules import Nodes, uses_te
     from mcorekit.train import checkpoint
+    from mcorekit.train.generate import random_states_kept
 
     exp = t.exp
     config = copy.copy(checkpoint.unwrap(t.model[0]).config)
@@ -417,33 +438,15 @@ def frozen_copy(t: Trainer) -> list[Any]:
     nodes = Nodes.here(t.env.local_rank)
     use_te = uses_te(exp, nodes)
     seed = exp.data.seed + 100 * ps.get_pipeline_model_parallel_rank()  # as build.init_distributed seeds the policy
-    with random_states_kept():
+    # the copy is built from the policy's seeds mid-run: reseeding would restart the policy's dropout streams at
+    # this step (a resumed run then no longer follows the one that was not interrupted)
+    with random_states_kept(tracker=True):
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         chunks = _chunks(t, config, use_te, nodes)
-    if exp.checkpoint.load:
-        start = checkpoint.start_of(exp.checkpoint.load)
+    if start is not None:
         checkpoint.load_weights(start, chunks)
     return chunks
-
-
-@contextmanager
-def random_states_kept() -> Iterator[None]:
-    """torch's CPU and CUDA generators and Megatron-Core's CUDA RNG tracker (dropout's streams) as they were before
-    the block: the reference copy is built from the policy's seeds mid-run, and reseeding would restart the policy's
-    dropout streams at that step (a resumed run then no longer follows the one that was not interrupted)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    tracker = get_cuda_rng_tracker().get_states()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda)
-        get_cuda_rng_tracker().set_states(tracker)
 
 
 def _chunks(t: Trainer, config: Any, use_te: bool, nodes: Any) -> list[Any]:
@@ -459,7 +462,8 @@ def _chunks(t: Trainer, config: Any, use_te: bool, nodes: Any) -> list[Any]:
         chunk = build_gpt(t.spec, config, t.padded_vocab, use_te=use_te, grouped_gemm=config.moe_grouped_gemm,
                           pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                           post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                          vp_stage=vp_stage, torch_expert_gemm=use_torch_expert_gemm(exp, use_te, nodes.capability)).cuda()
+                          vp_stage=vp_stage,
+                          torch_expert_gemm=use_torch_expert_gemm(exp, use_te, nodes.capability)).cuda()
         if config.params_dtype != torch.float32:
             chunk = Float16Module(config, chunk)
         chunk.requires_grad_(False)
