@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from mcorekit.config.loading import load
-from mcorekit.config.values import ENV_KEY_RE, NAME_RE, Strict, no_control, shown, slurm_time
+from mcorekit.config.values import ENV_KEY_RE, MAX_COUNT, NAME_RE, Strict, no_control, shown, slurm_time
 from mcorekit.errors import ConfigError
 
 PROFILES = Path(__file__).resolve().parent.parent / "slurm" / "clusters"  # mcorekit.slurm's data, next to this part
@@ -45,19 +45,19 @@ class ClusterProfile(Strict):
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
-    # counts are strict: lax mode reads `true` as 1 and `2.0` as 2
-    gpus_per_node: int = Field(8, ge=0, strict=True)  # 0: a CPU-only cluster (tests, the dev cluster)
+    # counts are strict (lax mode reads `true` as 1 and `2.0` as 2) and bounded (a huge one went into the script)
+    gpus_per_node: int = Field(8, ge=0, le=MAX_COUNT, strict=True)  # 0: a CPU-only cluster (tests, the dev cluster)
     # only for CPU-only clusters; GPU clusters run one task per GPU
-    tasks_per_node: int | None = Field(None, ge=1, strict=True)
-    cpus_per_task: int = Field(8, ge=1, strict=True)
-    mem_per_gpu_gb: int | None = Field(None, ge=1, strict=True)
+    tasks_per_node: int | None = Field(None, ge=1, le=MAX_COUNT, strict=True)
+    cpus_per_task: int = Field(8, ge=1, le=MAX_COUNT, strict=True)
+    mem_per_gpu_gb: int | None = Field(None, ge=1, le=MAX_COUNT, strict=True)
     # memory per node of a CPU-only job (a chain's convert and export stages: peak about 3x the largest
     # checkpoint shard); GPU jobs take mem_per_gpu_gb, or the site's default
-    cpu_mem_gb: int = Field(32, ge=1, strict=True)
+    cpu_mem_gb: int = Field(32, ge=1, le=MAX_COUNT, strict=True)
     time_limit: str = "04:00:00"
     exclusive: bool = False
-    # USR2 this long before the time limit: enough to save a checkpoint
-    signal_seconds: int = Field(120, ge=10, strict=True)
+    # USR2 this long before the time limit: enough to save a checkpoint; sbatch's --signal=SIG@TIME takes 16 bits
+    signal_seconds: int = Field(120, ge=10, le=2**16 - 1, strict=True)
     gpu_memory_gb: float = Field(80.0, gt=0)
     gpu_peak_tflops_bf16: float = Field(H100_BF16_TFLOPS, gt=0)  # what MFU is measured against
     transformer_engine: bool = True  # FP8 needs it on the nodes
@@ -73,7 +73,7 @@ class ClusterProfile(Strict):
     @field_validator("name", "partition", "account", "qos")
     @classmethod
     def _names(cls, v: str | None) -> str | None:
-        if v is not None and not NAME_RE.match(v):
+        if v is not None and not NAME_RE.fullmatch(v):
             raise ValueError(f"{v!r} must be letters, digits, '.', '_' or '-'")
         return v
 
@@ -86,7 +86,7 @@ class ClusterProfile(Strict):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         for key in v:
-            if not ENV_KEY_RE.match(key):
+            if not ENV_KEY_RE.fullmatch(key):
                 raise ValueError(f"environment variable name {key!r} is not a valid shell identifier")
         return {k: no_control(str(val), f"environment value of {k}") for k, val in v.items()}
 
@@ -124,7 +124,7 @@ def _absolute_run_root(profile: ClusterProfile, path: Path, overrides: list[str]
 def load_profile(name_or_path: str | Path, overrides: list[str] | None = None) -> ClusterProfile:
     """A profile by path, or by name from slurm/clusters/<name>.yaml; its run_root made absolute."""
     p = Path(name_or_path)
-    if not p.suffix and NAME_RE.match(str(name_or_path)):  # a bare name; anything else is a path
+    if not p.suffix and NAME_RE.fullmatch(str(name_or_path)):  # a bare name; anything else is a path
         p = PROFILES / f"{name_or_path}.yaml"
         if not p.is_file():
             known = sorted(q.stem for q in PROFILES.glob("*.yaml"))

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from mcorekit.config.loading import load
-from mcorekit.config.values import NAME_RE, Strict, no_control, slurm_time
+from mcorekit.config.values import MAX_COUNT, NAME_RE, Strict, no_control, slurm_time
 from mcorekit.models.parallel import Layout
 
 
@@ -22,15 +22,21 @@ class ModelConfig(Strict):
     # fused SDPA attention; auto: te where Transformer Engine is importable, else local
     backend: Literal["auto", "te", "local"] = "auto"
 
+    @field_validator("hf_config")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        return None if v is None else no_control(v, "HF config path")
 
-# Every integer setting is strict (strict=True): pydantic's lax mode would read `true` as 1 and `2.0` as 2.
+
+# Every integer setting is strict (strict=True): pydantic's lax mode would read `true` as 1 and `2.0` as 2; and
+# bounded (le=): a huge value would otherwise pass here and fail only on the nodes, after the queue.
 class ParallelConfig(Strict):
-    tp: int = Field(1, ge=1, strict=True)
-    pp: int = Field(1, ge=1, strict=True)
-    vpp: int | None = Field(None, ge=1, strict=True)  # virtual stages per pipeline rank (interleaved schedule)
-    cp: int = Field(1, ge=1, strict=True)
-    ep: int = Field(1, ge=1, strict=True)
-    etp: int = Field(1, ge=1, strict=True)  # expert tensor parallel size
+    tp: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
+    pp: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
+    vpp: int | None = Field(None, ge=1, le=MAX_COUNT, strict=True)  # virtual stages per pipeline rank (interleaved)
+    cp: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
+    ep: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
+    etp: int = Field(1, ge=1, le=MAX_COUNT, strict=True)  # expert tensor parallel size
     sequence_parallel: bool = False
     # fully sharded data parallel through Megatron-FSDP: what is sharded over the data-parallel ranks (ZeRO-1/2/3
     # style). None: plain DDP, with optimizer.distributed sharding the optimizer state as before
@@ -55,7 +61,7 @@ class MoEConfig(Strict):
     expert_gemm: Literal["auto", "te", "torch"] = "auto"
     dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
     # FFN size of the shared expert(s) every token also passes through
-    shared_expert_ffn: int | None = Field(None, ge=1, strict=True)
+    shared_expert_ffn: int | None = Field(None, ge=1, le=MAX_COUNT, strict=True)
     shared_expert_overlap: bool = False  # overlap the shared expert with the token dispatch (alltoall/allgather)
     permute_fusion: bool = True
     router_fusion: bool = False  # TE's fused top-k + softmax + aux loss
@@ -73,7 +79,7 @@ class DataConfig(Strict):
     # validates on its own stream without it)
     valid_paths: list[str] = Field(default_factory=list)
     tokenizer: str | None = None  # an HF tokenizer directory (sft; indexed takes its eod from the .idx side-car)
-    seq_length: int = Field(2048, ge=1, strict=True)
+    seq_length: int = Field(2048, ge=1, le=MAX_COUNT, strict=True)
     packing: bool = False  # sft: several conversations per sequence, attention kept within each
     dynamic_batching: bool = False
     cache_dir: str | None = None  # dataset index caches; default <run dir>/data_cache
@@ -120,12 +126,12 @@ class GRPOConfig(Strict):
     """Group relative policy optimisation (data.kind=grpo, train/tasks/grpo.py): per prompt a group of samples from
     the policy itself, rewards, group-normalised advantages, the clipped policy-gradient loss and a KL penalty."""
 
-    group_size: int = Field(8, ge=2, strict=True)  # G: samples per prompt
+    group_size: int = Field(8, ge=2, le=MAX_COUNT, strict=True)  # G: samples per prompt
     # the step's global batch is prompts_per_step x group_size sequences
-    prompts_per_step: int = Field(8, ge=1, strict=True)
+    prompts_per_step: int = Field(8, ge=1, le=MAX_COUNT, strict=True)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)  # 1.0: no nucleus filtering
-    max_new_tokens: int = Field(256, ge=1, strict=True)
+    max_new_tokens: int = Field(256, ge=1, le=MAX_COUNT, strict=True)
     clip_low: float = Field(0.2, ge=0, lt=1)  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO: high 0.28)
     clip_high: float = Field(0.2, ge=0)
     kl_coeff: float = Field(0.0, ge=0)  # beta of the k3 KL penalty to the reference (0: no reference model)
@@ -144,7 +150,7 @@ class GRPOConfig(Strict):
 
 
 class LoraConfig(Strict):
-    rank: int = Field(16, ge=1, strict=True)
+    rank: int = Field(16, ge=1, le=MAX_COUNT, strict=True)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     # Megatron-Core's linear layers: qkv (attention in), proj (attention out), fc1, fc2 (MLP in/out)
@@ -176,18 +182,21 @@ class OptimizerConfig(Strict):
     distributed: bool = True
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
-    bucket_size: int | None = Field(40_000_000, ge=1, strict=True)  # parameters per gradient bucket; null = one bucket
+    # parameters per gradient bucket; null = one bucket
+    bucket_size: int | None = Field(40_000_000, ge=1, le=MAX_COUNT, strict=True)
     tp_comm_overlap: bool = False
 
 
 class ScheduleConfig(Strict):
-    train_iters: int = Field(1000, ge=1, strict=True)
-    warmup_iters: int = Field(100, ge=0, strict=True)
+    train_iters: int = Field(1000, ge=1, le=MAX_COUNT, strict=True)
+    warmup_iters: int = Field(100, ge=0, le=MAX_COUNT, strict=True)
     decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
-    micro_batch_size: int = Field(1, ge=1, strict=True)
-    global_batch_size: int = Field(8, ge=1, strict=True)
-    eval_interval: int = Field(0, ge=0, strict=True)  # validation loss every N steps and at the end; 0 = none
-    eval_iters: int = Field(10, ge=1, strict=True)  # global batches per validation (the same ones every time)
+    micro_batch_size: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
+    global_batch_size: int = Field(8, ge=1, le=MAX_COUNT, strict=True)
+    # validation loss every N steps and at the end; 0 = none
+    eval_interval: int = Field(0, ge=0, le=MAX_COUNT, strict=True)
+    # global batches per validation (the same ones every time)
+    eval_iters: int = Field(10, ge=1, le=MAX_COUNT, strict=True)
     # one CUDA graph for each step's forward and backward passes (Megatron-Core's full-iteration graph): the GPU
     # replays the step's kernels without the host launching each. auto: where it applies (rules.full_graph_blockers
     # lists what it does not cover yet); true: the same, and an error where it does not apply; false: never
@@ -197,16 +206,17 @@ class ScheduleConfig(Strict):
 class RecomputeConfig(Strict):
     granularity: Literal["none", "selective", "full"] = "none"
     method: Literal["uniform", "block"] = "uniform"
-    num_layers: int = Field(1, ge=1, strict=True)
+    num_layers: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
     # selective: which submodules to recompute (Megatron-Core names: core_attn, mlp, moe, moe_act, layernorm, ...)
     modules: list[str] = Field(default_factory=lambda: ["core_attn"])
-    offload_layers: int = Field(0, ge=0, strict=True)  # layers whose activations go to host memory (Transformer Engine)
+    # layers whose activations go to host memory (Transformer Engine)
+    offload_layers: int = Field(0, ge=0, le=MAX_COUNT, strict=True)
 
 
 class CheckpointConfig(Strict):
     dir: str | None = None  # default: <run dir>/checkpoints
-    save_interval: int = Field(500, ge=1, strict=True)
-    keep_last: int = Field(3, ge=1, strict=True)
+    save_interval: int = Field(500, ge=1, le=MAX_COUNT, strict=True)
+    keep_last: int = Field(3, ge=1, le=MAX_COUNT, strict=True)
     # write in the background (a thread) while training continues, from a copy made first: on the GPU where it has
     # room for one (each rank's share of the checkpoint next to the steps' peak; the run's mem_gb then includes
     # it), else in pinned host memory (3B shape, 36.6 GB: the loop blocked 14 s on one H200 the first time)
@@ -228,16 +238,17 @@ class WandbConfig(Strict):
 
 
 class LoggingConfig(Strict):
-    log_interval: int = Field(10, ge=1, strict=True)
+    log_interval: int = Field(10, ge=1, le=MAX_COUNT, strict=True)
     tensorboard: bool = False  # also write <run>/tensorboard (metrics always go to <run>/metrics.jsonl)
     wandb: WandbConfig | None = None  # also log to Weights & Biases (the optional `wandb` extra)
 
 
 class ResourcesConfig(Strict):
-    nodes: int = Field(1, ge=1, strict=True)
+    nodes: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
     time: str | None = None  # HH:MM:SS or D-HH:MM:SS; default: the profile's time limit
     exclusive: bool | None = None  # default: the profile's choice
-    max_restarts: int = Field(5, ge=0, strict=True)
+    # Slurm counts a job's restarts in 16 bits (restart_cnt, SLURM_RESTART_COUNT): a cap above that never applies
+    max_restarts: int = Field(5, ge=0, le=2**16 - 1, strict=True)
 
     @field_validator("time", mode="before")
     @classmethod
@@ -265,7 +276,7 @@ class Experiment(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError(
                 f"name {v!r} must be 1-64 characters of letters, digits, '.', '_' or '-' (it becomes the Slurm job name)"
             )

@@ -12,9 +12,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# \Z, not $: `$` also matches before a final newline, so "debug\n" passed a .match and split its #SBATCH line
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+# The largest count a setting may be (int32): what Slurm's 32-bit job fields and the int32 sizes Megatron-Core and
+# torch hand to C++/CUDA hold; a product of two (samples = train_iters x global_batch_size) still fits int64.
+MAX_COUNT = 2**31 - 1
 
 
 def no_control(value: str, what: str) -> str:
@@ -33,6 +37,10 @@ def shown(path: str | Path) -> str:
 class Strict(BaseModel):
     # NaN or infinity is never a meaningful setting (YAML reads `.nan` and `.inf` as floats)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+# sbatch reads --time=MINUTES into a C int of seconds (time_str2secs: minutes x 60): more would overflow it
+MAX_TIME_MINUTES = (2**31 - 1) // 60
 
 
 def slurm_time(value: object) -> object:
@@ -61,4 +69,7 @@ def parse_time_minutes(value: str) -> int:
         secs = int(a) * 60
     if secs <= 0:
         raise ValueError(f"time {value!r} must be positive")
+    if -(-secs // 60) > MAX_TIME_MINUTES:
+        raise ValueError(f"time {value!r} is longer than Slurm takes (at most {MAX_TIME_MINUTES} minutes, "
+                         f"about 68 years)")
     return -(-secs // 60)

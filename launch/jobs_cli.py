@@ -21,6 +21,7 @@ from mcorekit.config.cluster import load_profile
 from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import LaunchError
 from mcorekit.launch import accounting, diagnose
+from mcorekit.launch.api import SWEEP_SUFFIX
 from mcorekit.options import count, index, positive_float
 from mcorekit.launch.submit import REGISTRY
 
@@ -30,6 +31,7 @@ CANCEL_ID_RE = re.compile(r"(\d+)(?:_(\d+)|_\[(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)\]
 MAX_CANCEL_TASKS = 100_000  # an array range larger than any array we submit (sweeps stop at 1000 points)
 POLL_S = 1.0
 UNKNOWN_GRACE_S = 2.0  # how long a job Slurm does not know may be an accounting lag, not a wrong id
+REUSED = "ID REUSED"  # status's state for a job id whose Slurm job is another one (reused())
 
 
 # ---------------------------------------------------------------- the registry
@@ -110,6 +112,26 @@ def _not_ours(job: str, owned: Owned, path: Path) -> str:
     return f"job {job} is not in {shown(path)} (this project's jobs; see `mcorekit status`)"
 
 
+def slurm_names(entries: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """Job id (an array's base id) -> the job names Slurm shows for it: the registry's name, and a sweep's array
+    name (its first point's name + SWEEP_SUFFIX). Slurm reuses ids (a reset cluster, another cluster sharing this
+    run root): an id of ours whose job bears another name is someone else's job."""
+    names: dict[str, set[str]] = {}
+    for e in entries:
+        own = {e["name"], e["name"] + SWEEP_SUFFIX} if e.get("kind") == "sweep" else {e["name"]}
+        names.setdefault(e["job_id"].split("_")[0], set()).update(own)
+    return names
+
+
+def reused(rec: accounting.JobRecord | None, names: dict[str, set[str]]) -> str | None:
+    """'Slurm's job 12 is named 'x', not 'y'' when Slurm's job of that id is not the one the registry holds."""
+    base = (rec.job_id if rec else "").split("_")[0]
+    if rec is None or not rec.name or base not in names or rec.name in names[base]:
+        return None  # an empty name (some squeue outputs) proves nothing either way
+    ours = " or ".join(repr(n) for n in sorted(names[base]))
+    return f"Slurm's job {rec.job_id} is named {rec.name!r}, not {ours}: the id was reused by another job"
+
+
 def _run_root(args: argparse.Namespace) -> Path:
     """--runs as given (from here), else the profile's run root, absolute whatever the current directory."""
     return Path(args.runs).resolve() if args.runs else Path(load_profile(args.cluster).run_root)
@@ -136,12 +158,12 @@ def _parents(entry: dict[str, Any]) -> list[str]:
 
 
 def _dependency_failed(entry: dict[str, Any], records: dict[str, accounting.JobRecord],
-                       names: dict[str, str]) -> str | None:
+                       names: dict[str, str], slurm: dict[str, set[str]]) -> str | None:
     """'dependency failed: job 34 (x-train) ended FAILED' for a child that Slurm ended because a parent did not
     complete (--kill-on-invalid-dep: the child shows only CANCELLED)."""
     for parent in _parents(entry):
         rec = records.get(parent)
-        if rec is not None and rec.final and rec.state != "COMPLETED":
+        if rec is not None and rec.final and rec.state != "COMPLETED" and not reused(rec, slurm):
             named = f" ({names[parent]})" if parent in names else ""
             return f"dependency failed: job {parent}{named} ended {rec.state}"
     return None
@@ -156,7 +178,8 @@ def status_rows(root: Path, last: int) -> list[dict[str, Any]]:
     # an array's pending tasks are one line (BASE_[a-b]) that only the array's own id finds
     arrays = [e["job_id"].split("_")[0] for e in entries if "_" in e["job_id"]]
     records = accounting.sacct(list(dict.fromkeys([e["job_id"] for e in entries] + parents + arrays)))
-    names = {e["job_id"]: e["name"] for e in _registry_quiet(root)}
+    everything = _registry_quiet(root)
+    names, slurm = {e["job_id"]: e["name"] for e in everything}, slurm_names(everything)
     rows = []
     for e in entries:
         ids = [k for k in records if k == e["job_id"] or k.startswith(e["job_id"] + "_")] or [e["job_id"]]
@@ -164,11 +187,16 @@ def status_rows(root: Path, last: int) -> list[dict[str, Any]]:
             rec = accounting.record_for(records, jid)
             texts = [p.read_text(errors="replace") for p in diagnose.log_files(Path(e["run_dir"]), jid)]
             step = diagnose.last_step(texts)
-            why = None
+            why = reused(rec, slurm)
+            if why:  # another job's state, exit code and times are not this run's: none of them is shown
+                rec, state = None, REUSED
+            else:
+                state = rec.state if rec else "UNKNOWN"
             if rec and rec.state not in ("COMPLETED", "RUNNING", "PENDING"):
-                why = (_dependency_failed(e, records, names) if rec.state == "CANCELLED" else None) or diagnose.diagnose(texts)
+                failed = _dependency_failed(e, records, names, slurm) if rec.state == "CANCELLED" else None
+                why = failed or diagnose.diagnose(texts)
             rows.append({"job": jid, "name": e["name"], "kind": str(e.get("kind", "")),
-                         "state": rec.state if rec else "UNKNOWN", "exit": rec.exit_code if rec else "",
+                         "state": state, "exit": rec.exit_code if rec else "",
                          "elapsed": rec.elapsed if rec else "", "restarts": rec.restarts if rec else None,
                          "last_step": step, "diagnosis": why, "run_dir": e["run_dir"],
                          "dependency": e.get("dependency")})
@@ -194,15 +222,17 @@ def status(args: argparse.Namespace) -> int:
         print(f"no jobs recorded under {shown(root)}")
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"mcorekit jobs ({shown(root)})")
+    # rich reads strings as markup: a log line's "[enforce fail at x.cc:603]" would vanish or raise; data is escaped
+    table = Table(title=escape(f"mcorekit jobs ({shown(root)})"))
     for col in ("job", "name", "kind", "state", "exit", "elapsed", "restarts", "last step", "diagnosis"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["job"], r["name"], r["kind"], r["state"], r["exit"], r["elapsed"],
-                      "" if r["restarts"] is None else str(r["restarts"]), "" if r["last_step"] is None else str(r["last_step"]),
-                      r["diagnosis"] or "")
+        cells = (r["job"], r["name"], r["kind"], r["state"], r["exit"], r["elapsed"], r["restarts"], r["last_step"],
+                 r["diagnosis"])
+        table.add_row(*(escape("" if c is None else str(c)) for c in cells))
     Console(width=200).print(table)
     return 0
 
@@ -222,14 +252,22 @@ def _print_new(path: Path, pos: int) -> int:
     return pos + len(chunk)
 
 
-def _follow(job: str, path: Path, wait_s: float) -> int:
+def _slurm_record(job: str, names: dict[str, set[str]]) -> accounting.JobRecord | None:
+    """accounting.job_record; a LaunchError when Slurm's job of that id is another one than the registry's."""
+    rec = accounting.job_record(job)
+    if why := reused(rec, names):
+        raise LaunchError(f"{why}; its state says nothing about this project's job")
+    return rec
+
+
+def _follow(job: str, path: Path, wait_s: float, names: dict[str, set[str]]) -> int:
     """Print the log as it grows until the job ends: exit 0 if it COMPLETED, 1 if it ended otherwise (after the
     log's last lines and one line saying how it ended). Stops with an error when Slurm knows no such job or task,
     or when the log has not appeared after wait_s seconds while the job is pending or running."""
     pos, start, unknown_since, said_pending = 0, time.monotonic(), None, False
     while True:
         pos = _print_new(path, pos)
-        rec = accounting.job_record(job)
+        rec = _slurm_record(job, names)
         now = time.monotonic()
         if rec is None:
             unknown_since = unknown_since or now
@@ -279,7 +317,8 @@ def _check_rank(job: str, rank: int, run_dir: Path) -> None:
 
 def logs(args: argparse.Namespace) -> int:
     root = _run_root(args)
-    owned = Owned.of(_registry(root))
+    entries = _registry(root)
+    owned, names = Owned.of(entries), slurm_names(entries)
     base, task = JOB_ID_RE.fullmatch(args.job).groups()
     entry = owned.entry(int(base), None if task is None else int(task))
     if entry is None:
@@ -291,9 +330,9 @@ def logs(args: argparse.Namespace) -> int:
     _check_rank(args.job, args.rank, Path(entry["run_dir"]))
     path = Path(entry["run_dir"]) / "logs" / f"{args.job}_{args.rank}_log.{'err' if args.stderr else 'out'}"
     if args.follow:
-        return _follow(args.job, path, args.wait)
+        return _follow(args.job, path, args.wait, names)
     if not path.exists():
-        rec = accounting.job_record(args.job)
+        rec = _slurm_record(args.job, names)
         if rec is None:
             raise LaunchError(f"job {args.job}: Slurm has no such job or array task; check the id with `mcorekit status`")
         if rec.final:
@@ -329,10 +368,10 @@ def parse_cancel_ids(text: str) -> list[tuple[str, int, list[int] | None]]:
     return items
 
 
-def _ended(base: int, tasks: list[int] | None) -> str | None:
+def _ended(records: dict[str, accounting.JobRecord], base: int, tasks: list[int] | None) -> str | None:
     """The final state(s) of a job, or of the named tasks of an array, when all of them have ended (COMPLETED,
-    FAILED, ...); None while any still pends or runs, or when Slurm does not know it yet (scancel then answers)."""
-    records = accounting.sacct([str(base)])
+    FAILED, ...), from sacct's records of job `base`; None while any still pends or runs, or when Slurm does not
+    know it yet (scancel then answers)."""
     if tasks is None:
         mine = [r for k, r in records.items() if k == str(base) or k.startswith(f"{base}_")]
     else:
@@ -350,7 +389,8 @@ def _ended(base: int, tasks: list[int] | None) -> str | None:
 
 def cancel(args: argparse.Namespace) -> int:
     root = _run_root(args)
-    owned = Owned.of(_registry(root))
+    entries = _registry(root)
+    owned = Owned.of(entries)
     items = [it for text in args.job for it in parse_cancel_ids(text)]
     foreign = []
     for item, base, tasks in items:  # every id is checked before scancel sees any
@@ -365,7 +405,13 @@ def cancel(args: argparse.Namespace) -> int:
         raise LaunchError(f"not this project's job{'s' if len(foreign) > 1 else ''}: {', '.join(foreign)} (not in "
                           f"{shown(root / REGISTRY)}); nothing was cancelled")
     ids = [item for item, _, _ in items]
-    states = {item: _ended(base, tasks) for item, base, tasks in items}
+    records = {base: accounting.sacct([str(base)]) for _, base, _ in items}
+    names = slurm_names(entries)
+    # an array's tasks share its name: every record of the job tells whether Slurm's job of that id is ours
+    for rec in (r for base, found in records.items() for k, r in found.items() if k.split("_")[0] == str(base)):
+        if why := reused(rec, names):
+            raise LaunchError(f"{why}; nothing was cancelled")
+    states = {item: _ended(records[base], base, tasks) for item, base, tasks in items}
     ended = [f"{item} already {state}" for item, state in states.items() if state]
     if ended:
         live = [item for item, state in states.items() if not state]

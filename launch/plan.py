@@ -67,9 +67,16 @@ def unseen_inputs(exp: Experiment) -> list[str]:
             if absent := [f for f in files if not Path(f).expanduser().is_file()]:
                 out.append(f"{key}: {', '.join(absent)} not found on this machine; the job fails at its start unless "
                            f"its nodes see it")
-    for key, folder in (("data.tokenizer", d.tokenizer), ("checkpoint.load", exp.checkpoint.load)):
+    lora = exp.peft.lora
+    for key, folder in (("data.tokenizer", d.tokenizer), ("checkpoint.load", exp.checkpoint.load),
+                        ("peft.lora.load", lora.load if lora else None)):
         if folder and not is_hub_id(folder) and not Path(folder).expanduser().is_dir():
             out.append(f"{key}: no folder {folder} on this machine; the job fails at its start unless its nodes see it")
+    for reward in exp.grpo.rewards:  # a file is only looked for: importing it here would run the user's code
+        where = reward.function.rpartition(":")[0]
+        if (where.endswith(".py") or "/" in where) and not Path(where).expanduser().is_file():
+            out.append(f"grpo.rewards: {reward.function}: no file {where} on this machine; the job fails at its "
+                       f"start unless its nodes see it")
     return out
 
 

@@ -6,6 +6,7 @@ Every user-fixable problem is an MCoreKitError: printed as one line `mcorekit: e
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Callable
 
@@ -105,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
 
         module = importlib.import_module(module_name)
         return int(module.main(command, rest) or 0)
-    except BrokenPipeError:  # output piped into head & co.
-        sys.stderr.close()
-        return 0
+    except BrokenPipeError:  # output piped into head & co., which stopped reading
+        sys.stderr.close()  # the pipe may be stderr too; and no "Exception ignored" at exit
+        # not 0: the command may have stopped before its work (a launch before sbatch); 141 = 128 + SIGPIPE, what a
+        # shell reports for a tool that SIGPIPE ended, so `set -o pipefail` treats mcorekit as any other tool
+        return 128 + signal.SIGPIPE
     except (MCoreKitError, OSError, RuntimeError) as e:  # bad input or the machine's state: one line, no traceback
         if (line := one_line(e)) is None:
             raise  # a bug: its traceback
