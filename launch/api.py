@@ -22,8 +22,8 @@ from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError
 from mcorekit.hub import HUB_ID_RE, is_hub_id
 from mcorekit.launch.plan import check
-from mcorekit.launch.submit import (REGISTRY, Built, JobSpec, build, check_writable, cli_command,
-                                    literal_env_warnings, record, removed_on_error, scancel, submit_built, submit_one,
+from mcorekit.launch.submit import (REGISTRY, Built, JobSpec, Run, build, check_writable, cli_command,
+                                    literal_env_warnings, next_name, record, run_folder, scancel, submit_one,
                                     train_command)
 from mcorekit.models.spec import ModelSpec
 from mcorekit.outputs import write_atomic
@@ -41,11 +41,18 @@ class Prepared:
     # a resumed folder whose config.yaml held relative paths: the job reads it, so the submission rewrites it
     config_resolved: bool = False
 
-    def save(self) -> None:
-        """Write the resolved experiment and profile into the run directory, next to logs/."""
-        self.spec.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.spec.run_dir / "config.yaml").write_text(dump(self.experiment))
-        (self.spec.run_dir / "cluster.yaml").write_text(dump(self.profile))
+    def save(self, run_dir: Path | None = None) -> None:
+        """Write the resolved experiment and profile into the run folder (default: the spec's), next to logs/, each
+        file whole or not at all. A launch writes them into the folder it claimed (see submit.run_folder)."""
+        run_dir = run_dir or self.spec.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "config.yaml", dump(self.experiment))
+        write_atomic(run_dir / "cluster.yaml", dump(self.profile))
+
+    def move(self, run_dir: Path) -> None:
+        """Point the job at another run folder: the one its launch claimed, when the planned name was taken."""
+        self.spec.run_dir = run_dir
+        self.spec.task_command = train_command(self.profile, run_dir)
 
     def save_config(self) -> None:
         """Rewrite config.yaml with the resolved experiment, whole or not at all (it is the run's only copy)."""
@@ -57,11 +64,11 @@ class Prepared:
 
 
 def new_run_dir(profile: ClusterProfile, name: str) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(profile.run_root).resolve() / f"{name}-{stamp}"
-    run_dir, n = base, 1
-    while run_dir.exists():  # two launches in the same second get distinct folders
-        run_dir, n = base.with_name(f"{base.name}.{n}"), n + 1
+    """The folder planned for a new run, <run_root>/<name>-<stamp>[.N]; nothing is created. The submission claims
+    it (submit.claim), and takes the next .N if another launch of the same second took it by then."""
+    run_dir = Path(profile.run_root).resolve() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    while run_dir.exists() or run_dir.is_symlink():
+        run_dir = next_name(run_dir)
     return run_dir
 
 
@@ -210,10 +217,18 @@ def cli_payload(argv: list[str]) -> CliPayload:
 
 
 def submit_prepared(p: Prepared, payload: Callable[[], Any] | None = None, kind: str = "train") -> Any:
+    """Submit a new run: its folder is claimed first (p moves to it if the planned name was taken), then the job
+    and its payload are made for that folder."""
     if payload is None:
         require_gpus(p.profile)
-    job = submit_one(p.job(), payload or training_payload(p.spec.run_dir), kind, save=p.save)
-    log.info("submitted %s job %s (%s)", kind, job.job_id, p.spec.run_dir)
+    p.job()  # a job the profile cannot build is refused before anything is created
+    check_writable(p.spec.run_dir.parent)
+    with run_folder(p.spec.run_dir) as run:
+        p.move(run.path)
+        p.save()
+        [job] = run.submit(p.job(), [payload or training_payload(run.path)])
+        record(run.path.parent, job_id=job.job_id, name=p.spec.name, kind=kind, run_dir=str(run.path))
+    log.info("submitted %s job %s (%s)", kind, job.job_id, run.path)
     return job
 
 
@@ -374,29 +389,61 @@ def chain_jobs(profile: ClusterProfile, stages: list[Stage], run_dir: Path) -> l
 
 
 def submit_chain(profile: ClusterProfile, stages: list[Stage], run_dir: Path, kind: str = "chain",
-                 save: Callable[[], None] | None = None) -> list[Any]:
+                 save: Callable[[Path], None] | None = None) -> list[Any]:
     """Submit stages as dependent jobs: each runs only if the previous one COMPLETED (afterok); a failed parent
-    makes its children end at once (--kill-on-invalid-dep=yes) instead of pending forever. `save` writes the
-    run folder's files first; a failure leaves no run folder."""
+    makes its children end at once (--kill-on-invalid-dep=yes) instead of pending forever. The run folder is a new
+    one, claimed (the stages move with it if the planned name was taken); `save(folder)` writes its files first. A
+    failure cancels the stages already queued, and leaves no run folder unless one of them could not be cancelled."""
     chain_jobs(profile, stages, run_dir)  # validates every stage's parameters before the first submission
     check_writable(run_dir.parent)
     jobs: list[Any] = []
-    with removed_on_error(run_dir):
+    with run_folder(run_dir) as run:
+        stages = [_moved(s, run_dir, run.path) for s in stages]
         if save:
-            save()
+            save(run.path)
         for stage in stages:
-            built = stage_job(profile, stage, run_dir, jobs[-1].job_id if jobs else None)
+            built = stage_job(profile, stage, run.path, jobs[-1].job_id if jobs else None)
             try:
-                [job] = submit_built(built, [stage.payload])
+                [job] = run.submit(built, [stage.payload])
             except LaunchError as e:  # a half-submitted chain would run its first stages for nothing
                 if not jobs:
                     raise
-                cancelled = scancel([j.job_id for j in jobs])
-                raise LaunchError(f"{e}; cancelled the chain's earlier jobs {', '.join(cancelled)}") from None
-            record(run_dir.parent, job_id=job.job_id, name=stage.name, kind=kind, run_dir=str(built.spec.run_dir),
+                raise LaunchError(f"{e}; {_cancel(run)}") from None
+            record(run.path.parent, job_id=job.job_id, name=stage.name, kind=kind, run_dir=str(built.spec.run_dir),
                    dependency=built.spec.dependency)
             jobs.append(job)
     return jobs
+
+
+def _moved(stage: Stage, planned: Path, run_dir: Path) -> Stage:
+    """The stage in run_dir instead of the planned folder: the paths its payload names there move too (training's
+    config and folder, the checkpoints convert reads)."""
+    from mcorekit.train.job import TrainJob
+
+    def move(value: str) -> str:
+        return str(run_dir / Path(value).relative_to(planned)) if Path(value).is_relative_to(planned) else value
+
+    if planned == run_dir:
+        return stage
+    if isinstance(stage.payload, TrainJob):
+        return replace(stage, payload=TrainJob(move(stage.payload.config_path), move(stage.payload.run_dir),
+                                               stage.payload.peak_tflops))
+    if isinstance(stage.payload, CliPayload):
+        return replace(stage, payload=CliPayload([move(a) for a in stage.payload.argv]))
+    return stage
+
+
+def _cancel(run: Run) -> str:
+    """Cancel the run's queued jobs, the last first: which were cancelled, and for the others scancel's error and
+    the command to cancel them by hand (they stay in run.jobs: the run folder is kept while they may run)."""
+    errors = {job_id: scancel(job_id) for job_id in reversed(run.jobs)}
+    cancelled = [j for j in run.jobs if errors[j] is None]
+    run.jobs[:] = [j for j in run.jobs if errors[j] is not None]
+    said = [f"cancelled the chain's earlier jobs {', '.join(cancelled)}"] if cancelled else []
+    if run.jobs:
+        said.append(f"could not cancel {', '.join(f'job {j} ({errors[j]})' for j in run.jobs)}: cancel by hand "
+                    f"with `scancel {' '.join(run.jobs)}`")
+    return "; ".join(said)
 
 
 # ---------------------------------------------------------------- sweeps
@@ -416,6 +463,7 @@ MAX_SWEEP_POINTS = 1000
 def parse_axes(items: list[str]) -> dict[str, list[Any]]:
     """['optimizer.lr=1e-4,3e-4'] -> {'optimizer.lr': [0.0001, 0.0003]} (values parsed as YAML)."""
     axes: dict[str, list[Any]] = {}
+    raws: dict[str, list[str]] = {}  # as written, for messages
     for item in items:
         if "=" not in item:
             raise ConfigError(f"sweep axis {item!r} is not of the form key.path=v1,v2,...")
@@ -425,14 +473,33 @@ def parse_axes(items: list[str]) -> dict[str, list[Any]]:
         key = key.strip()
         if key in axes:
             raise ConfigError(f"sweep axis {key!r} is given twice; list all its values in one --grid {key}=v1,v2,...")
-        axes[key] = [parse_value(v, f"sweep axis {key!r}") for v in raw.split(",")]
+        raws[key] = _values(raw)
+        axes[key] = [parse_value(v, f"sweep axis {key!r}") for v in raws[key]]
     points = 1
     for values in axes.values():
         points *= len(values)
     if points > MAX_SWEEP_POINTS:
         raise ConfigError(f"the grid has {points:,} points; one sweep is one Slurm job array of at most "
                           f"{MAX_SWEEP_POINTS} tasks: use fewer values")
+    for key, values in axes.items():  # compared as parsed: 1e-4 and 0.0001 are one value
+        for i, value in enumerate(values):
+            if (first := values.index(value)) != i:
+                raise ConfigError(f"sweep axis {key!r} lists {raws[key][first]!r} and {raws[key][i]!r}, the same "
+                                  f"value ({value!r}): the grid would queue identical points; list each value once")
     return axes
+
+
+def _values(raw: str) -> list[str]:
+    """An axis's values: split on the commas outside brackets, so that a value can be a list or a mapping
+    (data.paths=[a,b],[c] is two values)."""
+    values: list[str] = []
+    depth = start = 0
+    for i, char in enumerate(raw):
+        depth += (char in "[{") - (char in "]}")
+        if char == "," and depth == 0:
+            values.append(raw[start:i])
+            start = i + 1
+    return values + [raw[start:]]
 
 
 def prepare_sweep(config: str | Path, cluster: str | Path, axes: dict[str, list[Any]], overrides: list[str] | None = None,
@@ -452,6 +519,8 @@ def prepare_sweep(config: str | Path, cluster: str | Path, axes: dict[str, list[
         except (ConfigError, ModelError) as e:
             what = str(e).removeprefix(f"{shown(config)}: ")  # load_experiment names the file already
             raise type(e)(f"{shown(config)}: sweep point {i} {point}: {what}") from None
+    for p in points:  # a grid over name names the jobs after each point's
+        check_job_name(config, p.experiment.name, p.experiment.name + SWEEP_SUFFIX, "a sweep")
     shared: dict[Path, int] = {}
     for i, p in enumerate(points):  # each point resumes from, and prunes, what is in its checkpoint folder
         if p.experiment.checkpoint.dir is None:
@@ -495,19 +564,22 @@ def sweep_job(points: list[Prepared], sweep_dir: Path, max_parallel: int | None 
 
 def submit_sweep(points: list[Prepared], sweep_dir: Path, payloads: list[Callable[[], Any]] | None = None,
                  max_parallel: int | None = None) -> list[Any]:
-    built = sweep_job(points, sweep_dir, max_parallel)
+    """Submit the points as one array in a new folder, claimed: the points move with it if the planned name was
+    taken (their spec.run_dir then names the folder, not sweep_dir)."""
+    sweep_job(points, sweep_dir, max_parallel)  # validated before anything is created
     if payloads is None:
         for p in points:  # every point, though they share a profile: the rule belongs to each experiment
             require_gpus(p.profile)
-        payloads = [training_payload(p.spec.run_dir) for p in points]
-    if len(payloads) != len(points):
+    elif len(payloads) != len(points):
         raise ConfigError(f"{len(payloads)} payloads for {len(points)} sweep points")
     check_writable(sweep_dir.parent)
-    with removed_on_error(sweep_dir):
+    with run_folder(sweep_dir) as run:
         for p in points:
+            p.move(run.path / p.spec.run_dir.name)
             p.save()
-        jobs = submit_built(built, payloads)
-    for p, job in zip(points, jobs):
-        record(sweep_dir.parent, job_id=job.job_id, name=p.spec.name, kind="sweep", run_dir=str(sweep_dir),
-               point_dir=str(p.spec.run_dir))
+        built = sweep_job(points, run.path, max_parallel)
+        jobs = run.submit(built, payloads or [training_payload(p.spec.run_dir) for p in points])
+        for p, job in zip(points, jobs):
+            record(run.path.parent, job_id=job.job_id, name=p.spec.name, kind="sweep", run_dir=str(run.path),
+                   point_dir=str(p.spec.run_dir))
     return jobs

@@ -119,7 +119,8 @@ def main_sweep(argv: list[str]) -> int:
         print("# sbatch script\n" + api.sweep_job(points, sweep_dir, args.max_parallel).script, end="")
         return 0
     jobs = api.submit_sweep(points, sweep_dir, max_parallel=args.max_parallel)
-    print(f"submitted array {jobs[0].job_id.split('_')[0]} with {len(jobs)} points: {sweep_dir}")
+    # the points' folder: sweep_dir, or the next free name if a launch of the same second took it (submit.claim)
+    print(f"submitted array {jobs[0].job_id.split('_')[0]} with {len(jobs)} points: {points[0].spec.run_dir.parent}")
     return 0
 
 

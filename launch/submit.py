@@ -14,9 +14,11 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field
@@ -216,10 +218,12 @@ class Built:
 
 def build(profile: ClusterProfile, spec: JobSpec) -> Built:
     """The job builder: dry runs print `.script`, submissions hand `.params` to submitit, which renders the same."""
+    return _rendered(spec, shlex.quote(python_for(profile)), sbatch_parameters(profile, spec))
+
+
+def _rendered(spec: JobSpec, python: str, params: dict[str, Any]) -> Built:
     from submitit.slurm.slurm import _make_sbatch_string
 
-    params = sbatch_parameters(profile, spec)
-    python = shlex.quote(python_for(profile))
     folder = logs_dir(spec).resolve()
     # submitit's own command line (SlurmExecutor._submitit_command_str) and, for arrays, its map_count
     command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
@@ -280,16 +284,92 @@ def _writable_as_is(run_root: Path) -> None:
             raise refused(errno.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY else errno.EACCES)
 
 
+def next_name(run_dir: Path) -> Path:
+    """The next name for a new run folder whose name is taken: NAME -> NAME.1 -> NAME.2 ..."""
+    base, dot, n = run_dir.name.rpartition(".")
+    return run_dir.with_name(f"{base}.{int(n) + 1}" if dot and n.isdigit() else f"{run_dir.name}.1")
+
+
+def claim(run_dir: Path) -> Path:
+    """Create a new run's folder: run_dir, or the next free name if another launch took it since it was planned
+    (launches of the same second plan the same name). mkdir either creates the folder or fails, so no two
+    launches ever get the same one."""
+    while True:
+        try:
+            os.mkdir(run_dir)
+            return run_dir
+        except FileExistsError:
+            run_dir = next_name(run_dir)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during a submission, raised as Ctrl-C's KeyboardInterrupt is: the same cleanup runs."""
+
+
 @contextmanager
-def removed_on_error(run_dir: Path) -> Iterator[None]:
-    """A run folder that a submission creates is removed again if the submission fails: no half-made runs."""
-    existed = run_dir.exists()
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Interrupted instead of ending the process at once. Only signals left at their
+    default: an ignored SIGHUP (nohup) stays ignored, and a handler someone installed stays theirs."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    ours = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) == signal.SIG_DFL]
+    for s in ours:
+        signal.signal(s, interrupt)
     try:
         yield
-    except BaseException:
-        if not existed:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+    finally:
+        for s in ours:
+            signal.signal(s, signal.SIG_DFL)
+
+
+@dataclass
+class Run:
+    """A submission's run folder and the jobs that may read it: it is removed on failure only if none may."""
+
+    path: Path
+    jobs: list[str] = field(default_factory=list)  # submitted and not cancelled
+    in_sbatch: str | None = None  # the job whose sbatch has not answered: it may be queued
+
+    def submit(self, job: Built, payloads: list[Callable[[], Any]]) -> list[Any]:
+        self.in_sbatch = job.spec.name
+        try:
+            submitted = submit_built(job, payloads)
+        except Exception:
+            self.in_sbatch = None  # sbatch answered (refused), or was never called: nothing was queued
+            raise
+        self.jobs += [j.job_id for j in submitted]
+        self.in_sbatch = None
+        return submitted
+
+
+@contextmanager
+def run_folder(run_dir: Path, new: bool = True) -> Iterator[Run]:
+    """The folder a submission writes: a new run's is claimed (see claim: its path may differ from run_dir); an
+    existing one (a resumed run) is used as it is. SIGTERM and SIGHUP raise inside (see Interrupted). If the
+    submission fails, a folder it created is removed again, unless a job that reads it may be queued: one
+    submitted and not cancelled, or one whose sbatch was interrupted. That folder is kept, and said so."""
+    created = new or not (run_dir.exists() or run_dir.is_symlink())
+    with _signals_raise():
+        run = Run(claim(run_dir) if new else run_dir)
+        try:
+            run.path.mkdir(parents=True, exist_ok=True)
+            yield run
+        except BaseException:
+            if run.jobs or run.in_sbatch:
+                queued = [f"job {j}" for j in run.jobs]
+                if run.in_sbatch:
+                    queued.append(f"job {run.in_sbatch!r} (its sbatch was interrupted)")
+                print(f"mcorekit: warning: kept the run folder {run.path}: {', '.join(queued)} may be queued and "
+                      f"reads it; check `squeue --me` (or `mcorekit status`), and remove the folder only once no "
+                      f"job of it is queued", file=sys.stderr)
+            elif created:
+                shutil.rmtree(run.path, ignore_errors=True)
+            raise
 
 
 @contextmanager
@@ -307,12 +387,16 @@ def sbatch_errors(name: str) -> Iterator[None]:
     sys.stderr.write(printed.getvalue())  # a submission that went through keeps its warnings
 
 
-def scancel(job_ids: list[str]) -> list[str]:
-    """Cancel jobs this launcher just submitted (best effort); the ids it cancelled."""
-    if not job_ids:
-        return []
-    proc = subprocess.run(["scancel", *job_ids], capture_output=True, text=True)
-    return job_ids if proc.returncode == 0 else []
+def scancel(job_id: str) -> str | None:
+    """Cancel a job this launcher just submitted: None once cancelled, else why not (scancel's last line)."""
+    try:
+        proc = subprocess.run(["scancel", job_id], capture_output=True, text=True)
+    except OSError as e:
+        return f"scancel: {e.strerror}"
+    if proc.returncode == 0:
+        return None
+    lines = (proc.stderr or proc.stdout).strip().splitlines()
+    return lines[-1] if lines else f"scancel exited with {proc.returncode}"
 
 
 def record(run_root: Path, **entry: Any) -> None:
@@ -345,19 +429,33 @@ def submit_built(job: Built, payloads: list[Callable[[], Any]]) -> list[Any]:
 
 def submit_one(job: Built, payload: Callable[[], Any], kind: str, save: Callable[[], None] | None = None,
                run_root: Path | None = None) -> Any:
-    """Submit a single job and record it in run_root's registry (default: the run folder's parent); `save` writes
-    the run folder's files first. A failure leaves no run folder (an existing one, resumed, is left as it was)."""
-    run_dir = job.spec.run_dir
-    run_root = run_root or run_dir.parent
+    """Submit a single job and record it in run_root's registry; `save` writes the run folder's files first.
+    Without run_root the folder is a new run's: it is claimed, and the job moves if its planned name was taken (see
+    moved); the registry is the folder's parent's. With run_root the folder is used as it is (a resumed run, or one
+    the caller chose). A failure leaves no folder it created, unless the job may be queued (see run_folder)."""
+    new = run_root is None
+    run_root = run_root or job.spec.run_dir.parent
     check_writable(run_root)
-    with removed_on_error(run_dir):
+    with run_folder(job.spec.run_dir, new) as run:
+        if run.path != job.spec.run_dir:
+            job = moved(job, run.path)
         if save:
             save()
-        [submitted] = submit_built(job, [payload])
-    record(run_root, job_id=submitted.job_id, name=job.spec.name, kind=kind, run_dir=str(run_dir))
+        [submitted] = run.submit(job, [payload])
+        record(run_root, job_id=submitted.job_id, name=job.spec.name, kind=kind, run_dir=str(run.path))
     return submitted
 
 
+def moved(job: Built, run_dir: Path) -> Built:
+    """The job in another run folder (the planned one was taken). Its spec moves in place, so that whoever holds it
+    shows where the job went. Not for a job whose task names its folder: its payload would name the planned one."""
+    if job.spec.task_command:
+        raise ValueError(f"job {job.spec.name!r} names its run folder; claim the folder before building the job")
+    job.spec.run_dir = run_dir
+    return _rendered(job.spec, job.python, job.params)
+
+
 def submit(profile: ClusterProfile, spec: JobSpec, fn: Callable[..., Any], *args: Any, kind: str = "job") -> Any:
-    """Submit fn(*args) as one job (every task runs it); returns the submitit Job."""
-    return submit_one(build(profile, spec), functools.partial(fn, *args) if args else fn, kind)
+    """Submit fn(*args) as one job (every task runs it) in spec's run folder as given; returns the submitit Job."""
+    return submit_one(build(profile, spec), functools.partial(fn, *args) if args else fn, kind,
+                      run_root=spec.run_dir.parent)

@@ -369,6 +369,25 @@ def test_sweep_grid_limits(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
 
 
+def test_sweep_values_are_whole_and_distinct(tmp_path: Path) -> None:
+    base = ["launch", "sweep", "--config", TINY, "--dry-run", "--set", f"run_root={tmp_path}"]
+    # one value written twice queued two identical points
+    assert one_error(run_main(*base, "--grid", "optimizer.lr=1e-4,0.0001")) == (
+        "mcorekit: error: sweep axis 'optimizer.lr' lists '1e-4' and '0.0001', the same value (0.0001): the grid "
+        "would queue identical points; list each value once")
+    # a grid over name names the sweep's job after each point: too long is said as such, as at load
+    long = "n" * 62
+    assert one_error(run_main(*base, "--grid", f"name=short,{long}")) == (
+        f"mcorekit: error: {TINY}: name {long!r} (62 characters) is too long for a sweep: its jobs are named "
+        f"<name>-sweep, at most 64 characters; shorten name to at most 58")
+    # a list is one value: the commas inside its brackets do not split the axis
+    r = run_main(*base, "data.kind=indexed", "--grid", f"data.paths=[{tmp_path}/a,{tmp_path}/b],[{tmp_path}/c]")
+    assert r.code == 0, r.err
+    assert re.findall(r"^# point \d: (.*) -> ", r.out, re.M) == [
+        f'data.paths=["{tmp_path}/a", "{tmp_path}/b"]', f'data.paths=["{tmp_path}/c"]']
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_chain_outputs_are_checked_at_submission(tmp_path: Path) -> None:
     base = ["launch", "chain", "--config", TINY, "--dry-run", "--set", f"run_root={tmp_path / 'runs'}"]
     (tmp_path / "taken").mkdir()
