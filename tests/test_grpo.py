@@ -489,3 +489,26 @@ def test_generation_refuses_virtual_pipeline_stages() -> None:
     for asked in ("auto", "plain", "static", "dynamic"):
         with pytest.raises(ConfigError, match="generation with virtual pipeline stages is not built"):
             choose_backend([object(), object()], asked)
+
+
+def test_grpos_kl_reference_is_built_from_the_trainer_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRPO's KL term uses DPO's Reference with a GRPO task: nothing DPO-only may be asked of the task on the way to
+    the frozen copy (a `task.start` did, and every full-weight GRPO run with kl_coeff > 0 stopped at step 1)."""
+    from types import SimpleNamespace
+
+    from mcorekit.train.tasks import dpo
+    from mcorekit.train.tasks.grpo import GroupRelativePolicyOptimization
+
+    class Built(Exception):
+        pass
+
+    def frozen_copy(t: object) -> None:
+        raise Built(t)
+
+    monkeypatch.setattr(dpo, "frozen_copy", frozen_copy)
+    task = object.__new__(GroupRelativePolicyOptimization)  # no tokenizer here: only what Reference reads
+    task.exp = grpo_exp(grpo__kl_coeff=0.01)
+    t = SimpleNamespace(exp=task.exp)
+    with pytest.raises(Built) as built:
+        dpo.Reference(t, task).logps([])  # type: ignore[arg-type]
+    assert built.value.args == (t,)

@@ -301,7 +301,7 @@ class DirectPreferenceOptimization(Task):
     def start(self) -> Path | None:
         """The checkpoint the reference's weights come from (checkpoint.load's latest iteration, or the folder
         itself: an iteration, a release), None without checkpoint.load. Resolved once, at first use (on every rank
-        at the same point: latest is collective), so that the fingerprint and frozen_copy name the same one; a
+        at the same point: latest is collective); train() pinned it, so frozen_copy names the same one. A
         checkpoint.load folder that gained a newer iteration since the log-probs were stored gives another
         reference."""
         from mcorekit.train import checkpoint
@@ -360,7 +360,7 @@ class Reference:
     """The reference model's forward: a frozen copy of the starting weights built like the policy's chunks, or with
     LoRA the policy's own chunks with their adapters off."""
 
-    def __init__(self, t: Trainer, task: DirectPreferenceOptimization) -> None:
+    def __init__(self, t: Trainer, task: Task) -> None:  # DPO's, or GRPO's for its KL term
         self.t, self.task = t, task
         self.lora = task.exp.peft.lora is not None
         self.chunks: list[Any] | None = None  # the frozen copy, built on first use (never with LoRA)
@@ -371,7 +371,7 @@ class Reference:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if self.chunks is None and not self.lora:
-            self.chunks = frozen_copy(self.t, self.task.start)
+            self.chunks = frozen_copy(self.t)  # GRPO's KL term uses it too
         chunks = self.t.model if self.lora else self.chunks
         data = [iter(batches) for _ in chunks]
         with torch.no_grad(), self._adapters_off(), evaluation(chunks):
@@ -418,11 +418,11 @@ def evaluation(chunks: list[Any]) -> Iterator[None]:
             c.train(mode)
 
 
-def frozen_copy(t: Trainer, start: Path | None) -> list[Any]:
+def frozen_copy(t: Trainer) -> list[Any]:
     """The starting weights in the policy's layout: one chunk per virtual pipeline stage built as train/build.py
     builds the policy's (models.megatron.build_gpt, Float16Module), without DDP or an optimizer, gradients off.
-    Weights: `start`'s (checkpoint.load resolved, DirectPreferenceOptimization.start; weights only), else the
-    initial ones, rebuilt from build.init_distributed's seeds.
+    Weights: checkpoint.load's (weights only; the iteration build pinned and checked), else the initial ones,
+    rebuilt from build.init_distributed's seeds.
     The schedule reads its sync hooks from the model's config: the copy gets a config without the policy's."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -444,8 +444,8 @@ def frozen_copy(t: Trainer, start: Path | None) -> list[Any]:
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         chunks = _chunks(t, config, use_te, nodes)
-    if start is not None:
-        checkpoint.load_weights(start, chunks)
+    if exp.checkpoint.load:
+        checkpoint.load_weights(checkpoint.start_of(exp.checkpoint.load), chunks)
     return chunks
 
 
