@@ -6,6 +6,7 @@ Every user-fixable problem is an MCoreKitError: printed as one line `mcorekit: e
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import Callable
@@ -105,9 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         module = importlib.import_module(module_name)
-        return int(module.main(command, rest) or 0)
+        code = int(module.main(command, rest) or 0)
+        sys.stdout.flush()  # a pipe's buffered output is written here, where a closed pipe is caught, not at exit
+        return code
     except BrokenPipeError:  # output piped into head & co., which stopped reading
-        sys.stderr.close()  # the pipe may be stderr too; and no "Exception ignored" at exit
+        for stream in (sys.stdout, sys.stderr):  # the pipe may be either: what is still buffered goes nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
         # not 0: the command may have stopped before its work (a launch before sbatch); 141 = 128 + SIGPIPE, what a
         # shell reports for a tool that SIGPIPE ended, so `set -o pipefail` treats mcorekit as any other tool
         return 128 + signal.SIGPIPE
