@@ -481,9 +481,10 @@ def parse_axes(items: list[str]) -> dict[str, list[Any]]:
     if points > MAX_SWEEP_POINTS:
         raise ConfigError(f"the grid has {points:,} points; one sweep is one Slurm job array of at most "
                           f"{MAX_SWEEP_POINTS} tasks: use fewer values")
-    for key, values in axes.items():  # compared as parsed: 1e-4 and 0.0001 are one value
+    for key, values in axes.items():  # compared as parsed: 1e-4 and 0.0001 are one value, 0 and false are two
+        kinds = [(isinstance(v, bool), v) for v in values]
         for i, value in enumerate(values):
-            if (first := values.index(value)) != i:
+            if (first := kinds.index(kinds[i])) != i:
                 raise ConfigError(f"sweep axis {key!r} lists {raws[key][first]!r} and {raws[key][i]!r}, the same "
                                   f"value ({value!r}): the grid would queue identical points; list each value once")
     return axes

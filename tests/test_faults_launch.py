@@ -375,6 +375,11 @@ def test_sweep_values_are_whole_and_distinct(tmp_path: Path) -> None:
     assert one_error(run_main(*base, "--grid", "optimizer.lr=1e-4,0.0001")) == (
         "mcorekit: error: sweep axis 'optimizer.lr' lists '1e-4' and '0.0001', the same value (0.0001): the grid "
         "would queue identical points; list each value once")
+    from mcorekit.launch.api import parse_axes
+
+    with pytest.raises(ConfigError, match="lists '1' and '1.0', the same value"):
+        parse_axes(["a.b=0,false,1,true,1.0"])
+    assert parse_axes(["a.b=0,false,1,true"]) == {"a.b": [0, False, 1, True]}  # a boolean is not a number here
     # a grid over name names the sweep's job after each point: too long is said as such, as at load
     long = "n" * 62
     assert one_error(run_main(*base, "--grid", f"name=short,{long}")) == (

@@ -548,8 +548,11 @@ def weights_before_wrap(exp: Any, root: Path | None) -> Path | None:
     under FSDP; an fsdp_dtensor one loads whole after wrapping, so None), else checkpoint.load (weights only:
     rules.fsdp_problems asks for checkpoint.finetune=true unless it is a release)."""
     own = latest(root) if root is not None else None
+    if own is not None and format_of(own) == TORCH_DIST:
+        checked_resume(own)  # read here, before the resume that checks it otherwise
+        return own
     if own is not None:
-        return own if format_of(own) == TORCH_DIST else None
+        return None
     if exp.checkpoint.load:
         return start_of(exp.checkpoint.load)
     return None

@@ -14,6 +14,7 @@ are copied. The same records, deserialized the same way (torch.load, weights_onl
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import pickle
 import queue
@@ -251,25 +252,38 @@ def checked_records(iter_dir: Path, metadata: Metadata) -> None:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     records = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
-    for index, info in metadata.storage_data.items():
-        if index.fqn not in records:
-            continue
-        where = f"checkpoint {iter_dir}: record {index.fqn}"
-        if info.transform_descriptors:
-            raise ConfigError(f"{where} is stored transformed ({', '.join(info.transform_descriptors)}), which "
-                              f"mcorekit cannot check before a loader unpickles it; convert it with `mcorekit "
-                              f"convert` instead")
-        _checked(where, iter_dir / info.relative_path, info.offset, info.length, "_extra_state" in index.fqn)
+    found = sorted(((info.relative_path, info.offset, info.length, index.fqn, info.transform_descriptors)
+                    for index, info in metadata.storage_data.items() if index.fqn in records), key=lambda r: r[:2])
+    # each file opened once, read front to back: a large MoE model holds tens of thousands of records (one extra
+    # state per expert), and rank 0 reads them while the other ranks wait
+    for name, group in itertools.groupby(found, key=lambda r: r[0]):
+        with _opened(f"checkpoint {iter_dir}: {name}", iter_dir / name) as f:
+            for _, offset, length, fqn, transforms in group:
+                where = f"checkpoint {iter_dir}: record {fqn}"
+                if transforms:
+                    raise ConfigError(f"{where} is stored transformed ({', '.join(transforms)}), which mcorekit "
+                                      f"cannot check before a loader unpickles it; convert it with `mcorekit "
+                                      f"convert` instead")
+                f.seek(offset)
+                _checked(where, lambda: f.read(length), "_extra_state" in fqn)
     if (common := iter_dir / "common.pt").is_file():
-        _checked(f"checkpoint {iter_dir}: {common.name}", common, 0, -1, extra_state=False)
+        _checked(f"checkpoint {iter_dir}: {common.name}", common.read_bytes, extra_state=False)
 
 
-def _checked(where: str, file: Path, offset: int, length: int, extra_state: bool) -> None:
-    """One record (`length` bytes at `offset`; -1: to the end) unpickled as checked_records says, or one line."""
+@contextmanager
+def _opened(where: str, file: Path) -> Iterator[Any]:
     try:
-        with open(file, "rb") as f:
-            f.seek(offset)
-            obj = _weights_only(f.read(length))
+        f = open(file, "rb")
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read ({e.strerror or e})") from None
+    with f:
+        yield f
+
+
+def _checked(where: str, read: Any, extra_state: bool) -> None:
+    """One record (`read()` gives its bytes) unpickled as checked_records says, or one line."""
+    try:
+        obj = _weights_only(read())
         for state in _extra_states(obj) if extra_state else ():
             _check_extra_state(state)
     except UnsafeRecord as e:

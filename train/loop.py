@@ -268,7 +268,8 @@ def _resume(t: Trainer, root: Path, exp: Experiment) -> tuple[int, bool]:
     has nothing else) or as a whole."""
     found = checkpoint.latest(root)
     if found is not None:
-        checkpoint.checked_resume(found)
+        if t.weights_from != found:  # else build checked it, before it loaded its weights (parallel.fsdp)
+            checkpoint.checked_resume(found)
         step = checkpoint.load(found, t.model, t.optimizer, t.scheduler, weights_loaded=t.weights_from == found)
         log.warning("resumed from %s at step %d", found, step)
         return step, True
