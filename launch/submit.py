@@ -419,12 +419,24 @@ def submit_built(job: Built, payloads: list[Callable[[], Any]]) -> list[Any]:
     if len(payloads) != (job.spec.array_size or 1):
         raise ValueError(f"{len(payloads)} payloads for job {job.spec.name!r} built for {job.spec.array_size or 1}")
     executor = make_executor(job)
-    with sbatch_errors(job.spec.name):
+    with sbatch_errors(job.spec.name), _without_env("SBATCH_JOB_NAME"):
         if len(payloads) == 1:
             return [executor.submit(payloads[0])]
         with executor.batch():
             submitted = [executor.submit(fn) for fn in payloads]
     return submitted
+
+
+@contextmanager
+def _without_env(name: str) -> Iterator[None]:
+    """sbatch without `name` in its environment: SBATCH_JOB_NAME would override the script's --job-name, and the
+    registry, status, logs and cancel know a job by the name the script gives it (jobs_cli.reused)."""
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
 
 
 def submit_one(job: Built, payload: Callable[[], Any], kind: str, save: Callable[[], None] | None = None,

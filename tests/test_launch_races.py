@@ -311,3 +311,18 @@ def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_sbatch_does_not_see_a_job_name_from_the_users_shell(tmp_path: Path, slurm: Slurm,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """SBATCH_JOB_NAME would override the script's --job-name: Slurm's name would then differ from the registry's,
+    and status, logs and cancel would take every job for one whose id Slurm reused."""
+    executable(slurm.bin / "sbatch", '#!/bin/sh\necho "${SBATCH_JOB_NAME-unset}" > "$(dirname "$0")/env-name"\n'
+                                     'echo "Submitted batch job 7"\n')
+    monkeypatch.setenv("SBATCH_JOB_NAME", "from-the-shell")
+    profile, experiment = write_inputs(tmp_path)
+    r = run_main("launch", "--config", experiment, "--cluster", profile)
+    assert r.code == 0, r.err
+    assert (slurm.bin / "env-name").read_text() == "unset\n"
+    assert os.environ["SBATCH_JOB_NAME"] == "from-the-shell"  # put back for the launcher's caller
+    assert [e["name"] for e in registry(tmp_path / "runs")] == ["jb"]
