@@ -17,6 +17,7 @@ from mcorekit.errors import ConversionError, OutputError, first_line
 from mcorekit.outputs import require_inside
 from mcorekit.train.checkpoint import RELEASE, TRACKER, tracked
 
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # control characters, which no checkpoint writer puts in a name
 MAX_JSON_BYTES = 64 * 1024**2  # an index of a trillion-parameter model is a few MB; more is not a config
 
 
@@ -39,6 +40,8 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ConversionError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
         raise ConversionError(f"{path}: JSON nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise ConversionError(f"{path}: invalid JSON ({first_line(e)})") from None
     if not isinstance(value, dict):
         raise ConversionError(f"{path}: expected a JSON object, found a {type(value).__name__}")
     return value
@@ -50,6 +53,8 @@ def model_file(root: Path, name: object, what: str) -> Path:
     if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
         raise ConversionError(f"{what} names {name!r}: only relative paths inside {root} are read (no absolute path, "
                               f"no '..'); fix the entry")
+    if CONTROL.search(name):  # NUL fails in the OS's calls, a newline splits messages; no writer makes either
+        raise ConversionError(f"{what} names {name!r}: a file name with a control character is not read; fix the entry")
     try:
         return require_inside(Path(name), root, what)
     except OutputError:

@@ -26,6 +26,7 @@ from mcorekit.outputs import start_writeback
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+MAX_DIM = 2**63 - 1  # torch's sizes are int64
 WRITER_THREADS = 2  # HFWriter's background writers (see there)
 WRITEBACK_MIN_BYTES = 1024**2  # smaller tensors go through the page cache, left to the shard's fsync: a direct
 # write or a hint per tensor would cost more than it saves
@@ -67,6 +68,8 @@ def parse_entry(name: str, info: object, data_bytes: int) -> tuple[torch.dtype, 
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
         raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+    if any(d > MAX_DIM for d in shape):  # with a 0 elsewhere the bytes agree, but torch cannot hold the shape
+        raise ValueError(f"tensor {name!r}: shape {shape} has a dimension above {MAX_DIM}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
         raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} is not two non-negative integers")
     begin, end = offsets

@@ -29,8 +29,8 @@ from mcorekit.convert import torch_dist
 from mcorekit.convert.files import write_failure
 from mcorekit.errors import ConversionError
 from mcorekit.models import gpt_weights as gw
-from mcorekit.models.mapping import (GLOBAL, LAYER, MTP, MTP_LAYER, MTP_MODULE_LAYER, REPLICATED, Ctx, WeightMap,
-                                     shard, unshard)
+from mcorekit.models.mapping import (GATED_COLUMN, GLOBAL, LAYER, MTP, MTP_LAYER, MTP_MODULE_LAYER, REPLICATED, ROW,
+                                     Ctx, WeightMap, shard, unshard)
 from mcorekit.models.parallel import MEGATRON, Layout, layout_problems
 from mcorekit.models.spec import ModelSpec
 
@@ -265,10 +265,17 @@ class LegacyReader:
             raise ConversionError(f"{where}: {'no tensor' if value is None else 'not a tensor:'} {name!r} (model chunk {c})")
         return value
 
-    def _parts(self, p: int, e: int, c: int, name: str) -> list[torch.Tensor]:
+    def _parts(self, p: int, e: int, c: int, name: str, split: str) -> list[torch.Tensor]:
         """Every TP rank's part of `name`. They are equal splits (or copies), so they must agree in dtype and shape:
-        torch.cat would promote a mixed dtype into wrong values, or fail on a mixed shape."""
+        torch.cat would promote a mixed dtype into wrong values, or fail on a mixed shape; and have the dimension
+        they are joined on (gate and up halves: an even one)."""
         parts = [self._get(t, p, e, c, name) for t in range(self.tp)]
+        dims = 0 if self.tp == 1 or split == REPLICATED else 2 if split == ROW else 1
+        shape = tuple(parts[0].shape)
+        if len(shape) < dims or (split == GATED_COLUMN and self.tp > 1 and shape[0] % 2):
+            raise ConversionError(f"{self._file(0, p, e)}: {name!r} (model chunk {c}) has shape {shape}, but its "
+                                  f"tensor-parallel parts are joined on dimension {dims - 1}"
+                                  f"{' (gate and up halves)' if split == GATED_COLUMN else ''}; a damaged rank file")
         for t, part in enumerate(parts[1:], start=1):
             if part.dtype != parts[0].dtype or part.shape != parts[0].shape:
                 raise ConversionError(
@@ -324,12 +331,12 @@ class LegacyReader:
         split = entry.split if entry else REPLICATED
         if not index:
             p, c = (0, 0) if key.startswith("embedding.") else (self.pp - 1, self.vpp - 1)
-            return unshard(split, self._parts(p, 0, c, key))
+            return unshard(split, self._parts(p, 0, c, key, split))
         p, c, i = (self.pp - 1, self.vpp - 1, index[0]) if key.startswith(MTP) else self.layer_home[index[0]]
         if len(index) == 1:
-            return unshard(split, self._parts(p, 0, c, local_name(key, i)))
+            return unshard(split, self._parts(p, 0, c, local_name(key, i), split))
         e, j = divmod(index[1], self.local_experts)
-        parts = self._parts(p, e, c, local_name(key, i, j))
+        parts = self._parts(p, e, c, local_name(key, i, j), split)
         whole = entry is None or tuple(parts[0].shape) == entry.shape
         return parts[0] if whole else unshard(split, parts)  # expert TP 1 or = TP
 
@@ -375,4 +382,8 @@ def load_rank_file(file: Path) -> dict[str, Any]:
     if len(names) != len(_models(state)):  # `model` and `model0` are both chunk 0: one would be read, one ignored
         raise ConversionError(f"{file}: holds a model chunk twice ({', '.join(sorted(names))}): `model` for one "
                               f"chunk, `model0`, `model1`, ... for several; re-save it")
+    for name in names:  # tensors are found by matching their names
+        bad = [k for k in state[name] if not isinstance(k, str)]
+        if bad:
+            raise ConversionError(f"{file}: {name} holds the key {bad[0]!r}, not a tensor name; a damaged rank file")
     return state

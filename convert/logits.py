@@ -18,6 +18,7 @@ from mcorekit.convert.torch_dist import TorchDistReader
 from mcorekit.convert.verify import LogitsReport, compare_logits
 from mcorekit.errors import ConversionError
 from mcorekit.models.spec import ModelSpec
+from mcorekit.train.checkpoint_reader import checked_records
 
 
 def fixed_prompts(vocab: int, batch: int = 4, seq: int = 64, seed: int = 1234) -> torch.Tensor:
@@ -75,10 +76,11 @@ def hf_spec(hf_dir: str | Path) -> ModelSpec:
 
 def checked_checkpoint(ckpt: str | Path) -> tuple[Path, TorchDistReader]:
     """The iteration folder and its reader, once nothing in it would run code: .metadata is read by our restricted
-    unpickler, and every bytes entry must load weights-only, because Megatron's loader unpickles them freely."""
+    unpickler, and every bytes record, the TE extra states inside them and a common.pt by the training side's
+    restricted unpicklers (checked_records), because Megatron's loader and TE's set_extra_state unpickle them freely."""
     iter_dir = find_iteration_dir(Path(ckpt))
     reader = TorchDistReader(iter_dir)
-    reader.check_bytes_entries()
+    checked_records(iter_dir, reader.metadata)
     return iter_dir, reader
 
 

@@ -17,13 +17,14 @@ Every transform is a re-arrangement: PEFT -> Megatron -> PEFT is bit-exact.
 
 A PEFT adapter that covers only some of a fused group (PEFT's default: the q and v modules) imports with zero blocks
 for the rest: zero A and B give zero output and zero gradients, so they stay zero in training. rsLoRA, DoRA,
-per-module ranks or alphas, bias training, modules_to_save and fan_in_fan_out have no Megatron counterpart and are
-refused.
+per-module ranks or alphas, bias training, modules_to_save, fan_in_fan_out, activated LoRA and PEFT's other variants
+(UNSUPPORTED) have no Megatron counterpart and are refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ import torch
 from mcorekit.convert import pipeline, torch_dist
 from mcorekit.convert.files import model_file, read_json
 from mcorekit.convert.hf_io import copy_assets
-from mcorekit.errors import ConversionError
+from mcorekit.errors import ConversionError, first_line
 from mcorekit.models import dtypes
 from mcorekit.models import gpt_weights as gw
 from mcorekit.models.mapping import LAYER, Ctx, Mapping, WeightMap
@@ -50,9 +51,13 @@ PEFT_PREFIX = "base_model.model."
 # The Megatron weights each LoRA target adapts, where the model has them (a MoE layer's shared expert for fc1/fc2).
 TARGET_WEIGHTS = {"qkv": (gw.QKV_WEIGHT,), "proj": (gw.PROJ,), "fc1": (gw.FC1, gw.SHARED_FC1),
                   "fc2": (gw.FC2, gw.SHARED_FC2)}
-# PEFT adapter_config.json fields whose non-default values we cannot represent (null, [] and {} count as the default)
+# PEFT adapter_config.json fields whose non-default values we cannot represent (null, [] and {} count as the default):
+# each changes what the adapter computes, so converting it as plain LoRA would change the model (activated LoRA applies
+# only after its invocation tokens; the variants' configs change the forward or the base weight)
 UNSUPPORTED = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
-               "rank_pattern": {}, "alpha_pattern": {}, "layer_replication": None, "target_parameters": None}
+               "rank_pattern": {}, "alpha_pattern": {}, "layer_replication": None, "target_parameters": None,
+               "alora_invocation_tokens": None, "use_qalora": False, "lora_bias": False, "kasa_config": None,
+               "monteclora_config": None, "use_bdlora": None, "arrow_config": None}
 
 
 @dataclass(frozen=True)
@@ -123,21 +128,51 @@ def peft_target_modules(spec: ModelSpec, items: list[Adapted]) -> list[str] | st
 # ---------------------------------------------------------------- reading what describes an adapter checkpoint
 
 
+def _finite(value: object) -> float | None:
+    """A JSON number as a finite float; None for anything else (a bool, a string, Infinity, NaN, an int too large)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def value_problems(values: dict[str, Any], rank: str, alpha: str, dropout: str, max_rank: int) -> list[str]:
+    """The rank, alpha and dropout fields (named as the file names them), one problem each: what they would do
+    otherwise is a traceback or a non-finite merged model. `max_rank`: the largest dimension of the weights adapted
+    (a rank above the smallest is legal, if wasteful; one above every dimension is a damaged file, and a huge one
+    would only overflow)."""
+    out = []
+    r, a, d = values.get(rank), _finite(values.get(alpha)), values.get(dropout)
+    if not (type(r) is int and 0 < r <= max_rank):
+        out.append(f"{rank}={r!r} is not a positive integer at most {max_rank} (the largest dimension of the weights "
+                   f"it adapts)")
+    if a is None or a <= 0:
+        out.append(f"{alpha}={values.get(alpha)!r} is not a finite positive number")
+    if d is not None and not (_finite(d) is not None and 0 <= d < 1):
+        out.append(f"{dropout}={d!r} is not a number from 0 to below 1")
+    return out
+
+
+def rank_bound(items: list[Adapted]) -> int:
+    """The largest dimension of the weights adapted: no rank above it can come from a real adapter."""
+    return max(max(a.shape.in_features, a.shape.out_features) for a in items)
+
+
 def read_lora_json(iter_dir: Path) -> dict[str, Any]:
+    """lora.json, once its fields are usable; rank, alpha and dropout are checked with the model (AdapterCheckpoint)."""
     file = iter_dir / LORA_JSON
     if not file.is_file():
         raise ConversionError(f"{iter_dir}: no {LORA_JSON}, so not a LoRA checkpoint (a peft.lora run writes one in "
                               f"each iteration); without --lora, mcore-to-hf converts a full model")
     info = read_json(file)
-    try:
-        rank, alpha = info["rank"], info["alpha"]
-        targets = list(info["target_modules"])
-    except (KeyError, TypeError):
-        raise ConversionError(f"{file}: needs rank, alpha and target_modules") from None
-    if not (type(rank) is int and rank > 0 and isinstance(alpha, (int, float)) and alpha > 0
-            and targets and all(t in TARGET_WEIGHTS for t in targets)):
-        raise ConversionError(f"{file}: rank must be a positive integer, alpha positive, target_modules a list of "
-                              f"{', '.join(TARGET_WEIGHTS)}")
+    if not {"rank", "alpha", "target_modules"} <= info.keys():
+        raise ConversionError(f"{file}: needs rank, alpha and target_modules")
+    targets = info["target_modules"]
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) and t in TARGET_WEIGHTS for t in targets)):
+        raise ConversionError(f"{file}: target_modules={targets!r} is not a list of {', '.join(TARGET_WEIGHTS)}")
     return info
 
 
@@ -167,8 +202,13 @@ class AdapterCheckpoint:
         self.config, self.config_file, self.assets = _hf_config(self.root, self.iter_dir, self.info, hf_config)
         self.spec = pipeline.spec_for(self.config, self.config_file)
         self.amap = pipeline.weight_map(self.spec)
-        self.rank, self.alpha = int(self.info["rank"]), float(self.info["alpha"])
         self.items = adapted(self.spec, self.amap, list(self.info["target_modules"]))
+        if problems := value_problems(self.info, "rank", "alpha", "dropout", rank_bound(self.items)):
+            raise ConversionError(f"{self.iter_dir / LORA_JSON}: " + "; ".join(problems))
+        self.rank, self.alpha = int(self.info["rank"]), float(self.info["alpha"])
+        # what it reads, which no output may overlap: the config as given (a file), else the folder it came from
+        given_file = hf_config is not None and not Path(hf_config).is_dir()
+        self.inputs = (self.root, self.iter_dir, self.config_file if given_file else self.assets)
         # one key per layer (a model whose layers differ) seen with the map's layer-stacked keys, as pipeline reads it
         self.reader = torch_dist.LayerStackedView(torch_dist.TorchDistReader(self.iter_dir), self.spec.num_layers)
         self.ctx = Ctx(self.spec, 0)
@@ -209,7 +249,7 @@ class AdapterCheckpoint:
 
     def peft_config(self) -> dict[str, Any]:
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
-                "lora_dropout": float(self.info.get("dropout", 0.0)),
+                "lora_dropout": float(self.info.get("dropout") or 0.0),
                 "target_modules": peft_target_modules(self.spec, self.items), "bias": "none",
                 "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
                 "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,
@@ -222,13 +262,17 @@ class AdapterCheckpoint:
 def mcore_to_peft(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = None, dtype: str | None = None,
                   force: bool = False) -> pipeline.Summary:
     """A LoRA checkpoint -> an HF PEFT adapter folder (adapter_config.json, adapter_model.safetensors)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     start = time.monotonic()
     src = AdapterCheckpoint(ckpt, hf_config)
     tensors = src.peft_tensors(dtypes.to_torch(dtype) if dtype else None)
-    with staged_output(Path(out_dir), force, inputs=(src.root, src.iter_dir), command="mcorekit convert mcore-to-hf --lora") as tmp:
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with staged_output(Path(out_dir), force, inputs=src.inputs, command="mcorekit convert mcore-to-hf --lora") as tmp:
+        try:
+            save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        except SafetensorError as e:  # safetensors reports a full or read-only disk as its own error type
+            raise ConversionError(f"cannot write {out_dir}: {first_line(e)}; nothing was written there") from None
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(src.peft_config(), indent=2) + "\n")
     return pipeline.Summary(len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()),
                             time.monotonic() - start)
@@ -243,7 +287,7 @@ def mcore_to_hf_merged(ckpt: str | Path, out_dir: str | Path, base: str | None =
     base_path = base or src.info.get("base")
     if not isinstance(base_path, str):
         raise ConversionError(f"{src.iter_dir / LORA_JSON} names no base checkpoint; pass --base BASE_CKPT")
-    check_output(Path(out_dir), (src.root, src.iter_dir), force)
+    check_output(Path(out_dir), src.inputs, force)  # pipeline.mcore_to_hf checks the base's own
     s = scaling(src.rank, src.alpha)
     by_key = {a.mapping.mcore: a for a in src.items}
 
@@ -282,15 +326,11 @@ def read_peft(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor
     return config, tensors
 
 
-def peft_config_problems(config: dict[str, Any]) -> list[str]:
+def peft_config_problems(config: dict[str, Any], max_rank: int) -> list[str]:
     out = []
     if config.get("peft_type") != "LORA":
         out.append(f"peft_type is {config.get('peft_type')!r}, not LORA")
-    r, alpha = config.get("r"), config.get("lora_alpha")
-    if not (type(r) is int and r > 0):
-        out.append(f"r={r!r} is not a positive integer")
-    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0):
-        out.append(f"lora_alpha={alpha!r} is not a positive number")
+    out += value_problems(config, "r", "lora_alpha", "lora_dropout", max_rank)
     for key, default in UNSUPPORTED.items():
         value = config.get(key)
         # PEFT writes null or an empty list or dict for a field it does not use (peft 0.21: target_parameters=[] for
@@ -311,9 +351,6 @@ def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pa
     spec = pipeline.spec_for(config, config_file)
     amap = pipeline.weight_map(spec)
     peft_config, tensors = read_peft(adapter)
-    if problems := peft_config_problems(peft_config):
-        raise ConversionError(f"{adapter / ADAPTER_CONFIG}: " + "; ".join(problems))
-    rank, alpha = int(peft_config["r"]), float(peft_config["lora_alpha"])
     ctx = Ctx(spec, padded_vocab_size(spec.vocab_size, 128))
     every = adapted(spec, amap, list(TARGET_WEIGHTS))
     used: set[str] = set()
@@ -323,6 +360,10 @@ def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pa
         if any(n in tensors for n in names) and a.target not in found_targets:
             found_targets.append(a.target)
     items = [a for a in every if a.target in found_targets]
+    # the config first (a non-LoRA adapter has no LoRA tensors either), its rank bounded by the weights it adapts
+    if problems := peft_config_problems(peft_config, rank_bound(items or every)):
+        raise ConversionError(f"{adapter / ADAPTER_CONFIG}: " + "; ".join(problems))
+    rank, alpha = int(peft_config["r"]), float(peft_config["lora_alpha"])
     if not items:
         raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: no LoRA tensor of the {spec.architecture} model's "
                               f"attention or MLP projections (keys like {peft_key(every[0].hf_modules(0)[0], 'A')})")

@@ -23,7 +23,7 @@ from mcorekit.convert import torch_dist
 from mcorekit.convert.files import model_file, read_json, tracked_iteration
 from mcorekit.convert.hf_io import HFReader, HFWriter, copy_assets
 from mcorekit.convert.verify import same_bits
-from mcorekit.errors import ConversionError, ModelError
+from mcorekit.errors import ConversionError, ModelError, first_line
 from mcorekit.models import dtypes, registry
 from mcorekit.models import gpt_weights as gw
 from mcorekit.models.mapping import EXPERT, GLOBAL, LAYER, MTP, Ctx, Mapping, WeightMap
@@ -112,8 +112,8 @@ def hf_slice_shapes(m: Mapping, mcore_shape: tuple[int, ...], ctx: Ctx) -> list[
     own split, run on the meta device (no memory)."""
     try:
         return [tuple(t.shape) for t in m.to_hf(torch.empty(mcore_shape, device="meta"), ctx)]
-    except RuntimeError as e:
-        raise ConversionError(f"{m.mcore}: the config is inconsistent ({str(e).splitlines()[0]})") from None
+    except (RuntimeError, TypeError, OverflowError) as e:  # sizes torch cannot split, or hold (int64 overflows)
+        raise ConversionError(f"{m.mcore}: the config is inconsistent ({first_line(e)})") from None
 
 
 def dtype_problem(dtype: torch.dtype) -> str | None:

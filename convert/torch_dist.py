@@ -283,8 +283,11 @@ def load_metadata(file: Path) -> Metadata:
     return checked_load_metadata(file, ConversionError)
 
 
+MAX_BYTES = 2**63 - 1  # int64's largest: torch sizes a tensor's bytes in it (a larger claim overflows there)
+
+
 def _size(v: object) -> tuple[int, ...] | None:
-    return tuple(v) if isinstance(v, tuple) and all(type(d) is int and d >= 0 for d in v) else None
+    return tuple(v) if isinstance(v, tuple) and all(type(d) is int and 0 <= d <= MAX_BYTES for d in v) else None
 
 
 def metadata_problem(md: Metadata, iter_dir: Path) -> str | None:
@@ -321,6 +324,8 @@ def _tensor_problem(fqn: str, md: TensorStorageMetadata, storage: dict[MetadataI
     dtype = getattr(md.properties, "dtype", None)
     if size is None or not isinstance(dtype, torch.dtype) or not isinstance(md.chunks, list):
         return f"tensor {fqn!r} has a bad size, dtype or chunk list"
+    if math.prod(size) * dtype.itemsize > MAX_BYTES:  # no file holds it; torch cannot even describe it
+        return f"tensor {fqn!r} claims size {size} of {dtype}, more than {MAX_BYTES} bytes"
     for chunk in md.chunks:
         offsets, sizes = _size(getattr(chunk, "offsets", None)), _size(getattr(chunk, "sizes", None))
         if offsets is None or sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
@@ -462,24 +467,24 @@ class TorchDistReader:
                 dest.copy_(part)
             finally:
                 os.close(fd)
-        assert buf is not None  # _check_coverage: at least one item
-        return buf
+        return torch.empty(sizes, dtype=dtype) if buf is None else buf  # no item: an empty slice (_check_coverage)
 
     def _check_coverage(self, fqn: str, chunk: ChunkStorageMetadata, items: list[Any], index: tuple[int, ...]) -> None:
-        """The read items fill every element of `chunk`: pairwise disjoint boxes whose volumes add up to the
-        chunk's; else (overlapping stored chunks) counted element by element."""
+        """The read items fill every element of `chunk`, decided without a mask of its elements: the size comes from
+        .metadata, which may claim any size, while the items' boxes hold what the files store (metadata_problem)."""
         boxes = [(tuple(item.dest_offsets), tuple(item.lengths)) for item in items]
-        total = math.prod(chunk.sizes)
-        if sum(math.prod(n) for _, n in boxes) == total and len(boxes) <= 64 and all(
-                any(oa + na <= ob or ob + nb <= oa for oa, na, ob, nb in zip(a, an, b, bn))
-                for i, (a, an) in enumerate(boxes) for b, bn in boxes[:i]):
+        total, stored = math.prod(chunk.sizes), sum(math.prod(n) for _, n in boxes)
+        if stored >= total and len(boxes) == 1:  # one box inside the slice and as large: the slice
             return
-        covered = torch.zeros(tuple(chunk.sizes), dtype=torch.bool)
-        for o, n in boxes:
-            covered[tuple(slice(a, a + b) for a, b in zip(o, n))] = True
-        if not bool(covered.all()):
-            raise ConversionError(f"{self.path / '.metadata'}: the stored chunks of {fqn!r} do not cover slice {index} "
-                                  f"({int((~covered).sum())} elements missing); the checkpoint is incomplete")
+        uncovered = _uncovered(tuple(chunk.sizes), boxes) if stored >= total else total - stored
+        if uncovered is None:
+            raise ConversionError(f"{self.path / '.metadata'}: {len(boxes)} stored chunks cut slice {index} of "
+                                  f"{fqn!r} into more than {MAX_CELLS} pieces, which no Megatron checkpoint does; "
+                                  f"it is damaged")
+        if uncovered:
+            raise ConversionError(f"{self.path / '.metadata'}: the stored chunks of {fqn!r} do not cover slice "
+                                  f"{index} (at least {uncovered} of its {total} elements missing); the checkpoint "
+                                  f"is incomplete")
 
     def read_bytes(self, key: str) -> Any:
         """A bytes entry (Megatron stores `torch.save(...)` there), loaded with weights_only=True."""
@@ -510,6 +515,26 @@ class TorchDistReader:
                 raise ConversionError(f"{self.path}: cannot load bytes entry {key!r} with weights_only, so it is not "
                                       f"read ({type(e).__name__}: {first_line(e)})") from None
         return out
+
+
+MAX_CELLS = 2**22  # pieces the chunks' edges may cut a read into (Megatron's grid of ranks makes a few hundred)
+
+
+def _uncovered(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> int | None:
+    """How many elements of a block of `size` no box covers, counted on the grid the boxes' edges make (one cell per
+    piece between edges, weighted by its volume), so memory grows with the chunks, not the size; None when the
+    grid would have more than MAX_CELLS cells."""
+    edges = [sorted({0, d, *(o[k] for o, _ in boxes), *(o[k] + n[k] for o, n in boxes)}) for k, d in enumerate(size)]
+    if math.prod(len(e) - 1 for e in edges) > MAX_CELLS:
+        return None
+    cell = [{edge: i for i, edge in enumerate(e)} for e in edges]
+    covered = torch.zeros([len(e) - 1 for e in edges], dtype=torch.bool)
+    for o, n in boxes:
+        covered[tuple(slice(c[a], c[a + b]) for c, a, b in zip(cell, o, n))] = True
+    volume = torch.ones((), dtype=torch.int64)
+    for k, e in enumerate(edges):
+        volume = volume * torch.tensor(e).diff().view([-1 if j == k else 1 for j in range(len(edges))])
+    return int(volume.masked_fill(covered, 0).sum())
 
 
 # ---------------------------------------------------------------- models whose layers differ: one key per layer

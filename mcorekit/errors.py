@@ -43,7 +43,19 @@ def first_line(e: BaseException) -> str:
 def one_line(e: BaseException) -> str | None:
     """What a command prints for an error that its input or the machine caused, in one line: our own errors; the
     OS's (a read-only or full filesystem, a vanished file), with the file; pathlib's symlink loop and unknown `~user`
-    (RuntimeErrors raised inside pathlib). None for anything else: a bug, which keeps its traceback."""
+    (RuntimeErrors raised inside pathlib). None for anything else: a bug, which keeps its traceback. Characters that
+    would not print as themselves (a newline in a path) are shown escaped, as repr() does; the one exception is
+    config.rules.listed's "\n  - ", which puts each of several problems on a line of its own."""
+    line = _message(e)
+    if line is None:
+        return None
+    return LISTED.join("".join(c if c.isprintable() else repr(c)[1:-1] for c in part) for part in line.split(LISTED))
+
+
+LISTED = "\n  - "  # config.rules.listed's separator of problems
+
+
+def _message(e: BaseException) -> str | None:
     if isinstance(e, MCoreKitError):
         return str(e)
     if isinstance(e, OSError):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mcorekit.errors import ModelError
+from mcorekit.options import MAX_INT
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ def decoder_fields(config: dict[str, Any], rope_types: tuple[str, ...] = ("llama
     )
 
 
+MAX_ELEMENTS = 2**60  # in one tensor: its bytes stay within int64 (torch's sizes) at up to 8 bytes an element
 DECODER_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 # Switches the families read: a JSON string would read as true in Python ("false" included), so only true/false
@@ -160,14 +162,28 @@ FLAGS = ("tie_word_embeddings", "attention_bias", "qkv_bias", "mlp_bias", "norm_
 
 
 def _positive(v: object) -> bool:
-    return type(v) is int and v > 0
+    return type(v) is int and 0 < v <= MAX_INT
+
+
+def _size_problem(key: str, v: object, need: str) -> str:
+    if type(v) is int and v > MAX_INT:  # beyond any model; torch's int64 sizes overflow on products of such
+        return f"{key}={str(v)[:24]}{'...' if len(str(v)) > 24 else ''} (larger than {MAX_INT}, the largest size read)"
+    return f"{key}={v!r} ({need})"
 
 
 def size_problems(config: dict[str, Any], required: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> list[str]:
-    """HF config sizes that are not positive integers (`optional` ones may also be missing or null)."""
-    out = [f"{k}={config.get(k)!r} (needs a positive integer)" for k in required if not _positive(config.get(k))]
-    return out + [f"{k}={config[k]!r} (needs a positive integer or null)" for k in optional
+    """HF config sizes that are not integers from 1 to MAX_INT (`optional` ones may also be missing or null)."""
+    out = [_size_problem(k, config.get(k), "needs a positive integer") for k in required
+           if not _positive(config.get(k))]
+    return out + [_size_problem(k, config[k], "needs a positive integer or null") for k in optional
                   if config.get(k) is not None and not _positive(config[k])]
+
+
+def topk_problems(topk: object, experts: object) -> list[str]:
+    """num_experts_per_tok must pick from 1 to all of the experts (an expert count that is bad is reported as such)."""
+    if not _positive(experts) or (type(topk) is int and 1 <= topk <= experts):
+        return []
+    return [f"num_experts_per_tok={topk!r} (needs an integer from 1 to the number of experts, {experts})"]
 
 
 def decoder_field_problems(config: dict[str, Any]) -> list[str]:
@@ -188,7 +204,13 @@ def decoder_field_problems(config: dict[str, Any]) -> list[str]:
         out.append(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
     if not config.get("head_dim") and config["hidden_size"] % heads:
         out.append(f"hidden_size={config['hidden_size']} is not a multiple of num_attention_heads={heads} (and no head_dim)")
-    return out
+    hidden = config["hidden_size"]
+    qkv = (heads + 2 * groups) * (config.get("head_dim") or hidden // heads)
+    largest = {"vocab_size * hidden_size": config["vocab_size"] * hidden,
+               "2 * intermediate_size * hidden_size": 2 * config["intermediate_size"] * hidden,
+               "(num_attention_heads + 2 * num_key_value_heads) * head_dim * hidden_size": qkv * hidden}
+    return out + [f"{k} = {v} (more than {MAX_ELEMENTS} elements in one tensor)" for k, v in largest.items()
+                  if v > MAX_ELEMENTS]
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:

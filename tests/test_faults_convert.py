@@ -31,8 +31,9 @@ from hf_models import COMMON, add_mtp_layer, make_family_model, make_model
 from mcorekit import cli
 from mcorekit.convert import torch_dist
 from mcorekit.convert.hf_io import HFWriter
+from mcorekit.convert.logits import checked_checkpoint
 from mcorekit.convert.torch_dist import TorchDistReader, load_metadata
-from mcorekit.errors import ConversionError
+from mcorekit.errors import ConversionError, MCoreKitError
 
 INDEX = "model.safetensors.index.json"
 
@@ -236,8 +237,8 @@ def test_malicious_bytes_entry_is_loaded_weights_only(tmp_path: Path) -> None:
     reader = TorchDistReader(tmp_path / "ckpt")
     with pytest.raises(ConversionError, match="cannot load bytes entry 'common_state/shard_0_1' with weights_only"):
         reader.read_bytes("common_state/shard_0_1")
-    with pytest.raises(ConversionError, match="cannot load bytes entry"):
-        reader.check_bytes_entries()  # what verify --logits runs before Megatron's own (unrestricted) loader
+    with pytest.raises(MCoreKitError, match="record common_state/shard_0_1 asks to run posix.system"):
+        checked_checkpoint(tmp_path / "ckpt")  # what verify --logits runs before Megatron's own (unrestricted) loader
     assert not marker.exists()
 
 
@@ -668,9 +669,10 @@ def test_header_claiming_8_gb_is_rejected_before_allocating(base, tmp_path: Path
 
 @pytest.mark.parametrize("change, needle", [
     (dict(num_hidden_layers=10**9), "num_hidden_layers=1000000000, but the weights hold"),
-    (dict(vocab_size=10**12), "config.json implies (1000000000000, 64)"),
-    (dict(intermediate_size=10**12), "config.json implies (1000000000000, 64)"),
-], ids=["layers", "vocab", "ffn"])
+    (dict(vocab_size=10**12), "vocab_size=1000000000000 (larger than 2147483647, the largest size read)"),
+    (dict(intermediate_size=10**12), "intermediate_size=1000000000000 (larger than 2147483647, the largest size read)"),
+    (dict(intermediate_size=2**31 - 1), "config.json implies (2147483647, 64)"),  # within int32: a shape mismatch
+], ids=["layers", "vocab", "ffn", "ffn-int32"])
 def test_huge_config_values_fail_fast(base, tmp_path: Path, change: dict, needle: str) -> None:
     hf = copy(base["llama"], tmp_path / "hf")
     edit_json(hf / "config.json", lambda c: c.update(change))

@@ -36,8 +36,8 @@ def test_empty_peft_fields_are_defaults() -> None:
     """PEFT writes null, [] or {} for a field it does not use, depending on its version and the model."""
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_parameters": [], "modules_to_save": [],
               "layer_replication": [], "rank_pattern": None, "alpha_pattern": None}
-    assert lora.peft_config_problems(config) == []
-    bad = lora.peft_config_problems({**config, "target_parameters": ["mlp.experts.gate_up_proj"]})
+    assert lora.peft_config_problems(config, 64) == []
+    bad = lora.peft_config_problems({**config, "target_parameters": ["mlp.experts.gate_up_proj"]}, 64)
     assert bad == ["target_parameters=['mlp.experts.gate_up_proj'] has no Megatron LoRA counterpart (supported: None)"]
 
 

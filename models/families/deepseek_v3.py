@@ -33,7 +33,8 @@ from mcorekit.models import gpt_weights as gw
 from mcorekit.models.families import llama
 from mcorekit.models.mapping import WeightMap
 from mcorekit.models.registry import Family
-from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems
+from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems, topk_problems
+from mcorekit.options import MAX_INT
 
 L = llama.L
 ATTN = f"{L}.self_attn"
@@ -75,15 +76,16 @@ def read(config: dict[str, Any]) -> ModelSpec:
 
 
 def problems(config: dict[str, Any]) -> list[str]:
-    out = size_problems(config, SIZES, ("q_lora_rank", "n_group", "topk_group"))
+    out = (size_problems(config, SIZES, ("q_lora_rank", "n_group", "topk_group"))
+           or topk_problems(config["num_experts_per_tok"], config["n_routed_experts"]))
     if out:
         return out
     k, layers = config.get("first_k_dense_replace") or 0, config["num_hidden_layers"]
     if type(k) is not int or not 0 <= k < layers:
         out.append(f"first_k_dense_replace={k!r} must be an integer from 0 to num_hidden_layers-1={layers - 1}")
     if config.get("n_shared_experts") is not None and (type(config["n_shared_experts"]) is not int
-                                                      or config["n_shared_experts"] < 0):
-        out.append(f"n_shared_experts={config['n_shared_experts']!r} must be an integer >= 0")
+                                                      or not 0 <= config["n_shared_experts"] <= MAX_INT):
+        out.append(f"n_shared_experts={config['n_shared_experts']!r} must be an integer from 0 to {MAX_INT}")
     if config.get("mlp_bias"):
         out.append("mlp_bias=true is not supported")
     if not config.get("q_lora_rank"):

@@ -22,7 +22,7 @@ from mcorekit.models import gpt_weights as gw
 from mcorekit.models.families import llama
 from mcorekit.models.mapping import WeightMap
 from mcorekit.models.registry import Family
-from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems
+from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems, topk_problems
 
 MLP = f"{llama.L}.mlp"
 QUICK_GELU_ALPHA = 1.702
@@ -46,7 +46,8 @@ def read(config: dict[str, Any]) -> ModelSpec:
 
 
 def problems(config: dict[str, Any]) -> list[str]:
-    out = size_problems(config, ("num_local_experts", "num_experts_per_tok"), ("sliding_window",))
+    out = (size_problems(config, ("num_local_experts", "num_experts_per_tok"), ("sliding_window",))
+           or topk_problems(config["num_experts_per_tok"], config["num_local_experts"]))
     if out:
         return out
     quant = config.get("quantization_config") or {}

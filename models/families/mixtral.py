@@ -9,7 +9,7 @@ from mcorekit.models import gpt_weights as gw
 from mcorekit.models.families import llama
 from mcorekit.models.mapping import WeightMap
 from mcorekit.models.registry import Family, TensorRTLLM
-from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems
+from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems, topk_problems
 
 MOE = f"{llama.L}.block_sparse_moe"
 EXPERT_COUNTS = ("num_local_experts", "num_experts")  # transformers writes either name
@@ -27,7 +27,8 @@ def read(config: dict[str, Any]) -> ModelSpec:
 
 
 def problems(config: dict[str, Any]) -> list[str]:
-    out = size_problems(config, optional=EXPERT_COUNTS)
+    out = size_problems(config, optional=EXPERT_COUNTS) + topk_problems(config.get("num_experts_per_tok", 2),
+                                                                        num_experts(config))
     if not num_experts(config):
         out.append("num_local_experts (or num_experts) is missing (a mixtral model has experts)")
     if config.get("sliding_window"):

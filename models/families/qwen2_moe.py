@@ -12,7 +12,7 @@ from mcorekit.models import gpt_weights as gw
 from mcorekit.models.families import llama
 from mcorekit.models.mapping import WeightMap
 from mcorekit.models.registry import Family, TensorRTLLM
-from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems
+from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems, topk_problems
 
 MLP = f"{llama.L}.mlp"
 EXPERT = f"{MLP}.experts.{{expert}}"
@@ -32,7 +32,9 @@ def read(config: dict[str, Any]) -> ModelSpec:
 def problems(config: dict[str, Any]) -> list[str]:
     sizes = ("moe_intermediate_size", "shared_expert_intermediate_size")
     out = size_problems(config, optional=("num_local_experts", "num_experts", *sizes))
-    if not (config.get("num_local_experts") or config.get("num_experts")):
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    out += topk_problems(config.get("num_experts_per_tok", 2), experts)
+    if not experts:
         out.append("num_local_experts (or num_experts) is missing (a qwen2_moe model has experts)")
     out += [f"{k} is missing (a qwen2_moe model has it)" for k in sizes if not config.get(k)]
     if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):

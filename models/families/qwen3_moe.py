@@ -9,7 +9,7 @@ from mcorekit.models import gpt_weights as gw
 from mcorekit.models.families import llama, qwen3
 from mcorekit.models.mapping import WeightMap
 from mcorekit.models.registry import Family, TensorRTLLM
-from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems
+from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems, topk_problems
 
 EXPERT = f"{llama.L}.mlp.experts.{{expert}}"
 
@@ -24,7 +24,9 @@ def read(config: dict[str, Any]) -> ModelSpec:
 
 def problems(config: dict[str, Any]) -> list[str]:
     out = size_problems(config, optional=("num_local_experts", "num_experts", "moe_intermediate_size"))
-    if not (config.get("num_local_experts") or config.get("num_experts")):
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    out += topk_problems(config.get("num_experts_per_tok", 2), experts)
+    if not experts:
         out.append("num_local_experts (or num_experts) is missing (a qwen3_moe model has experts)")
     if not config.get("moe_intermediate_size"):
         out.append("moe_intermediate_size is missing")
