@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -81,6 +82,20 @@ def use_bytecode_cache(env: MutableMapping[str, str] | None = None, children: bo
         env["PYTHONPYCACHEPREFIX"] = str(folder)
         env.pop("PYTHONDONTWRITEBYTECODE", None)
     return folder
+
+
+def removed_if_damaged(error: BaseException) -> Path | None:
+    """The bytecode folder of use_bytecode_cache, removed, when `error` is marshal's on a file in it that was cut
+    short: Python writes bytecode without checking that the whole of it was written, and a full disk, a quota or a
+    file-size limit cuts it; every later import of that module then fails. It is only a cache: the next process
+    compiles again. None (nothing removed) for any other error, or a folder that is not ours."""
+    if not isinstance(error, (EOFError, ValueError)) or "marshal" not in str(error):
+        return None
+    ours = cache_folder(os.environ, "pycache")
+    if not sys.pycache_prefix or ours is None or Path(sys.pycache_prefix) != ours:
+        return None
+    shutil.rmtree(ours, ignore_errors=True)
+    return ours
 
 
 # compiled ahead as well: what importing torch and Megatron-Core pulls in besides the packages themselves (sympy 420

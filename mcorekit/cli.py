@@ -123,6 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mcorekit: interrupted", file=sys.stderr)
         return 130
+    except (EOFError, ValueError) as e:  # marshal's, on bytecode cut short in our cache folder: said, and removed
+        from mcorekit.caches import removed_if_damaged
+
+        if (folder := removed_if_damaged(e)) is None:
+            raise
+        print(f"mcorekit: error: a bytecode file in {folder} was cut short when it was written (a full disk, a "
+              f"quota or a file-size limit?): {e}; that cache folder is removed, run the command again",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
