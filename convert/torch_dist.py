@@ -492,11 +492,6 @@ class TorchDistReader:
             raise ConversionError(f"{self.path}: bytes entry {key!r} is not in the checkpoint")
         return self._load_bytes([key])[key]
 
-    def check_bytes_entries(self) -> None:
-        """Every bytes entry loads with weights_only=True. Run this before handing the checkpoint to Megatron's
-        loader, which unpickles these entries without restriction (DCP's default planner)."""
-        self._load_bytes(self.bytes_keys())
-
     def _load_bytes(self, keys: list[str]) -> dict[str, Any]:
         planner = _BytesLoadPlanner()
         try:
