@@ -337,7 +337,16 @@ def peft_config_problems(config: dict[str, Any], max_rank: int) -> list[str]:
         # MoE models), depending on its version and the model
         if value != default and value not in (None, [], {}):
             out.append(f"{key}={config.get(key)!r} has no Megatron LoRA counterpart (supported: {default!r})")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and (init.startswith("pissa") or init in BASE_CHANGING_INITS):
+        out.append(f"init_lora_weights={init!r} changes the base weights too, so these adapters do not apply to the "
+                   f"HF model; save them with PEFT's path_initial_model_for_weight_conversion (plain LoRA) first")
     return out
+
+
+# PEFT initialisations that also rewrite the base weights (PiSSA, its pissa_niter_N, OLoRA, CorDA, LoftQ, LoRA-GA):
+# an adapter saved from them applies to that rewritten base, not to the HF model's
+BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
 
 
 def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, dtype: str | None = None,

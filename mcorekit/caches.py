@@ -89,7 +89,8 @@ def removed_if_damaged(error: BaseException) -> Path | None:
     short: Python writes bytecode without checking that the whole of it was written, and a full disk, a quota or a
     file-size limit cuts it; every later import of that module then fails. It is only a cache: the next process
     compiles again. None (nothing removed) for any other error, or a folder that is not ours."""
-    if not isinstance(error, (EOFError, ValueError)) or "marshal" not in str(error):
+    # marshal's messages for data cut short: "marshal data too short", "bad marshal data (...)", "EOF read where ..."
+    if not isinstance(error, (EOFError, ValueError)) or not ("marshal" in str(error) or "EOF read where" in str(error)):
         return None
     ours = cache_folder(os.environ, "pycache")
     if not sys.pycache_prefix or ours is None or Path(sys.pycache_prefix) != ours:

@@ -110,8 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a pipe's buffered output is written here, where a closed pipe is caught, not at exit
         return code
     except BrokenPipeError:  # output piped into head & co., which stopped reading
-        for stream in (sys.stdout, sys.stderr):  # the pipe may be either: what is still buffered goes nowhere
-            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        for stream in (sys.stdout, sys.stderr):  # the pipe may be either: what it still buffers goes nowhere
+            try:
+                stream.flush()
+            except BrokenPipeError:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            except (AttributeError, OSError, ValueError):  # closed, or none: nothing to write
+                pass
         # not 0: the command may have stopped before its work (a launch before sbatch); 141 = 128 + SIGPIPE, what a
         # shell reports for a tool that SIGPIPE ended, so `set -o pipefail` treats mcorekit as any other tool
         return 128 + signal.SIGPIPE

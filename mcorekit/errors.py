@@ -1,5 +1,7 @@
 """One error type per part. The CLI prints any of them as a single line and exits 2."""
 
+import unicodedata
+
 
 class MCoreKitError(Exception):
     """A problem the user can fix; the message says what was wrong, where, and what to do."""
@@ -49,7 +51,11 @@ def one_line(e: BaseException) -> str | None:
     line = _message(e)
     if line is None:
         return None
-    return LISTED.join("".join(c if c.isprintable() else repr(c)[1:-1] for c in part) for part in line.split(LISTED))
+    return LISTED.join("".join(repr(c)[1:-1] if unicodedata.category(c) in BREAKING else c for c in part)
+                       for part in line.split(LISTED))
+
+
+BREAKING = ("Cc", "Zl", "Zp")  # control characters and line/paragraph separators: a space or joiner in a name stays
 
 
 LISTED = "\n  - "  # config.rules.listed's separator of problems

@@ -114,8 +114,11 @@ def test_lora_import_never_replaces_its_inputs(made: dict[str, Path], tmp_path: 
     ({"lora_alpha": 10**400}, f"lora_alpha={10**400!r} is not a finite positive number"),
     ({"alora_invocation_tokens": [1, 2, 3]}, "alora_invocation_tokens=[1, 2, 3] has no Megatron LoRA counterpart "
                                              "(supported: None)"),
+    ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights='pissa_niter_4' changes the base weights too, so "
+                                             "these adapters do not apply to the HF model; save them with PEFT's "
+                                             "path_initial_model_for_weight_conversion (plain LoRA) first"),
 ], ids=["dropout-str", "dropout-1", "dropout-bool", "r-huge", "r-129", "r-bool", "alpha-inf", "alpha-nan",
-        "alpha-bool", "alpha-huge-int", "alora"])
+        "alpha-bool", "alpha-huge-int", "alora", "pissa"])
 def test_bad_peft_values_are_one_line(made: dict[str, Path], tmp_path: Path, fields: dict, problem: str) -> None:
     adapter = copy(made["adapter"], tmp_path / "adapter")
     edit_json(adapter / "adapter_config.json", **fields)

@@ -261,6 +261,8 @@ def test_one_line_escapes_what_would_not_print() -> None:
     assert one_line(ConversionError("a\nb\r\x00c\u2028d\te")) == "a\\nb\\r\\x00c\\u2028d\\te"
     assert one_line(FileNotFoundError(2, "No such file or directory", "x\ny")) == "x\\ny: No such file or directory"
     assert one_line(ConversionError("plain 'quoted' ünïcode")) == "plain 'quoted' ünïcode"
+    # spaces and joiners in names print as themselves (a non-breaking and an ideographic space, a zero-width joiner)
+    assert one_line(ConversionError("/data/my\xa0model/モデル\u3000v2/👨\u200d👩")) == "/data/my\xa0model/モデル\u3000v2/👨\u200d👩"
     assert one_line(ValueError("a bug")) is None
     # several layout problems keep a line each (config.rules.listed); a newline inside one is escaped
     from mcorekit.config.rules import listed

@@ -264,8 +264,8 @@ def checked_records(iter_dir: Path, metadata: Metadata) -> None:
                     raise ConfigError(f"{where} is stored transformed ({', '.join(transforms)}), which mcorekit "
                                       f"cannot check before a loader unpickles it; convert it with `mcorekit "
                                       f"convert` instead")
-                f.seek(offset)
-                _checked(where, lambda: f.read(length), "_extra_state" in fqn)
+                # the seek inside _checked: a damaged offset is one line naming the record, as a damaged record is
+                _checked(where, lambda o=offset, n=length: (f.seek(o), f.read(n))[1], "_extra_state" in fqn)
     if (common := iter_dir / "common.pt").is_file():
         _checked(f"checkpoint {iter_dir}: {common.name}", common.read_bytes, extra_state=False)
 
