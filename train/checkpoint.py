@@ -548,7 +548,8 @@ def weights_before_wrap(exp: Any, root: Path | None) -> Path | None:
     under FSDP; an fsdp_dtensor one loads whole after wrapping, so None), else checkpoint.load (weights only:
     rules.fsdp_problems asks for checkpoint.finetune=true unless it is a release)."""
     own = latest(root) if root is not None else None
-    if own is not None and format_of(own) == TORCH_DIST:
+    # rank 0's view of the format too: checked_resume is collective, so every rank must take the same branch
+    if own is not None and rank_zero_choice(lambda: format_of(own)) == TORCH_DIST:
         checked_resume(own)  # read here, before the resume that checks it otherwise
         return own
     if own is not None:
