@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,28 +22,11 @@ import pytest
 import yaml
 from submitit.core.utils import DelayedSubmission
 
-from mcorekit.cli import main
 from mcorekit.launch import api, submit
+from test_faults_launch import run_main
 
 REPO = Path(__file__).resolve().parent.parent
 STAMP = "20261205-120000"
-
-
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-
-def run_main(*args: str | Path) -> Result:
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:
-            code = int(e.code or 0)
-    return Result(code, out.getvalue(), err.getvalue())
 
 
 def executable(path: Path, text: str) -> Path:
