@@ -419,7 +419,7 @@ def submit_built(job: Built, payloads: list[Callable[[], Any]]) -> list[Any]:
     if len(payloads) != (job.spec.array_size or 1):
         raise ValueError(f"{len(payloads)} payloads for job {job.spec.name!r} built for {job.spec.array_size or 1}")
     executor = make_executor(job)
-    with sbatch_errors(job.spec.name), _without_env("SBATCH_JOB_NAME"):
+    with sbatch_errors(job.spec.name), _without_env(overriding_env(job.params, job.spec.array_size)):
         if len(payloads) == 1:
             return [executor.submit(payloads[0])]
         with executor.batch():
@@ -427,16 +427,34 @@ def submit_built(job: Built, payloads: list[Callable[[], Any]]) -> list[Any]:
     return submitted
 
 
+# sbatch's input environment variables for the options the script sets: sbatch takes them over the script's #SBATCH
+# lines (`man sbatch`: command line, then environment, then script), so a user's shell would change the job unseen
+ALWAYS_SET = ("SBATCH_JOB_NAME", "SBATCH_TIMELIMIT", "SBATCH_SIGNAL", "SBATCH_OUTPUT", "SBATCH_ERROR",
+              "SBATCH_OPEN_MODE", "SBATCH_REQUEUE", "SBATCH_NO_REQUEUE")
+SET_IF = {"partition": "SBATCH_PARTITION", "account": "SBATCH_ACCOUNT", "qos": "SBATCH_QOS",
+          "exclusive": "SBATCH_EXCLUSIVE", "gpus_per_node": "SBATCH_GPUS_PER_NODE", "mem_per_gpu": "SBATCH_MEM_PER_GPU",
+          "mem": "SBATCH_MEM_PER_NODE"}
+
+
+def overriding_env(params: dict[str, Any], array_size: int | None) -> list[str]:
+    """The SBATCH_* variables of this environment that would override an option of this job's script."""
+    names = [*ALWAYS_SET, *(env for key, env in SET_IF.items() if key in params)]
+    names += ["SBATCH_ARRAY_INX"] if array_size else []
+    return [n for n in names if n in os.environ]
+
+
 @contextmanager
-def _without_env(name: str) -> Iterator[None]:
-    """sbatch without `name` in its environment: SBATCH_JOB_NAME would override the script's --job-name, and the
-    registry, status, logs and cancel know a job by the name the script gives it (jobs_cli.reused)."""
-    saved = os.environ.pop(name, None)
+def _without_env(names: list[str]) -> Iterator[None]:
+    """sbatch without `names` in its environment, said in one warning line; they are put back afterwards. The
+    registry, status, logs and cancel know a job by the name and log files its script gives it."""
+    if names:
+        print(f"mcorekit: warning: {', '.join(names)} in this environment would override the job script's own "
+              f"settings: left out of sbatch's environment", file=sys.stderr)
+    saved = {n: os.environ.pop(n) for n in names}
     try:
         yield
     finally:
-        if saved is not None:
-            os.environ[name] = saved
+        os.environ.update(saved)
 
 
 def submit_one(job: Built, payload: Callable[[], Any], kind: str, save: Callable[[], None] | None = None,

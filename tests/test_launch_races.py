@@ -295,16 +295,23 @@ def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
         signal.signal(signal.SIGHUP, before)
 
 
-def test_sbatch_does_not_see_a_job_name_from_the_users_shell(tmp_path: Path, slurm: Slurm,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """SBATCH_JOB_NAME would override the script's --job-name: Slurm's name would then differ from the registry's,
-    and status, logs and cancel would take every job for one whose id Slurm reused."""
-    executable(slurm.bin / "sbatch", '#!/bin/sh\necho "${SBATCH_JOB_NAME-unset}" > "$(dirname "$0")/env-name"\n'
+def test_sbatch_does_not_see_the_users_overrides_of_the_scripts_options(tmp_path: Path, slurm: Slurm,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """sbatch takes SBATCH_* variables over the script's #SBATCH lines: SBATCH_JOB_NAME would make Slurm's name
+    differ from the registry's (status, logs and cancel would take every job for one whose id Slurm reused),
+    SBATCH_TIMELIMIT would change the time the requeue signal is planned against. Those of options the script sets
+    are left out, said once; others (an account the profile does not set) pass."""
+    executable(slurm.bin / "sbatch", '#!/bin/sh\nfor v in SBATCH_JOB_NAME SBATCH_TIMELIMIT SBATCH_ACCOUNT; do\n'
+                                     '  eval "echo $v=\\${$v-unset}"; done > "$(dirname "$0")/env"\n'
                                      'echo "Submitted batch job 7"\n')
-    monkeypatch.setenv("SBATCH_JOB_NAME", "from-the-shell")
+    for name, value in (("SBATCH_JOB_NAME", "from-the-shell"), ("SBATCH_TIMELIMIT", "1"), ("SBATCH_ACCOUNT", "lab")):
+        monkeypatch.setenv(name, value)
     profile, experiment = write_inputs(tmp_path)
     r = run_main("launch", "--config", experiment, "--cluster", profile)
     assert r.code == 0, r.err
-    assert (slurm.bin / "env-name").read_text() == "unset\n"
+    assert (slurm.bin / "env").read_text().split() == ["SBATCH_JOB_NAME=unset", "SBATCH_TIMELIMIT=unset",
+                                                      "SBATCH_ACCOUNT=lab"]
+    assert ("mcorekit: warning: SBATCH_JOB_NAME, SBATCH_TIMELIMIT in this environment would override the job "
+            "script's own settings: left out of sbatch's environment") in r.err.splitlines()
     assert os.environ["SBATCH_JOB_NAME"] == "from-the-shell"  # put back for the launcher's caller
     assert [e["name"] for e in registry(tmp_path / "runs")] == ["jb"]
