@@ -99,6 +99,15 @@ def removed_if_damaged(error: BaseException) -> Path | None:
     return ours
 
 
+def damaged_cache_line(error: BaseException) -> str | None:
+    """removed_if_damaged, said in one line for the error message; None where it removed nothing."""
+    folder = removed_if_damaged(error)
+    if folder is None:
+        return None
+    return (f"a bytecode file in {folder} was cut short when it was written (a full disk, a quota or a file-size "
+            f"limit?): {error}; that cache folder is removed, run the command again")
+
+
 # compiled ahead as well: what importing torch and Megatron-Core pulls in besides the packages themselves (sympy 420
 # modules, networkx 286, numpy 92 on the CPU machine, 2026-12-03); with the folder in use even bytecode installed
 # beside their sources is compiled again into it, the standard library's included

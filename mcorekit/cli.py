@@ -129,13 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         print("mcorekit: interrupted", file=sys.stderr)
         return 130
     except (EOFError, ValueError) as e:  # marshal's, on bytecode cut short in our cache folder: said, and removed
-        from mcorekit.caches import removed_if_damaged
+        from mcorekit.caches import damaged_cache_line
 
-        if (folder := removed_if_damaged(e)) is None:
+        if (line := damaged_cache_line(e)) is None:
             raise
-        print(f"mcorekit: error: a bytecode file in {folder} was cut short when it was written (a full disk, a "
-              f"quota or a file-size limit?): {e}; that cache folder is removed, run the command again",
-              file=sys.stderr)
+        print(f"mcorekit: error: {line}", file=sys.stderr)
         return 2
 
 

@@ -43,3 +43,19 @@ def test_only_marshals_errors_in_our_own_folder_remove_anything(tmp_path: Path,
     monkeypatch.setattr(sys, "pycache_prefix", str(ours))
     assert removed_if_damaged(ValueError("invalid literal for int()")) is None and ours.exists()
     assert removed_if_damaged(ValueError("bad marshal data (unknown type code)")) == ours and not ours.exists()
+
+
+def test_a_training_process_says_so_too(tmp_path: Path) -> None:
+    """python -m mcorekit.train shares the folder (its data workers and compile workers too)."""
+    folder = tmp_path / "mcorekit" / "pycache"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPYCACHEPREFIX": str(folder), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "mcorekit.train", "--config", "examples/llama-tiny.yaml", "--run-dir",
+           str(tmp_path / "run")]
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert first.returncode == 2 and "no CUDA GPU" in first.stderr  # this machine has none: it stops there
+    [compiled] = (folder / str(REPO / "config").lstrip("/")).glob("rules.*.pyc")  # imported inside main
+    compiled.write_bytes(compiled.read_bytes()[:100])
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(f"mcorekit.train: error: a bytecode file in {folder} was cut short")
+    assert not folder.exists()

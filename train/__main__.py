@@ -108,5 +108,18 @@ def _init_cuda(local_rank: int) -> None:
         pass
 
 
+def main_or_damaged_cache() -> int:
+    """main; a bytecode file cut short in mcorekit's cache folder (mcorekit.caches.damaged_cache_line) is one line."""
+    from mcorekit.caches import damaged_cache_line
+
+    try:
+        return main()
+    except (EOFError, ValueError) as e:
+        if (line := damaged_cache_line(e)) is None:
+            raise
+        print(f"mcorekit.train: error: {line}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    exit_with(main())
+    exit_with(main_or_damaged_cache())

@@ -23,6 +23,17 @@ class TrainJob:
         self.peak_tflops = peak_tflops
 
     def __call__(self) -> dict[str, Any]:
+        from mcorekit.caches import damaged_cache_line
+        from mcorekit.errors import MCoreKitError
+
+        try:
+            return self._train()
+        except (EOFError, ValueError) as e:  # a bytecode file cut short in mcorekit's cache: one line, then removed
+            if (line := damaged_cache_line(e)) is None:
+                raise
+            raise MCoreKitError(line) from None
+
+    def _train(self) -> dict[str, Any]:
         from mcorekit.runtime.env import prepare_training_process
 
         prepare_training_process()  # before torch and Megatron-Core are imported (see there)
