@@ -48,7 +48,8 @@ def test_only_marshals_errors_in_our_own_folder_remove_anything(tmp_path: Path,
 def test_a_training_process_says_so_too(tmp_path: Path) -> None:
     """python -m mcorekit.train shares the folder (its data workers and compile workers too)."""
     folder = tmp_path / "mcorekit" / "pycache"
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPYCACHEPREFIX": str(folder), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPYCACHEPREFIX": str(folder),
+           "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "mcorekit.train", "--config", "examples/llama-tiny.yaml", "--run-dir",
            str(tmp_path / "run")]
     first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
