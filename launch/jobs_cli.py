@@ -407,10 +407,15 @@ def cancel(args: argparse.Namespace) -> int:
     ids = [item for item, _, _ in items]
     records = {base: accounting.sacct([str(base)]) for _, base, _ in items}
     names = slurm_names(entries)
-    # an array's tasks share its name: every record of the job tells whether Slurm's job of that id is ours
-    for rec in (r for base, found in records.items() for k, r in found.items() if k.split("_")[0] == str(base)):
-        if why := reused(rec, names):
-            raise LaunchError(f"{why}; nothing was cancelled")
+    arrays = {e["job_id"].split("_")[0] for e in entries if "_" in e["job_id"]}
+    # the records of the shape we submitted tell whether Slurm's job of that id is ours: an array's tasks (BASE_N,
+    # which share its name), else the job BASE; accounting may also list an earlier job that had the id (a reset
+    # cluster's), which is not the one queued now
+    for base, found in records.items():
+        for key, rec in found.items():
+            if (("_" in key) == (str(base) in arrays) and key.split("_")[0] == str(base)
+                    and (why := reused(rec, names))):
+                raise LaunchError(f"{why}; nothing was cancelled")
     states = {item: _ended(records[base], base, tasks) for item, base, tasks in items}
     ended = [f"{item} already {state}" for item, state in states.items() if state]
     if ended:

@@ -268,6 +268,18 @@ def test_cancel_goes_ahead_when_the_names_agree(tmp_path: Path, fake_slurm: Path
     assert fake_slurm.read_text() == "1001 200_0\n"
 
 
+def test_an_earlier_job_with_the_id_in_accounting_is_not_ours_to_judge_by(tmp_path: Path, fake_slurm: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reset dev cluster numbers its jobs from the start again while accounting keeps the earlier ones: sacct of
+    our array 938 also lists an earlier plain job 938 (an `salloc`'s 'allocation', CI at 3fa81ac). Our array's
+    tasks say whose the id is now."""
+    registry(tmp_path, {"job_id": "938_0", "name": "faults", "kind": "sweep"})
+    monkeypatch.setenv("FAKE_SACCT_OUT",
+                       "938|allocation|COMPLETED|0:0|00:00:05\n938_0|faults-sweep|RUNNING|0:0|00:01:00")
+    assert run("cancel", "938_0", "--runs", str(tmp_path)) == (0, "cancelled 938_0\n", "")
+    assert fake_slurm.read_text() == "938_0\n"
+
+
 def test_status_marks_a_reused_job_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     registry(tmp_path, {"job_id": "1001", "name": "llama-tiny"}, {"job_id": "1002", "name": "llama-tiny"})
     monkeypatch.setattr(accounting, "sacct", lambda ids: {
