@@ -41,13 +41,7 @@ def test_tokens_dropped_by_the_capacity_factor_are_reported_per_layer_and_in_all
     """With moe.capacity_factor (Megatron-Core's token dropping, as config/megatron.py sets it), the share of routed
     token-slots (tokens x top-k) that the capacity dropped, against Megatron-Core's own routing map before and after
     it applied the capacity (recorded at its apply_router_token_dropping), over two forward passes."""
-    import dataclasses
-
     from megatron.core.transformer.moe import router
-
-    from mcorekit.models.megatron import build_gpt, padded_vocab_size, transformer_config
-    from mcorekit.models.spec import from_hf_config, load_hf_config
-    from mcorekit.train.metrics import ExpertLoad
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     seen: list[tuple[int, int]] = []  # (slots routed, slots kept) per router call, in call order
@@ -59,17 +53,9 @@ def test_tokens_dropped_by_the_capacity_factor_are_reported_per_layer_and_in_all
         return probs, kept
 
     monkeypatch.setattr(router, "apply_router_token_dropping", recorded)
-    spec = dataclasses.replace(from_hf_config(load_hf_config(deepseek)), mtp_layers=1)
-    cfg = transformer_config(spec, cpu_init=True, moe_token_dispatcher_type="allgather",
-                             moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs",
-                             moe_pad_expert_input_to_capacity=False)
-    model = build_gpt(spec, cfg, padded_vocab_size(spec.vocab_size, 128), use_te=False).train()
-    load = ExpertLoad([model], sequence_parallel=False)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(2):  # two micro-batches before the log line
-        tokens = torch.randint(0, spec.vocab_size, (2, 8), generator=g)
-        model(tokens, torch.arange(8).expand(2, 8), attention_mask=None, labels=tokens, loss_mask=torch.ones(2, 8))
-    out = load.read_and_reset()
+    spec, model, load, out, tokens = _two_micro_batches_counted(deepseek, moe_token_dispatcher_type="allgather",
+                                                                moe_expert_capacity_factor=0.5,
+                                                                moe_pad_expert_input_to_capacity=False)
     layers = ["2", "3", "mtp_1"]  # the routers' call order in a forward pass
     routed = {layer: sum(r for r, _ in seen[i::3]) for i, layer in enumerate(layers)}
     kept = {layer: sum(k for _, k in seen[i::3]) for i, layer in enumerate(layers)}
@@ -91,15 +77,9 @@ def test_tokens_dropped_with_padding_to_capacity_are_reported(deepseek: Path, mo
     the router's map is then the capacity's mask, each expert's column holding exactly its capacity, padding slots
     included; the counts and the dropped share are still the routed slots kept, against Megatron-Core's routing map
     before its apply_router_token_dropping and the one it returns (kept = routed and within the returned map)."""
-    import dataclasses
-
     from megatron.core.transformer.moe import router, token_dispatcher
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.moe_utils import get_capacity
-
-    from mcorekit.models.megatron import build_gpt, padded_vocab_size, transformer_config
-    from mcorekit.models.spec import from_hf_config, load_hf_config
-    from mcorekit.train.metrics import ExpertLoad
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per router call: routed, kept, padded map
@@ -113,18 +93,10 @@ def test_tokens_dropped_with_padding_to_capacity_are_reported(deepseek: Path, mo
     monkeypatch.setattr(router, "apply_router_token_dropping", recorded)
     # the alltoall dispatcher makes a CUDA stream for its device-to-host copies, which drop-and-pad never makes
     monkeypatch.setattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
-    spec = dataclasses.replace(from_hf_config(load_hf_config(deepseek)), mtp_layers=1)
     # as config/megatron.py sets moe.capacity_factor 1.0 with moe.pad_to_capacity, and the default dispatcher
-    cfg = transformer_config(spec, cpu_init=True, moe_token_dispatcher_type="alltoall",
-                             moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs",
-                             moe_pad_expert_input_to_capacity=True)
-    model = build_gpt(spec, cfg, padded_vocab_size(spec.vocab_size, 128), use_te=False).train()
-    load = ExpertLoad([model], sequence_parallel=False)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(2):  # two micro-batches before the log line
-        tokens = torch.randint(0, spec.vocab_size, (2, 8), generator=g)
-        model(tokens, torch.arange(8).expand(2, 8), attention_mask=None, labels=tokens, loss_mask=torch.ones(2, 8))
-    out = load.read_and_reset()
+    spec, model, _, out, _ = _two_micro_batches_counted(deepseek, moe_token_dispatcher_type="alltoall",
+                                                        moe_expert_capacity_factor=1.0,
+                                                        moe_pad_expert_input_to_capacity=True)
     layers = ["2", "3", "mtp_1"]  # the routers' call order in a forward pass
     topk, experts = spec.moe_router_topk, seen[0][0].shape[1]
     capacity = get_capacity(16 * topk, experts, 1.0)
@@ -142,3 +114,23 @@ def test_tokens_dropped_with_padding_to_capacity_are_reported(deepseek: Path, mo
     assert out["expert_dropped_per_layer"] == pytest.approx(want, abs=1e-4)
     assert out["expert_dropped_max"] == pytest.approx(max(want.values()))
     assert out["expert_dropped"] == pytest.approx(1 - sum(map(sum, kept.values())) / sum(routed.values()))
+
+
+def _two_micro_batches_counted(deepseek: Path, **moe: object) -> tuple:
+    """The tiny DeepSeek-V3 (one MTP layer) with Megatron-Core's token dropping as `moe` sets it, counted by
+    ExpertLoad over two micro-batches (a log line): (spec, model, the ExpertLoad, its reading, the last tokens)."""
+    import dataclasses
+
+    from mcorekit.models.megatron import build_gpt, padded_vocab_size, transformer_config
+    from mcorekit.models.spec import from_hf_config, load_hf_config
+    from mcorekit.train.metrics import ExpertLoad
+
+    spec = dataclasses.replace(from_hf_config(load_hf_config(deepseek)), mtp_layers=1)
+    cfg = transformer_config(spec, cpu_init=True, moe_token_drop_policy="probs", **moe)
+    model = build_gpt(spec, cfg, padded_vocab_size(spec.vocab_size, 128), use_te=False).train()
+    load = ExpertLoad([model], sequence_parallel=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        tokens = torch.randint(0, spec.vocab_size, (2, 8), generator=g)
+        model(tokens, torch.arange(8).expand(2, 8), attention_mask=None, labels=tokens, loss_mask=torch.ones(2, 8))
+    return spec, model, load, load.read_and_reset(), tokens
