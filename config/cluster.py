@@ -11,8 +11,9 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from mcorekit.config.loading import load
-from mcorekit.config.values import ENV_KEY_RE, MAX_COUNT, NAME_RE, Strict, no_control, shown, slurm_time
+from mcorekit.config.values import ENV_KEY_RE, NAME_RE, Strict, no_control, shown, slurm_time
 from mcorekit.errors import ConfigError
+from mcorekit.options import MAX_INT
 
 PROFILES = Path(__file__).resolve().parent.parent / "slurm" / "clusters"  # mcorekit.slurm's data, next to this part
 
@@ -46,14 +47,14 @@ class ClusterProfile(Strict):
     account: str | None = None
     qos: str | None = None
     # counts are strict (lax mode reads `true` as 1 and `2.0` as 2) and bounded (a huge one went into the script)
-    gpus_per_node: int = Field(8, ge=0, le=MAX_COUNT, strict=True)  # 0: a CPU-only cluster (tests, the dev cluster)
+    gpus_per_node: int = Field(8, ge=0, le=MAX_INT, strict=True)  # 0: a CPU-only cluster (tests, the dev cluster)
     # only for CPU-only clusters; GPU clusters run one task per GPU
-    tasks_per_node: int | None = Field(None, ge=1, le=MAX_COUNT, strict=True)
-    cpus_per_task: int = Field(8, ge=1, le=MAX_COUNT, strict=True)
-    mem_per_gpu_gb: int | None = Field(None, ge=1, le=MAX_COUNT, strict=True)
+    tasks_per_node: int | None = Field(None, ge=1, le=MAX_INT, strict=True)
+    cpus_per_task: int = Field(8, ge=1, le=MAX_INT, strict=True)
+    mem_per_gpu_gb: int | None = Field(None, ge=1, le=MAX_INT, strict=True)
     # memory per node of a CPU-only job (a chain's convert and export stages: peak about 3x the largest
     # checkpoint shard); GPU jobs take mem_per_gpu_gb, or the site's default
-    cpu_mem_gb: int = Field(32, ge=1, le=MAX_COUNT, strict=True)
+    cpu_mem_gb: int = Field(32, ge=1, le=MAX_INT, strict=True)
     time_limit: str = "04:00:00"
     exclusive: bool = False
     # USR2 this long before the time limit: enough to save a checkpoint; sbatch's --signal=SIG@TIME takes 16 bits

@@ -10,8 +10,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from mcorekit.config.loading import load
-from mcorekit.config.values import MAX_COUNT, NAME_RE, Strict, no_control, slurm_time
+from mcorekit.config.values import NAME_RE, Strict, no_control, slurm_time
 from mcorekit.models.parallel import Layout
+from mcorekit.options import MAX_INT
 
 
 class ModelConfig(Strict):
@@ -31,12 +32,12 @@ class ModelConfig(Strict):
 # Every integer setting is strict (strict=True): pydantic's lax mode would read `true` as 1 and `2.0` as 2; and
 # bounded (le=): a huge value would otherwise pass here and fail only on the nodes, after the queue.
 class ParallelConfig(Strict):
-    tp: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
-    pp: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
-    vpp: int | None = Field(None, ge=1, le=MAX_COUNT, strict=True)  # virtual stages per pipeline rank (interleaved)
-    cp: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
-    ep: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
-    etp: int = Field(1, ge=1, le=MAX_COUNT, strict=True)  # expert tensor parallel size
+    tp: int = Field(1, ge=1, le=MAX_INT, strict=True)
+    pp: int = Field(1, ge=1, le=MAX_INT, strict=True)
+    vpp: int | None = Field(None, ge=1, le=MAX_INT, strict=True)  # virtual stages per pipeline rank (interleaved)
+    cp: int = Field(1, ge=1, le=MAX_INT, strict=True)
+    ep: int = Field(1, ge=1, le=MAX_INT, strict=True)
+    etp: int = Field(1, ge=1, le=MAX_INT, strict=True)  # expert tensor parallel size
     sequence_parallel: bool = False
     # fully sharded data parallel through Megatron-FSDP: what is sharded over the data-parallel ranks (ZeRO-1/2/3
     # style). None: plain DDP, with optimizer.distributed sharding the optimizer state as before
@@ -61,7 +62,7 @@ class MoEConfig(Strict):
     expert_gemm: Literal["auto", "te", "torch"] = "auto"
     dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
     # FFN size of the shared expert(s) every token also passes through
-    shared_expert_ffn: int | None = Field(None, ge=1, le=MAX_COUNT, strict=True)
+    shared_expert_ffn: int | None = Field(None, ge=1, le=MAX_INT, strict=True)
     shared_expert_overlap: bool = False  # overlap the shared expert with the token dispatch (alltoall/allgather)
     permute_fusion: bool = True
     router_fusion: bool = False  # TE's fused top-k + softmax + aux loss
@@ -79,7 +80,7 @@ class DataConfig(Strict):
     # validates on its own stream without it)
     valid_paths: list[str] = Field(default_factory=list)
     tokenizer: str | None = None  # an HF tokenizer directory (sft; indexed takes its eod from the .idx side-car)
-    seq_length: int = Field(2048, ge=1, le=MAX_COUNT, strict=True)
+    seq_length: int = Field(2048, ge=1, le=MAX_INT, strict=True)
     packing: bool = False  # sft: several conversations per sequence, attention kept within each
     dynamic_batching: bool = False
     cache_dir: str | None = None  # dataset index caches; default <run dir>/data_cache
@@ -126,12 +127,12 @@ class GRPOConfig(Strict):
     """Group relative policy optimisation (data.kind=grpo, train/tasks/grpo.py): per prompt a group of samples from
     the policy itself, rewards, group-normalised advantages, the clipped policy-gradient loss and a KL penalty."""
 
-    group_size: int = Field(8, ge=2, le=MAX_COUNT, strict=True)  # G: samples per prompt
+    group_size: int = Field(8, ge=2, le=MAX_INT, strict=True)  # G: samples per prompt
     # the step's global batch is prompts_per_step x group_size sequences
-    prompts_per_step: int = Field(8, ge=1, le=MAX_COUNT, strict=True)
+    prompts_per_step: int = Field(8, ge=1, le=MAX_INT, strict=True)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)  # 1.0: no nucleus filtering
-    max_new_tokens: int = Field(256, ge=1, le=MAX_COUNT, strict=True)
+    max_new_tokens: int = Field(256, ge=1, le=MAX_INT, strict=True)
     clip_low: float = Field(0.2, ge=0, lt=1)  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO: high 0.28)
     clip_high: float = Field(0.2, ge=0)
     kl_coeff: float = Field(0.0, ge=0)  # beta of the k3 KL penalty to the reference (0: no reference model)
@@ -150,7 +151,7 @@ class GRPOConfig(Strict):
 
 
 class LoraConfig(Strict):
-    rank: int = Field(16, ge=1, le=MAX_COUNT, strict=True)
+    rank: int = Field(16, ge=1, le=MAX_INT, strict=True)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     # Megatron-Core's linear layers: qkv (attention in), proj (attention out), fc1, fc2 (MLP in/out)
@@ -183,20 +184,20 @@ class OptimizerConfig(Strict):
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     # parameters per gradient bucket; null = one bucket
-    bucket_size: int | None = Field(40_000_000, ge=1, le=MAX_COUNT, strict=True)
+    bucket_size: int | None = Field(40_000_000, ge=1, le=MAX_INT, strict=True)
     tp_comm_overlap: bool = False
 
 
 class ScheduleConfig(Strict):
-    train_iters: int = Field(1000, ge=1, le=MAX_COUNT, strict=True)
-    warmup_iters: int = Field(100, ge=0, le=MAX_COUNT, strict=True)
+    train_iters: int = Field(1000, ge=1, le=MAX_INT, strict=True)
+    warmup_iters: int = Field(100, ge=0, le=MAX_INT, strict=True)
     decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
-    micro_batch_size: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
-    global_batch_size: int = Field(8, ge=1, le=MAX_COUNT, strict=True)
+    micro_batch_size: int = Field(1, ge=1, le=MAX_INT, strict=True)
+    global_batch_size: int = Field(8, ge=1, le=MAX_INT, strict=True)
     # validation loss every N steps and at the end; 0 = none
-    eval_interval: int = Field(0, ge=0, le=MAX_COUNT, strict=True)
+    eval_interval: int = Field(0, ge=0, le=MAX_INT, strict=True)
     # global batches per validation (the same ones every time)
-    eval_iters: int = Field(10, ge=1, le=MAX_COUNT, strict=True)
+    eval_iters: int = Field(10, ge=1, le=MAX_INT, strict=True)
     # one CUDA graph for each step's forward and backward passes (Megatron-Core's full-iteration graph): the GPU
     # replays the step's kernels without the host launching each. auto: where it applies (rules.full_graph_blockers
     # lists what it does not cover yet); true: the same, and an error where it does not apply; false: never
@@ -206,17 +207,17 @@ class ScheduleConfig(Strict):
 class RecomputeConfig(Strict):
     granularity: Literal["none", "selective", "full"] = "none"
     method: Literal["uniform", "block"] = "uniform"
-    num_layers: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
+    num_layers: int = Field(1, ge=1, le=MAX_INT, strict=True)
     # selective: which submodules to recompute (Megatron-Core names: core_attn, mlp, moe, moe_act, layernorm, ...)
     modules: list[str] = Field(default_factory=lambda: ["core_attn"])
     # layers whose activations go to host memory (Transformer Engine)
-    offload_layers: int = Field(0, ge=0, le=MAX_COUNT, strict=True)
+    offload_layers: int = Field(0, ge=0, le=MAX_INT, strict=True)
 
 
 class CheckpointConfig(Strict):
     dir: str | None = None  # default: <run dir>/checkpoints
-    save_interval: int = Field(500, ge=1, le=MAX_COUNT, strict=True)
-    keep_last: int = Field(3, ge=1, le=MAX_COUNT, strict=True)
+    save_interval: int = Field(500, ge=1, le=MAX_INT, strict=True)
+    keep_last: int = Field(3, ge=1, le=MAX_INT, strict=True)
     # write in the background (a thread) while training continues, from a copy made first: on the GPU where it has
     # room for one (each rank's share of the checkpoint next to the steps' peak; the run's mem_gb then includes
     # it), else in pinned host memory (3B shape, 36.6 GB: the loop blocked 14 s on one H200 the first time)
@@ -238,13 +239,13 @@ class WandbConfig(Strict):
 
 
 class LoggingConfig(Strict):
-    log_interval: int = Field(10, ge=1, le=MAX_COUNT, strict=True)
+    log_interval: int = Field(10, ge=1, le=MAX_INT, strict=True)
     tensorboard: bool = False  # also write <run>/tensorboard (metrics always go to <run>/metrics.jsonl)
     wandb: WandbConfig | None = None  # also log to Weights & Biases (the optional `wandb` extra)
 
 
 class ResourcesConfig(Strict):
-    nodes: int = Field(1, ge=1, le=MAX_COUNT, strict=True)
+    nodes: int = Field(1, ge=1, le=MAX_INT, strict=True)
     time: str | None = None  # HH:MM:SS or D-HH:MM:SS; default: the profile's time limit
     exclusive: bool | None = None  # default: the profile's choice
     # Slurm counts a job's restarts in 16 bits (restart_cnt, SLURM_RESTART_COUNT): a cap above that never applies

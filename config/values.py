@@ -16,9 +16,6 @@ from pydantic import BaseModel, ConfigDict
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
-# The largest count a setting may be (int32): what Slurm's 32-bit job fields and the int32 sizes Megatron-Core and
-# torch hand to C++/CUDA hold; a product of two (samples = train_iters x global_batch_size) still fits int64.
-MAX_COUNT = 2**31 - 1
 
 
 def no_control(value: str, what: str) -> str:

@@ -8,7 +8,9 @@ import math
 from typing import Callable
 
 
-MAX_INT = 2**31 - 1  # int32's largest: beyond any count, size or limit a command takes (larger ones overflow)
+# int32's largest: beyond any count, size or limit a command or a setting takes. Slurm's job fields and the sizes
+# Megatron-Core and torch hand to C++/CUDA are 32-bit; a product of two (train_iters x global_batch_size) fits int64.
+MAX_INT = 2**31 - 1
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
