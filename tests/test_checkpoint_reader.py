@@ -5,7 +5,10 @@ On CPU with one gloo rank; the checkpoints are written by the Saver's writer (te
 from __future__ import annotations
 
 import io
+import json
+import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -365,6 +368,49 @@ def test_a_start_reads_the_iterations_it_checked(model_parallel: None, tmp_path:
     with pytest.raises(ConfigError, match=rf"^checkpoint {base / 'iter_0000004'}: record .* asks to run posix.system"):
         checkpoint.pinned_sources(exp)
     assert not marker.exists()
+
+
+def test_a_resumed_run_keeps_the_iterations_its_first_start_pinned(model_parallel: None, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A LoRA base and a DPO or GRPO reference are read again at every start: a run that resumes from its own
+    checkpoint reads the iterations its first start pinned (sources.json in its checkpoints folder), not a newer
+    one its base's run saved meanwhile; checked again; one that is gone is a warning naming it. A start without a
+    checkpoint of its own pins anew."""
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint
+
+    base, run = tmp_path / "base", tmp_path / "run" / "checkpoints"
+    _with_record(base / "iter_0000003", _te_extra_state({"scale": 1.0}))
+    (base / "latest_checkpointed_iteration.txt").write_text("3")
+    exp = _experiment(base)
+    assert checkpoint.pinned_sources(exp, run).checkpoint.load == str(base / "iter_0000003")
+    assert json.loads((run / "sources.json").read_text()) == {"given": [str(base), None],
+                                                               "pinned": [str(base / "iter_0000003"), None]}
+
+    _with_record(base / "iter_0000004", _te_extra_state({"scale": 2.0}))  # the base's run goes on
+    (base / "latest_checkpointed_iteration.txt").write_text("4")
+    own = run / "iter_0000002"  # this run's own checkpoint: the next start is a resume
+    own.mkdir()
+    (own / "metadata.json").write_text("{}")
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    assert checkpoint.pinned_sources(exp, run).checkpoint.load == str(base / "iter_0000003")
+
+    marker = tmp_path / "MARKER"  # the kept iteration is checked at each start, as a newly pinned one is
+    shutil.rmtree(base / "iter_0000003")
+    _with_record(base / "iter_0000003", [Evil(marker)])
+    with pytest.raises(ConfigError, match=rf"^checkpoint {base / 'iter_0000003'}: record .* asks to run posix.system"):
+        checkpoint.pinned_sources(exp, run)
+    assert not marker.exists()
+
+    shutil.rmtree(base / "iter_0000003")  # pruned by its run's keep_last
+    with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
+        assert checkpoint.pinned_sources(exp, run).checkpoint.load == str(base / "iter_0000003")
+    assert f"this run started from checkpoint.load={base / 'iter_0000003'}, which is gone" in caplog.text
+
+    shutil.rmtree(own)  # no checkpoint of its own: a new start pins the base's latest and records it
+    (run / "latest_checkpointed_iteration.txt").unlink()
+    assert checkpoint.pinned_sources(exp, run).checkpoint.load == str(base / "iter_0000004")
+    assert json.loads((run / "sources.json").read_text())["pinned"] == [str(base / "iter_0000004"), None]
 
 
 def test_paths_that_name_no_checkpoints_root_stay_as_given(model_parallel: None, tmp_path: Path) -> None:

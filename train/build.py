@@ -85,7 +85,7 @@ def build(exp: Experiment, checkpoints: Any = None) -> Trainer:
     full_graph = use_full_graph(exp, spec, use_te, nodes.gpus, layout_of(exp).dp(ranks.world_size), nodes.capability)
     startup.mark("checks")  # Megatron-Core's and TE's imports happen here: the rules build Megatron-Core's configs
     env = init_distributed(exp, graph_safe_rng=full_graph)
-    exp = checkpoint.pinned_sources(exp)  # before anything reads checkpoint.load or peft.lora.load
+    exp = checkpoint.pinned_sources(exp, checkpoints)  # before anything reads checkpoint.load or peft.lora.load
     if full_graph:
         use_capture_stream()
     startup.mark("dist_init")

@@ -4,7 +4,8 @@ fine-tuning takes the weights only.
 
 A LoRA run (train/lora.py) saves and resumes only its adapters (`<layer>.adapter.lora_a/b`), their optimizer state,
 the scheduler and the step, with `lora.json` (rank, alpha, targets, the base checkpoint) in each iteration
-directory; the frozen base comes from checkpoint.load at every start (load_base).
+directory; the frozen base comes from checkpoint.load at every start (load_base), the iteration the run's first
+start pinned (pinned_sources).
 
 Under Megatron-FSDP (parallel.fsdp) Megatron-Core 0.19 writes model and optimizer only as `fsdp_dtensor` (each
 parameter a DTensor of Megatron-FSDP's uneven shards, written with torch.distributed.checkpoint), as Megatron-LM's
@@ -41,6 +42,7 @@ from mcorekit.train.lora import is_adapter_key
 log = logging.getLogger("mcorekit.train")
 
 TRACKER = "latest_checkpointed_iteration.txt"
+SOURCES = "sources.json"  # in a run's checkpoints folder: the iterations its first start pinned (pinned_sources)
 LORA_JSON = "lora.json"  # in a LoRA checkpoint's iteration directory: what convert/lora.py needs to export it
 RELEASE = "release"  # Megatron-LM's name for a checkpoint that did not come from a training step (weights only)
 # fully_reshardable: the optimizer state is stored per model parameter, so a checkpoint resumes at another
@@ -418,14 +420,56 @@ def _check(path: Path) -> None:
         checked_records(path, checked_metadata(path))
 
 
-def pinned_sources(exp: Any) -> Any:
+def pinned_sources(exp: Any, root: Path | None = None) -> Any:
     """exp with checkpoint.load and peft.lora.load pinned to the iterations checked_sources checked, on rank 0;
     every rank takes its answer (or its refusal). Whatever the start reads afterwards (the base, the adapters, the
-    DPO reference at the first step) is what was checked, even if their run saves a newer iteration meanwhile."""
-    load, adapters = rank_zero_choice(lambda: checked_sources(exp))
+    DPO reference at the first step) is what was checked, even if their run saves a newer iteration meanwhile.
+    `root`: the run's checkpoints folder. A run that resumes from a checkpoint of its own keeps the iterations its
+    first start pinned (SOURCES there): a LoRA base and a DPO or GRPO reference are read again at every start, and
+    a newer iteration of their run is not the model this run trained against."""
+    load, adapters = rank_zero_choice(lambda: _run_sources(exp, root))
     lora = exp.peft.lora.model_copy(update={"load": adapters}) if exp.peft.lora else None
     return exp.model_copy(update={"checkpoint": exp.checkpoint.model_copy(update={"load": load}),
                                   "peft": exp.peft.model_copy(update={"lora": lora})})
+
+
+def _run_sources(exp: Any, root: Path | None) -> tuple[str | None, str | None]:
+    lora = exp.peft.lora
+    given = [exp.checkpoint.load, lora.load if lora else None]
+    record = root / SOURCES if root is not None else None
+    if record is not None and record.is_file() and _latest_on_disk(root) is not None:  # a resume
+        kept = _recorded(record, given)
+        if kept is not None:
+            for path, what in zip(kept, ("checkpoint.load", "peft.lora.load")):
+                if path and Path(path).exists():
+                    _check(Path(path))
+                elif path:
+                    log.warning("this run started from %s=%s, which is gone: a start that reads it again (a LoRA "
+                                "base, a DPO or GRPO reference) stops; restore it, or start a new run", what, path)
+            return kept
+    pinned = checked_sources(exp)
+    if record is not None and any(given):
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_name(record.name + ".tmp")
+        tmp.write_text(json.dumps({"given": given, "pinned": list(pinned)}, indent=1) + "\n")
+        os.replace(tmp, record)
+    return pinned
+
+
+def _recorded(record: Path, given: list[str | None]) -> tuple[str | None, str | None] | None:
+    """The iterations a run's first start pinned, if it named the same sources as now (a run folder started again
+    with other ones pins them anew, with a warning)."""
+    try:
+        saved = json.loads(record.read_text())
+        pinned = saved["pinned"]
+        ok = saved["given"] == given and len(pinned) == 2 and all(p is None or isinstance(p, str) for p in pinned)
+    except (OSError, ValueError, TypeError, KeyError):
+        ok = False
+    if not ok:
+        log.warning("%s does not hold the sources this run names now (%s): pinning them anew", record,
+                    ", ".join(str(g) for g in given if g))
+        return None
+    return pinned[0], pinned[1]
 
 
 def _pinned(path: str | None) -> str | None:
