@@ -73,7 +73,9 @@ def _sacct(job_ids: list[str]) -> dict[str, JobRecord]:
             continue
         jid, name, state, exit_code, elapsed = parts[:5]
         # -D lists every requeued incarnation in order: the last line is the current one, the others are restarts.
-        restarts = records[jid].restarts + 1 if jid in records else 0
+        # A line of another name is an earlier job that had the id (a reset cluster numbers from the start again).
+        earlier = records.get(jid)
+        restarts = earlier.restarts + 1 if earlier is not None and earlier.name == name else 0
         records[jid] = JobRecord(jid, name, state.split()[0] if state else "UNKNOWN", exit_code, elapsed, restarts)
     return records
 

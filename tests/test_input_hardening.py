@@ -280,6 +280,19 @@ def test_an_earlier_job_with_the_id_in_accounting_is_not_ours_to_judge_by(tmp_pa
     assert fake_slurm.read_text() == "938_0\n"
 
 
+def test_restarts_count_only_the_incarnations_of_the_job_named(fake_slurm: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """sacct -D lists a requeued job once per incarnation, and an earlier job that had the id (a reset cluster) too:
+    only the lines of the current job's name before it are its restarts."""
+    monkeypatch.setenv("FAKE_SACCT_OUT", "\n".join([
+        "938|allocation|COMPLETED|0:0|00:00:05", "938|allocation|COMPLETED|0:0|00:00:07",
+        "938|llama-tiny|REQUEUED|0:0|00:10:00", "938|llama-tiny|RUNNING|0:0|00:01:00",
+        "939|other|RUNNING|0:0|00:02:00"]))
+    records = accounting.sacct(["938", "939"])
+    assert [(r.job_id, r.name, r.state, r.restarts) for r in records.values()] == [
+        ("938", "llama-tiny", "RUNNING", 1), ("939", "other", "RUNNING", 0)]
+
+
 def test_status_marks_a_reused_job_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     registry(tmp_path, {"job_id": "1001", "name": "llama-tiny"}, {"job_id": "1002", "name": "llama-tiny"})
     monkeypatch.setattr(accounting, "sacct", lambda ids: {
