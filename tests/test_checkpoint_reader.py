@@ -413,6 +413,43 @@ def test_a_resumed_run_keeps_the_iterations_its_first_start_pinned(model_paralle
     assert json.loads((run / "sources.json").read_text())["pinned"] == [str(base / "iter_0000004"), None]
 
 
+class _StatefulLayer(torch.nn.Module):
+    """Records, when its extra state is set, what TE reads to decide whether it may unpickle one (TE is not installed
+    here): TE 2.18 on refuses a delayed-scaling FP8 state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2))
+        self.seen: list[str | None] = []
+
+    def get_extra_state(self) -> Any:
+        return _te_extra_state({"scale_fwd": torch.ones(1)})[0]
+
+    def set_extra_state(self, state: Any) -> None:
+        self.seen.append(os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"))
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_te_may_unpickle_the_checked_extra_states_while_a_model_loads_and_then_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: str | None) -> None:
+    """Every load of model weights (a resume, checkpoint.load, a LoRA base, the DPO reference) runs after the
+    checkpoint's records were checked, so TE may unpickle its FP8 extra states there: without it an FP8 (delayed)
+    run could neither resume nor start another (the GPU run of 2026-12-05). Outside the load, the variable is
+    what it was."""
+    from mcorekit.train import checkpoint
+
+    if before is None:
+        monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
+    else:
+        monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", before)
+    model = torch.nn.Sequential(_StatefulLayer())
+    state = model.state_dict()
+    for part in (checkpoint.ALL, checkpoint.BASE):
+        checkpoint._load_part(model, state, part)
+    assert model[0].seen == ["1", "1"]
+    assert os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") == before
+
+
 def test_paths_that_name_no_checkpoints_root_stay_as_given(model_parallel: None, tmp_path: Path) -> None:
     """An iteration folder, a release and a folder that is gone are not resolved further."""
     from mcorekit.train import checkpoint

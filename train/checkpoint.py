@@ -573,11 +573,15 @@ def _load_model(chunks: list[Any], state: dict[str, Any], part: str = ALL) -> No
 
 
 def _load_part(model: Any, state: dict[str, Any], part: str) -> None:
-    """load_state_dict, strict for the part asked: what it leaves out must be exactly the other part."""
-    if part == ALL:
-        model.load_state_dict(state)
-        return
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    """load_state_dict, strict for the part asked: what it leaves out must be exactly the other part. TE's FP8 extra
+    states in `state` were checked with the checkpoint's records (checked_sources, checked_resume)."""
+    from mcorekit.train.checkpoint_reader import checked_extra_states
+
+    with checked_extra_states():
+        if part == ALL:
+            model.load_state_dict(state)
+            return
+        missing, unexpected = model.load_state_dict(state, strict=False)
     wrong = [k for k in missing if is_adapter_key(k) == (part == ADAPTERS) and not k.endswith("_extra_state")]
     if wrong or unexpected:
         raise RuntimeError(f"loading the {part} part: missing {wrong[:4]}, unexpected {list(unexpected)[:4]}")

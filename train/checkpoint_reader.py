@@ -219,6 +219,27 @@ def _weights_only(data: bytes) -> Any:
         raise _refused(e) or e from None
 
 
+TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+@contextmanager
+def checked_extra_states() -> Iterator[None]:
+    """TE (2.18 on) refuses to unpickle a delayed-scaling FP8 extra state in set_extra_state unless
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1, since such a pickle could run code: without it no FP8 (delayed) checkpoint
+    resumes or starts another run. Every checkpoint a start or a conversion loads has had its records checked first
+    (checked_records: restricted unpicklers, nothing runs), the check TE asks for; a model's load_state_dict runs in
+    here with the variable set, and the variable is as it was afterwards."""
+    saved = os.environ.get(TE_UNSAFE_PICKLE)
+    os.environ[TE_UNSAFE_PICKLE] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(TE_UNSAFE_PICKLE, None)
+        else:
+            os.environ[TE_UNSAFE_PICKLE] = saved
+
+
 def _check_extra_state(state: torch.Tensor) -> None:
     """TE's extra state: a uint8 tensor holding a plain pickle (FP8 scales and amax histories, the recipe), which TE's
     set_extra_state unpickles with pickle.loads. Unpickled here by Megatron-Core's SafeUnpickler, the restricted
