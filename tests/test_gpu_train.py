@@ -323,6 +323,24 @@ def test_signal_save_resume_reproduces_losses(tmp_path: Path, async_save: bool) 
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a, b)
 
 
+def test_fp8_signal_save_resume_reproduces_losses(tmp_path: Path) -> None:
+    """An FP8 (delayed scaling) run stopped after step 10 resumes from its own checkpoint, TE's extra states (scales
+    and amax histories, which TE 2.18 on unpickles only when allowed: checkpoint_reader.checked_extra_states) with
+    it, and follows the run that was not interrupted."""
+    cfg = {**BASE, "precision": {"dtype": "bf16", "fp8": "delayed"}, "schedule": {**BASE["schedule"], "train_iters": 20},
+           "checkpoint": {**BASE["checkpoint"], "save_interval": 4}}
+    full = run(tmp_path, "full", cfg)
+    first = run(tmp_path, "interrupted", cfg, stop_at=10, expect=3)
+    assert [x["step"] for x in first] == list(range(1, 11))
+    resumed = run(tmp_path, "interrupted", cfg)
+    after = [x for x in resumed if x["step"] > 10]
+    assert [x["step"] for x in after] == list(range(11, 21))
+    print("fp8 resume losses:", [round(x["loss"], 5) for x in after],
+          "uninterrupted:", [round(x["loss"], 5) for x in full[10:]])
+    for a, b in zip(after, full[10:]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"]), (a, b)
+
+
 def staged(run_dir: Path) -> list[tuple[int, str]]:
     """(step, where it was staged) of each background save the run's last process scheduled."""
     lines = (run_dir / "stdout.txt").read_text().splitlines()
