@@ -426,7 +426,8 @@ def pinned_sources(exp: Any, root: Path | None = None) -> Any:
     DPO reference at the first step) is what was checked, even if their run saves a newer iteration meanwhile.
     `root`: the run's checkpoints folder. A run that resumes from a checkpoint of its own keeps the iterations its
     first start pinned (SOURCES there): a LoRA base and a DPO or GRPO reference are read again at every start, and
-    a newer iteration of their run is not the model this run trained against."""
+    a newer iteration of their run is not the model this run trained against. Its other inputs, settings and files,
+    are checked against its first start's there too (train/run_inputs.py)."""
     load, adapters = rank_zero_choice(lambda: _run_sources(exp, root))
     lora = exp.peft.lora.model_copy(update={"load": adapters}) if exp.peft.lora else None
     return exp.model_copy(update={"checkpoint": exp.checkpoint.model_copy(update={"load": load}),
@@ -434,6 +435,9 @@ def pinned_sources(exp: Any, root: Path | None = None) -> Any:
 
 
 def _run_sources(exp: Any, root: Path | None) -> tuple[str | None, str | None]:
+    from mcorekit.train import run_inputs
+
+    run_inputs.record_or_check(exp, root, resuming=root is not None and _latest_on_disk(root) is not None)
     lora = exp.peft.lora
     given = [exp.checkpoint.load, lora.load if lora else None]
     record = root / SOURCES if root is not None else None

@@ -1,0 +1,113 @@
+"""A resumed run trains what it started on: the first start records the settings that define the problem and the
+files it reads (train/run_inputs.py); a resume that finds them changed stops with one line naming them."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mcorekit.config.experiment import Experiment
+from mcorekit.errors import ConfigError
+from mcorekit.train import run_inputs
+
+
+def _experiment(tmp_path: Path, **changes: Any) -> Experiment:
+    cfg: dict[str, Any] = {"name": "x", "model": {"preset": "llama-tiny"},
+                           "data": {"kind": "sft", "paths": [str(tmp_path / "train.jsonl")],
+                                    "tokenizer": str(tmp_path / "tok")},
+                           "schedule": {"train_iters": 10}}
+    for dotted, value in changes.items():
+        *parents, last = dotted.split("__")
+        node = cfg
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return Experiment.model_validate(cfg)
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> Path:
+    (tmp_path / "train.jsonl").write_text('{"messages": []}\n')
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    run_inputs.record_or_check(_experiment(tmp_path), tmp_path / "ckpt", resuming=False)
+    return tmp_path / "ckpt"
+
+
+def test_a_resume_with_the_same_inputs_and_other_ways_of_running_goes_on(tmp_path: Path, inputs: Path) -> None:
+    """Layout, precision, saving, logging and resources may change at a restart: they do not change the problem."""
+    again = _experiment(tmp_path, parallel__tp=2, precision__fp8="delayed", checkpoint__save_interval=7,
+                        logging__log_interval=3, resources__nodes=2, data__cache_dir=str(tmp_path / "cache"))
+    run_inputs.record_or_check(again, inputs, resuming=True)
+
+
+def test_a_changed_setting_stops_the_resume_in_one_line(tmp_path: Path, inputs: Path) -> None:
+    changed = _experiment(tmp_path, schedule__train_iters=20, optimizer__lr=1e-3)
+    with pytest.raises(ConfigError) as e:
+        run_inputs.record_or_check(changed, inputs, resuming=True)
+    assert str(e.value) == (
+        "this run's inputs changed since its first start: optimizer.lr 0.0003 -> 0.001; schedule.train_iters 10 -> "
+        f"20. A resumed run trains what it started on: restore them, or start a new run from this one's checkpoints "
+        f"(checkpoint.load={inputs})")
+
+
+def test_a_file_of_another_size_or_gone_stops_it_one_rewritten_at_the_same_size_is_a_warning(
+        tmp_path: Path, inputs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    data, tokenizer = tmp_path / "train.jsonl", tmp_path / "tok" / "tokenizer.json"
+    stat = data.stat()
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # copied again by a job's setup: same bytes
+    with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
+        run_inputs.record_or_check(_experiment(tmp_path), inputs, resuming=True)
+    assert f"rewritten since this run's first start, at the same size: {data}" in caplog.text
+
+    data.write_text('{"messages": []}\n{"messages": []}\n')
+    tokenizer.unlink()
+    (tmp_path / "tok" / "chat_template.jinja").write_text("{{ messages }}")
+    with pytest.raises(ConfigError, match=rf"changed since its first start: {data} changed \(17 -> 34 bytes\); "
+                                          rf"{tokenizer} is gone; {tmp_path / 'tok' / 'chat_template.jinja'} is "
+                                          rf"read now, not at the first start\. "):
+        run_inputs.record_or_check(_experiment(tmp_path), inputs, resuming=True)
+
+
+def test_a_new_start_records_again_and_a_resume_without_a_record_records_it(tmp_path: Path, inputs: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    longer = _experiment(tmp_path, schedule__train_iters=20)
+    run_inputs.record_or_check(longer, inputs, resuming=False)  # no checkpoint of its own yet: nothing to keep
+    run_inputs.record_or_check(longer, inputs, resuming=True)
+    (inputs / run_inputs.INPUTS).unlink()  # a run started by an earlier version
+    with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
+        run_inputs.record_or_check(_experiment(tmp_path), inputs, resuming=True)
+    assert "inputs.json is missing: this resume's inputs are recorded now" in caplog.text
+    with pytest.raises(ConfigError, match="schedule.train_iters 10 -> 20"):
+        run_inputs.record_or_check(longer, inputs, resuming=True)
+
+
+def test_indexed_data_and_reward_files_are_inputs(tmp_path: Path) -> None:
+    for name in ("corpus.bin", "corpus.idx", "reward.py"):
+        (tmp_path / name).write_text("x")
+    indexed = Experiment.model_validate({"name": "x", "model": {"preset": "llama-tiny"},
+                                         "data": {"kind": "indexed", "paths": [str(tmp_path / "corpus")]}})
+    assert run_inputs.files(indexed) == [tmp_path / "corpus.bin", tmp_path / "corpus.idx"]
+    grpo = Experiment.model_validate({"name": "x", "model": {"preset": "llama-tiny"},
+                                      "data": {"kind": "grpo", "paths": [str(tmp_path / "corpus.bin")]},
+                                      "grpo": {"rewards": [{"function": f"{tmp_path / 'reward.py'}:score"},
+                                                           {"function": "mcorekit.train.rewards:exact_match"}]}})
+    assert run_inputs.files(grpo) == [tmp_path / "corpus.bin", tmp_path / "reward.py"]
+
+
+def test_a_resume_through_the_start_checks_its_inputs(tmp_path: Path, inputs: Path) -> None:
+    """What build() calls once the process group is up (checkpoint.pinned_sources, on rank 0): with a checkpoint of
+    its own in the folder the start is a resume, and a changed input stops it."""
+    from mcorekit.train import checkpoint
+
+    own = inputs / "iter_0000004"
+    own.mkdir()
+    (own / "metadata.json").write_text("{}")
+    (inputs / "latest_checkpointed_iteration.txt").write_text("4")
+    checkpoint.pinned_sources(_experiment(tmp_path), inputs)
+    with pytest.raises(ConfigError, match="data.seq_length 2048 -> 4096"):
+        checkpoint.pinned_sources(_experiment(tmp_path, data__seq_length=4096), inputs)

@@ -1,0 +1,122 @@
+"""What a run trains, recorded at its first start and checked at every resume (INPUTS in its checkpoints folder).
+
+A requeued job starts again from the run folder's config.yaml and re-reads its data, tokenizer, HF config and
+reward files. If one of them changed since the first start, the resumed run would go on training another problem
+(other samples at its position in the data, another objective, another schedule) without a sign. So the first start
+records the experiment's settings that define the problem (SETTINGS; not where and how often it logs and saves, its
+layout, precision or Slurm resources, which a restart may change) and the size and modification time of each file it
+reads. A resume that finds a setting changed, a file gone or a file of another size stops with one line naming them;
+a file rewritten at the same size (copied again, touched) is a warning. checkpoint.load and peft.lora.load are pinned
+apart (checkpoint.pinned_sources)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from mcorekit.errors import ConfigError
+
+log = logging.getLogger("mcorekit.train")
+
+INPUTS = "inputs.json"
+# dotted prefixes of the experiment's settings that define what is trained
+SETTINGS = ("model.", "data.", "dpo.", "grpo.", "peft.", "optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay",
+            "optimizer.adam_", "optimizer.clip_grad", "schedule.train_iters", "schedule.warmup_iters",
+            "schedule.decay", "schedule.global_batch_size", "moe.aux_loss_coeff", "moe.expert_bias",
+            "moe.capacity_factor", "moe.pad_to_capacity")
+NOT_SETTINGS = ("data.cache_dir", "peft.lora.load")  # where caches go; adapters pinned by pinned_sources
+
+
+def settings(exp: Any) -> dict[str, Any]:
+    """The experiment's settings that define the problem, as dotted keys (lists whole)."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = value
+
+    walk("", exp.model_dump(mode="json"))
+    return {k: v for k, v in flat.items() if k.startswith(SETTINGS) and not k.startswith(NOT_SETTINGS)}
+
+
+def files(exp: Any) -> list[Path]:
+    """The files a start reads: the data (.bin/.idx pairs of indexed prefixes), the tokenizer's and the HF config's
+    (the files directly in a folder), reward functions given as files. Hub ids and paths that are not there are
+    left to the code that reads them."""
+    data = exp.data
+    found: list[Path] = []
+    for given in [*data.paths, *data.valid_paths]:
+        found += [Path(given + s) for s in (".bin", ".idx")] if data.kind == "indexed" else [Path(given)]
+    for folder in (data.tokenizer, exp.model.hf_config):
+        if folder and Path(folder).is_dir():
+            found += sorted(p for p in Path(folder).iterdir() if p.is_file())
+        elif folder:
+            found.append(Path(folder))
+    for reward in exp.grpo.rewards if data.kind == "grpo" else []:
+        module = reward.function.rpartition(":")[0]
+        if module.endswith(".py"):
+            found.append(Path(module))
+    return [p for p in dict.fromkeys(found) if p.is_file()]
+
+
+def record_or_check(exp: Any, root: Path | None, resuming: bool) -> None:
+    """At a first start (or a start without a checkpoint of its own) record the run's inputs under `root`; at a
+    resume, compare them with the record (ConfigError naming what changed). Runs on rank 0."""
+    if root is None:
+        return
+    now = {"settings": settings(exp), "files": {str(p): _stat(p) for p in files(exp)}}
+    path = root / INPUTS
+    if resuming and path.is_file():
+        try:
+            then = json.loads(path.read_text())
+            changed, rewritten = _changes(then, now)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            log.warning("%s cannot be read (%s): this resume's inputs are not compared with its first start's",
+                        path, e)
+            return
+        if rewritten:
+            log.warning("rewritten since this run's first start, at the same size: %s", ", ".join(rewritten))
+        if changed:
+            raise ConfigError(f"this run's inputs changed since its first start: {'; '.join(changed)}. A resumed "
+                              f"run trains what it started on: restore them, or start a new run from this one's "
+                              f"checkpoints (checkpoint.load={root})")
+        return
+    if resuming:  # a run recorded by an earlier version: nothing to compare with
+        log.warning("%s is missing: this resume's inputs are recorded now, not compared with its first start's", path)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(now, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _stat(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _changes(then: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(what changed, files rewritten at the same size)."""
+    changed = [f"{k} {_shown(then['settings'].get(k))} -> {_shown(now['settings'].get(k))}"
+               for k in sorted(then["settings"].keys() | now["settings"].keys())
+               if then["settings"].get(k) != now["settings"].get(k)]
+    rewritten = []
+    for name, (size, mtime) in then["files"].items():
+        if name not in now["files"]:
+            changed.append(f"{name} is gone" if not Path(name).exists() else f"{name} is no longer read")
+        elif now["files"][name][0] != size:
+            changed.append(f"{name} changed ({size:,} -> {now['files'][name][0]:,} bytes)")
+        elif now["files"][name][1] != mtime:
+            rewritten.append(name)
+    changed += [f"{name} is read now, not at the first start" for name in now["files"] if name not in then["files"]]
+    return changed, rewritten
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
