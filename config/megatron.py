@@ -144,7 +144,9 @@ def optimizer_config(exp: Experiment, full_graph: bool = False) -> Any:
 
 
 def scheduler_kwargs(exp: Experiment) -> dict[str, Any]:
-    """OptimizerParamScheduler arguments; Megatron counts its steps in samples, so iterations x global batch."""
+    """OptimizerParamScheduler arguments; Megatron counts its steps in samples, so iterations x global batch. The
+    schedule is this run's, also when it continues another run's state (checkpoint.load with finetune=false):
+    the checkpoint gives its position only (train/checkpoint.load_schedule)."""
     s, o = exp.schedule, exp.optimizer
     gbs = s.global_batch_size
     wsd = s.decay == "wsd"
@@ -154,7 +156,8 @@ def scheduler_kwargs(exp: Experiment) -> dict[str, Any]:
                 wd_incr_style="constant",
                 # WSD: constant after warmup, then the last fifth decays (cosine) to min_lr
                 wsd_decay_steps=(s.train_iters // 5) * gbs if wsd else None,
-                lr_wsd_decay_style="cosine" if wsd else None)
+                lr_wsd_decay_style="cosine" if wsd else None,
+                use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
 
 
 def megatron_problems(exp: Experiment, spec: ModelSpec, use_te: bool = True) -> list[str]:

@@ -4,6 +4,7 @@ the launcher asking Megatron-Core before it queues."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -447,6 +448,41 @@ def test_schedules(decay: str) -> None:
     assert (mid, end) == pytest.approx(expected, abs=0.03)
     if decay == "wsd":  # flat until the last fifth, then down to min_lr
         assert lrs[79] == pytest.approx(1.0) and lrs[89] < 0.9
+
+
+def test_a_run_continuing_another_keeps_its_own_schedule_from_the_checkpoints_position(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """checkpoint.load with finetune=false: the other run's position in the schedule, this run's schedule. Megatron-
+    Core's default kept the checkpoint's length, so a run continuing a 100-step run for 200 steps decayed to min_lr
+    at step 100 and trained on at min_lr."""
+    import logging
+    from pathlib import Path
+
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from mcorekit.config.megatron import scheduler_kwargs
+    from mcorekit.train.checkpoint import load_schedule
+
+    def schedule(iters: int) -> tuple[OptimizerParamScheduler, torch.optim.Optimizer]:
+        e = exp(f"schedule.train_iters={iters}", "schedule.warmup_iters=10", "optimizer.lr=1.0", "optimizer.min_lr=0.1",
+                "schedule.global_batch_size=8")
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+        return OptimizerParamScheduler(opt, **scheduler_kwargs(e)), opt
+
+    first, first_opt = schedule(100)
+    first.step(increment=50 * 8)
+    same, opt = schedule(100)
+    with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
+        load_schedule(same, first.state_dict(), Path("/ckpt/iter_0000050"))
+    assert same.num_steps == 400 and opt.param_groups[0]["lr"] == first_opt.param_groups[0]["lr"] and not caplog.text
+    longer, opt = schedule(200)
+    with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
+        load_schedule(longer, first.state_dict(), Path("/ckpt/iter_0000050"))
+    assert longer.num_steps == 400 and longer.lr_decay_steps == 1600
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 40 / 190)), abs=1e-6)
+    assert ("/ckpt/iter_0000050 was trained with another schedule than this run's (lr_decay_steps 800 -> 1600): "
+            "this run goes on from its position with its own") in caplog.text
 
 
 def test_launcher_runs_megatron_core_checks() -> None:

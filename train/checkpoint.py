@@ -539,7 +539,7 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
         load_fsdp_weights(path, chunks, metadata)
         optimizer.reload_model_params()
         info = fsdp_info(path)
-        scheduler.load_state_dict(from_json(info["scheduler"]))
+        load_schedule(scheduler, from_json(info["scheduler"]), path)
         _fresh_optimizer_warning(path, "a Megatron-FSDP checkpoint", "a run without parallel.fsdp")
         return int(info["iteration"])
     if fsdp:
@@ -547,7 +547,7 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
             raise RuntimeError(f"{path} is a torch_dist checkpoint: its weights go into the model before Megatron-FSDP "
                                f"wraps it (train/build.py: weights_before_wrap)")
         common = dist_checkpointing.load_common_state_dict(str(path))
-        scheduler.load_state_dict(common["scheduler"])
+        load_schedule(scheduler, common["scheduler"], path)
         _fresh_optimizer_warning(path, "a checkpoint of a run without parallel.fsdp", "parallel.fsdp")
         return int(common["iteration"])
 
@@ -565,8 +565,24 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
     _load_model(chunks, state, part)
     optimizer.load_state_dict(optimizer_state)
     common = dist_checkpointing.load_common_state_dict(str(path))
-    scheduler.load_state_dict(common["scheduler"])
+    load_schedule(scheduler, common["scheduler"], path)
     return int(common["iteration"])
+
+
+SCHEDULE = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "wsd_decay_steps")
+
+
+def load_schedule(scheduler: Any, saved: dict[str, Any], path: Path) -> None:
+    """The checkpoint's position in the schedule (samples seen), with this run's schedule (built with Megatron-Core's
+    override_opt_param_scheduler: by default it would keep the checkpoint's peak and minimum lr, warmup and length,
+    and a run continuing another with a longer schedule would decay to min_lr at the old end without a word). A
+    checkpoint trained with another schedule is said so."""
+    other = [f"{k} {saved[k]} -> {getattr(scheduler, k)}" for k in SCHEDULE
+             if k in saved and saved[k] != getattr(scheduler, k, saved[k])]
+    if other:
+        log.warning("%s was trained with another schedule than this run's (%s): this run goes on from its position "
+                    "with its own", path, ", ".join(other))
+    scheduler.load_state_dict(saved)
 
 
 def _load_model(chunks: list[Any], state: dict[str, Any], part: str = ALL) -> None:
@@ -704,7 +720,7 @@ def _load_fsdp(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) ->
     for chunk in chunks:
         chunk.module.install_optimized_model_weights()  # main (fp32) -> training weights (Megatron-FSDP's buffers)
         chunk.start_param_sync(force_sync=True)
-    scheduler.load_state_dict(from_json(info["scheduler"]))
+    load_schedule(scheduler, from_json(info["scheduler"]), path)
     return int(info["iteration"])
 
 
