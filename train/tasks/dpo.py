@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 from contextlib import contextmanager, nullcontext
 from functools import cached_property
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from mcorekit.train.build import Trainer
     from mcorekit.train.data.preference import PreferenceDataset
 
+log = logging.getLogger("mcorekit.train")
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 
@@ -264,6 +266,9 @@ class DirectPreferenceOptimization(Task):
         key = self._fingerprint(name, data)
         stored = read_reference(path, key, len(data.pairs))
         if any_rank(stored is None):  # every rank computes, or none: the pass is collective
+            if path.is_file() and dist.get_rank() == 0:  # its data, model or reference changed since it was stored
+                log.warning("%s was computed for other data, another model or another reference: computing the "
+                            "reference log-probs again", path)
             stored = self._reference_of_every_pair(t, data, num_microbatches)
             if dist.get_rank() == 0:
                 write_reference(path, stored, key)
