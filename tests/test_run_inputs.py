@@ -111,3 +111,13 @@ def test_a_resume_through_the_start_checks_its_inputs(tmp_path: Path, inputs: Pa
     checkpoint.pinned_sources(_experiment(tmp_path), inputs)
     with pytest.raises(ConfigError, match="data.seq_length 2048 -> 4096"):
         checkpoint.pinned_sources(_experiment(tmp_path, data__seq_length=4096), inputs)
+
+
+def test_other_software_at_a_resume_is_a_warning(tmp_path: Path, inputs: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    recorded = run_inputs.software()
+    assert recorded["torch"] and recorded["megatron-core"]
+    monkeypatch.setattr(run_inputs, "software", lambda: {**recorded, "torch": "9.9.9"})
+    with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
+        run_inputs.record_or_check(_experiment(tmp_path), inputs, resuming=True)
+    assert f"this run started with other software: torch {recorded['torch']} -> 9.9.9" in caplog.text

@@ -6,8 +6,8 @@ reward files. If one of them changed since the first start, the resumed run woul
 records the experiment's settings that define the problem (SETTINGS; not where and how often it logs and saves, its
 layout, precision or Slurm resources, which a restart may change) and the size and modification time of each file it
 reads. A resume that finds a setting changed, a file gone or a file of another size stops with one line naming them;
-a file rewritten at the same size (copied again, touched) is a warning. checkpoint.load and peft.lora.load are pinned
-apart (checkpoint.pinned_sources)."""
+a file rewritten at the same size (copied again, touched) is a warning, and so is other software (SOFTWARE's
+versions). checkpoint.load and peft.lora.load are pinned apart (checkpoint.pinned_sources)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ SETTINGS = ("model.", "data.", "dpo.", "grpo.", "peft.", "optimizer.lr", "optimi
             "optimizer.adam_", "optimizer.clip_grad", "schedule.train_iters", "schedule.warmup_iters",
             "schedule.decay", "schedule.global_batch_size", "moe.aux_loss_coeff", "moe.expert_bias",
             "moe.capacity_factor", "moe.pad_to_capacity")
+SOFTWARE = ("mcorekit", "megatron-core", "transformer-engine", "torch", "transformers")
 NOT_SETTINGS = ("data.cache_dir", "peft.lora.load")  # where caches go; adapters pinned by pinned_sources
 
 
@@ -70,18 +71,23 @@ def record_or_check(exp: Any, root: Path | None, resuming: bool) -> None:
     resume, compare them with the record (ConfigError naming what changed). Runs on rank 0."""
     if root is None:
         return
-    now = {"settings": settings(exp), "files": {str(p): _stat(p) for p in files(exp)}}
+    now = {"settings": settings(exp), "files": {str(p): _stat(p) for p in files(exp)}, "software": software()}
     path = root / INPUTS
     if resuming and path.is_file():
         try:
             then = json.loads(path.read_text())
             changed, rewritten = _changes(then, now)
+            upgraded = [f"{k} {v} -> {now['software'].get(k)}" for k, v in then.get("software", {}).items()
+                        if now["software"].get(k) != v]
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             log.warning("%s cannot be read (%s): this resume's inputs are not compared with its first start's",
                         path, e)
             return
         if rewritten:
             log.warning("rewritten since this run's first start, at the same size: %s", ", ".join(rewritten))
+        if upgraded:
+            log.warning("this run started with other software: %s (losses may not follow on exactly)",
+                        ", ".join(upgraded))
         if changed:
             raise ConfigError(f"this run's inputs changed since its first start: {'; '.join(changed)}. A resumed "
                               f"run trains what it started on: restore them, or start a new run from this one's "
@@ -93,6 +99,20 @@ def record_or_check(exp: Any, root: Path | None, resuming: bool) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(now, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def software() -> dict[str, str | None]:
+    """The versions of what trains: mcorekit and the libraries that define the numerics (a restart after an upgrade
+    goes on, with a warning)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, str | None] = {}
+    for name in SOFTWARE:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def _stat(path: Path) -> list[int]:
