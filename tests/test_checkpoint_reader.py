@@ -450,13 +450,23 @@ def test_te_may_unpickle_the_checked_extra_states_while_a_model_loads_and_then_n
     assert os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") == before
 
 
-def test_paths_that_name_no_checkpoints_root_stay_as_given(model_parallel: None, tmp_path: Path) -> None:
-    """An iteration folder, a release and a folder that is gone are not resolved further."""
+def test_a_checkpoint_folder_is_taken_as_it_is_and_a_folder_without_one_is_refused(model_parallel: None,
+                                                                                      tmp_path: Path) -> None:
+    """An iteration or release folder is the checkpoint, even with a checkpoints folder inside it (which was not
+    checked); a start from a folder that is gone or holds no checkpoint yet stops in one line, instead of reading
+    whatever is saved there by the time it reads (the DPO reference at the first step)."""
+    from mcorekit.errors import ConfigError
     from mcorekit.train import checkpoint
 
     release = _with_record(tmp_path / "conv" / "release", _te_extra_state({"scale": 1.0}))
-    for given in (release, tmp_path / "gone"):
-        assert checkpoint.pinned_sources(_experiment(given)).checkpoint.load == str(given)
+    _with_record(release / "iter_0000001", _te_extra_state({"scale": 2.0}))
+    (release / "latest_checkpointed_iteration.txt").write_text("1")
+    assert checkpoint.pinned_sources(_experiment(release)).checkpoint.load == str(release)
+    assert checkpoint.start_of(release) == release
+    (tmp_path / "empty").mkdir()
+    for given, state in ((tmp_path / "gone", "does not exist"), (tmp_path / "empty", "holds no complete checkpoint")):
+        with pytest.raises(ConfigError, match=rf"^checkpoint.load={given} {state} \(an iter_N or release folder"):
+            checkpoint.pinned_sources(_experiment(given))
 
 
 def test_a_crafted_common_pt_is_refused_in_one_line(model_parallel: None, tmp_path: Path) -> None:

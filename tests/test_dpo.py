@@ -439,9 +439,9 @@ def test_stored_log_probs_follow_the_checkpoint_and_the_tokens(tmp_path: Path, t
     assert task._fingerprint("train", shifted) != keys[1]
 
     calls = []
-    latest = checkpoint.latest
+    on_disk = checkpoint._start_on_disk  # what start_of asks rank 0 (collective: every rank at the same point)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(checkpoint, "latest", lambda root: calls.append(root) or latest(root))
+        mp.setattr(checkpoint, "_start_on_disk", lambda root: calls.append(root) or on_disk(root))
         task = task_loading(base)
         for _ in range(2):
             task._fingerprint("train", datasets[False])

@@ -39,10 +39,37 @@ def inputs(tmp_path: Path) -> Path:
 
 
 def test_a_resume_with_the_same_inputs_and_other_ways_of_running_goes_on(tmp_path: Path, inputs: Path) -> None:
-    """Layout, precision, saving, logging and resources may change at a restart: they do not change the problem."""
+    """Layout, precision, backend, saving, logging, resources, validation and GRPO's generation may change at a
+    restart: they do not change the problem. Nor do a tokenizer folder's other files (a README, an NFS placeholder)."""
     again = _experiment(tmp_path, parallel__tp=2, precision__fp8="delayed", checkpoint__save_interval=7,
-                        logging__log_interval=3, resources__nodes=2, data__cache_dir=str(tmp_path / "cache"))
+                        logging__log_interval=3, resources__nodes=2, data__cache_dir=str(tmp_path / "cache"),
+                        model__backend="local", data__valid_paths=[str(tmp_path / "valid.jsonl")],
+                        grpo__kv_cache_gb=1.0, grpo__generation="static", dpo__beta=0.5)
+    (tmp_path / "tok" / "README.md").write_text("notes")
+    (tmp_path / "tok" / ".nfs0000000001234").write_text("")
     run_inputs.record_or_check(again, inputs, resuming=True)
+
+
+def test_settings_another_version_added_and_relative_paths_made_absolute_are_not_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run recorded by a version without some setting, or with relative paths (a torchrun start from the folder the
+    paths are relative to), resumes when the launcher writes them absolute and a new version adds a setting."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"messages": []}\n')
+    relative = Experiment.model_validate({"name": "x", "model": {"preset": "llama-tiny"},
+                                          "data": {"kind": "sft", "paths": ["train.jsonl"]}})
+    run_inputs.record_or_check(relative, tmp_path / "ckpt", resuming=False)
+    record = tmp_path / "ckpt" / run_inputs.INPUTS
+    then = json.loads(record.read_text())
+    assert list(then["files"]) == [str(tmp_path / "train.jsonl")]
+    then["settings"].pop("data.seq_length")  # as recorded by a version that had no such setting
+    then["files"] = {"train.jsonl": then["files"][str(tmp_path / "train.jsonl")]}
+    record.write_text(json.dumps(then))
+    absolute = Experiment.model_validate({"name": "x", "model": {"preset": "llama-tiny"},
+                                          "data": {"kind": "sft", "paths": [str(tmp_path / "train.jsonl")]}})
+    run_inputs.record_or_check(absolute, tmp_path / "ckpt", resuming=True)
 
 
 def test_a_changed_setting_stops_the_resume_in_one_line(tmp_path: Path, inputs: Path) -> None:
@@ -52,7 +79,7 @@ def test_a_changed_setting_stops_the_resume_in_one_line(tmp_path: Path, inputs: 
     assert str(e.value) == (
         "this run's inputs changed since its first start: optimizer.lr 0.0003 -> 0.001; schedule.train_iters 10 -> "
         f"20. A resumed run trains what it started on: restore them, or start a new run from this one's checkpoints "
-        f"(checkpoint.load={inputs})")
+        f"(checkpoint.load={inputs}, in a run folder and checkpoint.dir of its own)")
 
 
 def test_a_file_of_another_size_or_gone_stops_it_one_rewritten_at_the_same_size_is_a_warning(

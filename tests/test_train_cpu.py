@@ -5,6 +5,7 @@ the launcher asking Megatron-Core before it queues."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -475,7 +476,8 @@ def test_a_run_continuing_another_keeps_its_own_schedule_from_the_checkpoints_po
     same, opt = schedule(100)
     with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
         load_schedule(same, first.state_dict(), Path("/ckpt/iter_0000050"))
-    assert same.num_steps == 400 and opt.param_groups[0]["lr"] == first_opt.param_groups[0]["lr"] and not caplog.text
+    assert same.num_steps == 400 and opt.param_groups[0]["lr"] == first_opt.param_groups[0]["lr"]
+    assert "another schedule" not in caplog.text
     longer, opt = schedule(200)
     with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
         load_schedule(longer, first.state_dict(), Path("/ckpt/iter_0000050"))
@@ -483,6 +485,14 @@ def test_a_run_continuing_another_keeps_its_own_schedule_from_the_checkpoints_po
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 40 / 190)), abs=1e-6)
     assert ("/ckpt/iter_0000050 was trained with another schedule than this run's (lr_decay_steps 800 -> 1600): "
             "this run goes on from its position with its own") in caplog.text
+
+    # a checkpoint of another global batch size: step 50 of this run's batches of 16 is sample 800, not 400
+    from mcorekit.train.loop import _schedule_at
+
+    _schedule_at(SimpleNamespace(scheduler=longer), 50, 16, Path("/ckpt/iter_0000050"))
+    assert longer.num_steps == 800
+    assert ("/ckpt/iter_0000050 was saved at step 50 after 400 samples; with this run's global batch of 16, step 50 "
+            "is sample 800: the schedule goes on from there") in caplog.text
 
 
 def test_launcher_runs_megatron_core_checks() -> None:
@@ -592,6 +602,9 @@ class Recorder:
         self.calls.append(("weights", path.name))
 
 
+SAVED_AT_7 = SimpleNamespace(num_steps=7 * 8)  # Recorder.load's step, at the default global batch of 8
+
+
 @pytest.mark.parametrize("tracker,finetune,expected", [
     ("release", False, [("weights", "release")]),  # a converted checkpoint has nothing but weights
     ("release", True, [("weights", "release")]),
@@ -611,7 +624,7 @@ def test_where_training_starts(tmp_path: Any, monkeypatch: Any, tracker: str, fi
     monkeypatch.setattr(checkpoint, "load_weights", rec.load_weights)
     monkeypatch.setattr(loop, "mtp_weights_check", lambda path, spec: None)  # reads DCP metadata these dirs lack
     e = exp(f"checkpoint.load={src}", f"checkpoint.finetune={str(finetune).lower()}")
-    step, own = loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None, "weights_from": None, "spec": None})(), tmp_path / "own", e)
+    step, own = loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": SAVED_AT_7, "weights_from": None, "spec": None})(), tmp_path / "own", e)
     assert rec.calls == expected and step == (7 if expected[0][0] == "everything" else 0) and not own
     # this run's own checkpoint wins over checkpoint.load (a requeued fine-tune resumes, it does not restart)
     own = tmp_path / "own"
@@ -619,7 +632,7 @@ def test_where_training_starts(tmp_path: Any, monkeypatch: Any, tracker: str, fi
     (own / "iter_0000004" / "metadata.json").write_text("{}")
     (own / checkpoint.TRACKER).write_text("4")
     rec.calls.clear()
-    assert loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": None, "weights_from": None, "spec": None})(), own, e) == (7, True)
+    assert loop._resume(type("T", (), {"model": [], "optimizer": None, "scheduler": SAVED_AT_7, "weights_from": None, "spec": None})(), own, e) == (7, True)
     assert rec.calls == [("everything", "iter_0000004")]
 
 

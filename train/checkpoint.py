@@ -87,9 +87,9 @@ def format_of(path: Path) -> str | None:
 
 
 def start_of(path: str | Path) -> Path:
-    """A checkpoint named by a path: the latest complete iteration under a checkpoints root, or the folder itself (an
-    iteration, a release)."""
-    return latest(Path(path)) or Path(path)
+    """A checkpoint named by a path: the folder itself if it is one (an iteration, a release: never a folder inside
+    it, which was not checked), else the latest complete iteration under a checkpoints root, as rank 0 sees it."""
+    return rank_zero_choice(lambda: _start_on_disk(Path(path))) or Path(path)
 
 
 def complete_steps(root: Path) -> list[Path]:
@@ -437,11 +437,12 @@ def pinned_sources(exp: Any, root: Path | None = None) -> Any:
 def _run_sources(exp: Any, root: Path | None) -> tuple[str | None, str | None]:
     from mcorekit.train import run_inputs
 
-    run_inputs.record_or_check(exp, root, resuming=root is not None and _latest_on_disk(root) is not None)
+    resuming = root is not None and _latest_on_disk(root) is not None
+    run_inputs.record_or_check(exp, root, resuming)
     lora = exp.peft.lora
     given = [exp.checkpoint.load, lora.load if lora else None]
     record = root / SOURCES if root is not None else None
-    if record is not None and record.is_file() and _latest_on_disk(root) is not None:  # a resume
+    if record is not None and record.is_file() and resuming:
         kept = _recorded(record, given)
         if kept is not None:
             for path, what in zip(kept, ("checkpoint.load", "peft.lora.load")):
@@ -452,6 +453,15 @@ def _run_sources(exp: Any, root: Path | None) -> tuple[str | None, str | None]:
                                 "base, a DPO or GRPO reference) stops; restore it, or start a new run", what, path)
             return kept
     pinned = checked_sources(exp)
+    for path, what in zip(pinned, ("checkpoint.load", "peft.lora.load")):
+        # what a start reads from a folder holding no checkpoint now would be whatever is saved there by the time it
+        # reads (the DPO reference at the first step), unchecked; a resume may not read it at all
+        if path and not resuming and format_of(Path(path)) is None:
+            from mcorekit.errors import ConfigError
+
+            state = "does not exist" if not Path(path).exists() else "holds no complete checkpoint"
+            raise ConfigError(f"{what}={path} {state} (an iter_N or release folder with metadata.json, or a "
+                              f"checkpoints folder holding one): give the checkpoint to start from")
     if record is not None and any(given):
         record.parent.mkdir(parents=True, exist_ok=True)
         tmp = record.with_name(record.name + ".tmp")
@@ -478,9 +488,13 @@ def _recorded(record: Path, given: list[str | None]) -> tuple[str | None, str | 
 
 def _pinned(path: str | None) -> str | None:
     """The iteration a checkpoints root names now (as latest, on this process only), else the path as given (an
-    iteration, a release, a hub id, a folder that is gone)."""
-    found = _latest_on_disk(Path(path)) if path else None
+    iteration or a release, which a folder inside them does not replace; a folder that is gone)."""
+    found = _start_on_disk(Path(path)) if path else None
     return str(found) if found is not None else path
+
+
+def _start_on_disk(path: Path) -> Path | None:
+    return path if format_of(path) is not None else _latest_on_disk(path)
 
 
 def load_base(path: Path, chunks: list[Any]) -> None:
@@ -569,7 +583,7 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
     return int(common["iteration"])
 
 
-SCHEDULE = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "wsd_decay_steps")
+SCHEDULE = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd")  # as saved
 
 
 def load_schedule(scheduler: Any, saved: dict[str, Any], path: Path) -> None:

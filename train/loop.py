@@ -285,7 +285,20 @@ def _resume(t: Trainer, root: Path, exp: Experiment) -> tuple[int, bool]:
         return 0, False
     step = checkpoint.load(start, t.model, t.optimizer, t.scheduler)
     log.warning("continuing from %s at step %d (checkpoint.finetune=true would take its weights only)", start, step)
+    _schedule_at(t, step, exp.schedule.global_batch_size, start)
     return step, False
+
+
+def _schedule_at(t: Trainer, step: int, global_batch: int, start: Path) -> None:
+    """The schedule counts samples (global batches x their size): another run's checkpoint saved after `step` steps
+    of another global batch size puts this run elsewhere in its schedule than at `step`; set it there, said so."""
+    samples = step * global_batch
+    if t.scheduler.num_steps != samples:
+        log.warning("%s was saved at step %d after %d samples; with this run's global batch of %d, step %d is sample "
+                    "%d: the schedule goes on from there", start, step, t.scheduler.num_steps, global_batch, step,
+                    samples)
+        t.scheduler.num_steps = 0
+        t.scheduler.step(increment=samples)
 
 
 def _mean_metrics(out: list[dict[str, torch.Tensor]], names: tuple[str, ...]) -> dict[str, float]:

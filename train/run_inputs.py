@@ -28,7 +28,16 @@ SETTINGS = ("model.", "data.", "dpo.", "grpo.", "peft.", "optimizer.lr", "optimi
             "schedule.decay", "schedule.global_batch_size", "moe.aux_loss_coeff", "moe.expert_bias",
             "moe.capacity_factor", "moe.pad_to_capacity")
 SOFTWARE = ("mcorekit", "megatron-core", "transformer-engine", "torch", "transformers")
-NOT_SETTINGS = ("data.cache_dir", "peft.lora.load")  # where caches go; adapters pinned by pinned_sources
+# how the same problem is run or watched: caches, the backend, validation, how GRPO generates (changed after an out-of-
+# memory); the adapters are pinned by pinned_sources
+NOT_SETTINGS = ("data.cache_dir", "data.valid_paths", "data.dynamic_batching", "model.backend", "peft.lora.load",
+                "grpo.generation", "grpo.kv_cache_gb")
+TASKS = ("dpo", "grpo")  # a task's settings count only for runs of that task (data.kind)
+# the files of an HF tokenizer or model folder that a start reads (not its READMEs, weights or stray files)
+FOLDER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                "chat_template.json")
+PATHS = ("data.paths", "data.tokenizer", "model.hf_config")  # settings that name local files: compared absolute
 
 
 def settings(exp: Any) -> dict[str, Any]:
@@ -43,7 +52,9 @@ def settings(exp: Any) -> dict[str, Any]:
             flat[prefix[:-1]] = value
 
     walk("", exp.model_dump(mode="json"))
-    return {k: v for k, v in flat.items() if k.startswith(SETTINGS) and not k.startswith(NOT_SETTINGS)}
+    other_tasks = tuple(f"{task}." for task in TASKS if task != exp.data.kind)
+    return {k: v for k, v in flat.items()
+            if k.startswith(SETTINGS) and not k.startswith(NOT_SETTINGS) and not k.startswith(other_tasks)}
 
 
 def files(exp: Any) -> list[Path]:
@@ -52,18 +63,18 @@ def files(exp: Any) -> list[Path]:
     left to the code that reads them."""
     data = exp.data
     found: list[Path] = []
-    for given in [*data.paths, *data.valid_paths]:
+    for given in data.paths:
         found += [Path(given + s) for s in (".bin", ".idx")] if data.kind == "indexed" else [Path(given)]
     for folder in (data.tokenizer, exp.model.hf_config):
         if folder and Path(folder).is_dir():
-            found += sorted(p for p in Path(folder).iterdir() if p.is_file())
+            found += [Path(folder) / name for name in FOLDER_FILES]
         elif folder:
             found.append(Path(folder))
     for reward in exp.grpo.rewards if data.kind == "grpo" else []:
         module = reward.function.rpartition(":")[0]
         if module.endswith(".py"):
             found.append(Path(module))
-    return [p for p in dict.fromkeys(found) if p.is_file()]
+    return [p.absolute() for p in dict.fromkeys(found) if p.is_file()]
 
 
 def record_or_check(exp: Any, root: Path | None, resuming: bool) -> None:
@@ -91,7 +102,7 @@ def record_or_check(exp: Any, root: Path | None, resuming: bool) -> None:
         if changed:
             raise ConfigError(f"this run's inputs changed since its first start: {'; '.join(changed)}. A resumed "
                               f"run trains what it started on: restore them, or start a new run from this one's "
-                              f"checkpoints (checkpoint.load={root})")
+                              f"checkpoints (checkpoint.load={root}, in a run folder and checkpoint.dir of its own)")
         return
     if resuming:  # a run recorded by an earlier version: nothing to compare with
         log.warning("%s is missing: this resume's inputs are recorded now, not compared with its first start's", path)
@@ -121,20 +132,31 @@ def _stat(path: Path) -> list[int]:
 
 
 def _changes(then: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(what changed, files rewritten at the same size)."""
-    changed = [f"{k} {_shown(then['settings'].get(k))} -> {_shown(now['settings'].get(k))}"
-               for k in sorted(then["settings"].keys() | now["settings"].keys())
-               if then["settings"].get(k) != now["settings"].get(k)]
+    """(what changed, files rewritten at the same size). Settings one side lacks are those another version of
+    mcorekit added or removed: not compared."""
+    old, new = _absolute(then["settings"]), _absolute(now["settings"])
+    changed = [f"{k} {_shown(old[k])} -> {_shown(new[k])}" for k in sorted(old.keys() & new.keys()) if old[k] != new[k]]
     rewritten = []
-    for name, (size, mtime) in then["files"].items():
+    for name, (size, mtime) in {os.path.abspath(k): v for k, v in then["files"].items()}.items():
         if name not in now["files"]:
             changed.append(f"{name} is gone" if not Path(name).exists() else f"{name} is no longer read")
         elif now["files"][name][0] != size:
             changed.append(f"{name} changed ({size:,} -> {now['files'][name][0]:,} bytes)")
         elif now["files"][name][1] != mtime:
             rewritten.append(name)
-    changed += [f"{name} is read now, not at the first start" for name in now["files"] if name not in then["files"]]
+    recorded = {os.path.abspath(k) for k in then["files"]}
+    changed += [f"{name} is read now, not at the first start" for name in now["files"] if name not in recorded]
     return changed, rewritten
+
+
+def _absolute(settings: dict[str, Any]) -> dict[str, Any]:
+    """PATHS as absolute paths (a run recorded with relative ones, started again from the same folder, is the same
+    run); a hub id stays as given."""
+    def local(v: Any) -> Any:
+        return os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v
+
+    return {k: [local(x) for x in v] if isinstance(v, list) and k in PATHS else local(v) if k in PATHS else v
+            for k, v in settings.items()}
 
 
 def _shown(value: Any) -> str:

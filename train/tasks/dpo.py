@@ -315,14 +315,13 @@ class DirectPreferenceOptimization(Task):
         return checkpoint.start_of(load) if load else None
 
     def _fingerprint(self, name: str, data: PreferenceDataset) -> str:
-        """What the stored log-probs depend on: the data files, the tokens (and masks) made of them, how pairs were
-        cut and packed, the model and its starting weights, the precision."""
+        """What the stored log-probs depend on: the data files' names, the tokens (and masks) made of them, how pairs
+        were cut and packed, the model and its starting weights, the precision."""
         e = self.exp
         paths = e.data.valid_paths if name == "valid" else e.data.paths
-        files = []
-        for p in paths:
-            st = Path(p).stat()
-            files.append([str(Path(p).resolve()), st.st_size, st.st_mtime_ns])
+        # the files by name only: their content is in the tokens (a stat would differ for data copied to each
+        # node's disk at every start, and from rank to rank)
+        files = [str(Path(p).resolve()) for p in paths]
         tokens = hashlib.sha256()  # the tokens themselves: a tokenizer or chat template changed in place
         for pair in data.pairs:
             for ex in pair:
