@@ -278,6 +278,14 @@ def resume(run_dir: str | Path) -> tuple[Prepared, Path]:
         p = prepare(experiment, profile, run_dir=folder)
     except (LayoutError, ModelError) as e:
         raise _naming(folder / "config.yaml", e) from None
+    checkpoints = Path(experiment.checkpoint.dir or folder / "checkpoints")
+    if (checkpoints / "latest_checkpointed_iteration.txt").is_file():  # the job resumes: its inputs must not change
+        from mcorekit.train import run_inputs  # no torch: what the job's start checks, asked before queueing
+
+        try:
+            run_inputs.check(experiment, checkpoints)
+        except ConfigError as e:
+            raise ConfigError(f"--resume {shown(run_dir)}: {e}") from None
     if relative:
         p.config_resolved = True
         p.warnings.append(f"{folder / 'config.yaml'}: its relative paths ({', '.join(relative)}) are read against "

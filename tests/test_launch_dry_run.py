@@ -46,6 +46,29 @@ def test_resume_dry_run_refuses_while_the_runs_job_runs(tmp_path: Path, monkeypa
     assert (code, out) == (2, "") and "job 31 RUNNING there has not ended" in err, err
 
 
+def test_resume_dry_run_refuses_a_run_whose_inputs_changed(tmp_path: Path) -> None:
+    """What the job's start would refuse (train/run_inputs.py), said before it is queued: a run folder whose
+    config.yaml was edited since its first start recorded its inputs."""
+    import yaml
+
+    from mcorekit.train import run_inputs
+
+    p = api.load(TINY, "local", [], [f"run_root={tmp_path}"])
+    p.save()
+    checkpoints = p.spec.run_dir / "checkpoints"
+    run_inputs.record_or_check(p.experiment, checkpoints, resuming=False)  # its first start
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text("10")
+    assert run_main("launch", "--resume", p.spec.run_dir, "--dry-run")[0] == 0
+    config = yaml.safe_load((p.spec.run_dir / "config.yaml").read_text())
+    before = config["schedule"]["train_iters"]
+    config["schedule"]["train_iters"] = before * 2
+    (p.spec.run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    code, out, err = run_main("launch", "--resume", p.spec.run_dir, "--dry-run")
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1, err
+    assert err.startswith(f"mcorekit: error: --resume {p.spec.run_dir}: this run's inputs changed since its first "
+                          f"start: schedule.train_iters {before} -> {before * 2}. "), err
+
+
 def test_smoke_time_limit_must_outlive_the_signal_lead() -> None:
     code, out, err = run_main("launch", "smoke", "--set", "signal_seconds=600", "--dry-run")
     assert (code, out) == (2, ""), out

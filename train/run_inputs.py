@@ -80,36 +80,47 @@ def files(exp: Any) -> list[Path]:
 def record_or_check(exp: Any, root: Path | None, resuming: bool) -> None:
     """At a first start (or a start without a checkpoint of its own) record the run's inputs under `root`; at a
     resume, compare them with the record (ConfigError naming what changed). Runs on rank 0."""
-    if root is None:
-        return
-    now = {"settings": settings(exp), "files": {str(p): _stat(p) for p in files(exp)}, "software": software()}
-    path = root / INPUTS
-    if resuming and path.is_file():
-        try:
-            then = json.loads(path.read_text())
-            changed, rewritten = _changes(then, now)
-            upgraded = [f"{k} {v} -> {now['software'].get(k)}" for k, v in then.get("software", {}).items()
-                        if now["software"].get(k) != v]
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-            log.warning("%s cannot be read (%s): this resume's inputs are not compared with its first start's",
-                        path, e)
-            return
-        if rewritten:
-            log.warning("rewritten since this run's first start, at the same size: %s", ", ".join(rewritten))
-        if upgraded:
-            log.warning("this run started with other software: %s (losses may not follow on exactly)",
-                        ", ".join(upgraded))
-        if changed:
-            raise ConfigError(f"this run's inputs changed since its first start: {'; '.join(changed)}. A resumed "
-                              f"run trains what it started on: restore them, or start a new run from this one's "
-                              f"checkpoints (checkpoint.load={root}, in a run folder and checkpoint.dir of its own)")
+    if root is None or (resuming and check(exp, root)):
         return
     if resuming:  # a run recorded by an earlier version: nothing to compare with
-        log.warning("%s is missing: this resume's inputs are recorded now, not compared with its first start's", path)
+        log.warning("%s is missing: this resume's inputs are recorded now, not compared with its first start's",
+                    root / INPUTS)
     root.mkdir(parents=True, exist_ok=True)
+    path = root / INPUTS
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(now, indent=1) + "\n")
+    tmp.write_text(json.dumps(_now(exp), indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def check(exp: Any, root: Path) -> bool:
+    """The run's inputs now against those its first start recorded under `root`: a ConfigError naming what changed,
+    warnings for files rewritten at the same size and other software. False when there is no record (a run started
+    by an earlier version), or one that cannot be read (a warning). `mcorekit launch --resume` asks before queueing."""
+    path = root / INPUTS
+    if not path.is_file():
+        return False
+    now = _now(exp)
+    try:
+        then = json.loads(path.read_text())
+        changed, rewritten = _changes(then, now)
+        upgraded = [f"{k} {v} -> {now['software'].get(k)}" for k, v in then.get("software", {}).items()
+                    if now["software"].get(k) != v]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        log.warning("%s cannot be read (%s): this resume's inputs are not compared with its first start's", path, e)
+        return True
+    if rewritten:
+        log.warning("rewritten since this run's first start, at the same size: %s", ", ".join(rewritten))
+    if upgraded:
+        log.warning("this run started with other software: %s (losses may not follow on exactly)", ", ".join(upgraded))
+    if changed:
+        raise ConfigError(f"this run's inputs changed since its first start: {'; '.join(changed)}. A resumed run "
+                          f"trains what it started on: restore them, or start a new run from this one's checkpoints "
+                          f"(checkpoint.load={root}, in a run folder and checkpoint.dir of its own)")
+    return True
+
+
+def _now(exp: Any) -> dict[str, Any]:
+    return {"settings": settings(exp), "files": {str(p): _stat(p) for p in files(exp)}, "software": software()}
 
 
 def software() -> dict[str, str | None]:
