@@ -384,8 +384,8 @@ def test_a_resumed_run_keeps_the_iterations_its_first_start_pinned(model_paralle
     (base / "latest_checkpointed_iteration.txt").write_text("3")
     exp = _experiment(base)
     assert checkpoint.pinned_sources(exp, run).checkpoint.load == str(base / "iter_0000003")
-    assert json.loads((run / "sources.json").read_text()) == {"given": [str(base), None],
-                                                               "pinned": [str(base / "iter_0000003"), None]}
+    record = json.loads((run / "sources.json").read_text())
+    assert (record["given"], record["pinned"]) == ([str(base), None], [str(base / "iter_0000003"), None])
 
     _with_record(base / "iter_0000004", _te_extra_state({"scale": 2.0}))  # the base's run goes on
     (base / "latest_checkpointed_iteration.txt").write_text("4")
@@ -448,6 +448,36 @@ def test_te_may_unpickle_the_checked_extra_states_while_a_model_loads_and_then_n
         checkpoint._load_part(model, state, part)
     assert model[0].seen == ["1", "1"]
     assert os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") == before
+
+
+def test_a_resume_that_reads_its_base_again_refuses_one_saved_again_in_place_or_gone(model_parallel: None,
+                                                                                     tmp_path: Path) -> None:
+    """A LoRA run reads its base at every start: the iteration its first start pinned, saved again in place since (its
+    run's tracker reset, a release converted again) or gone, is a refusal naming it; a plain fine-tune resumes from
+    its own checkpoint without reading it (test_a_resumed_run_keeps_the_iterations_its_first_start_pinned)."""
+    from mcorekit.config.experiment import Experiment
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint
+
+    base, run = tmp_path / "base", tmp_path / "run" / "checkpoints"
+    _with_record(base / "iter_0000003", _te_extra_state({"scale": 1.0}))
+    (base / "latest_checkpointed_iteration.txt").write_text("3")
+    lora = Experiment.model_validate({"name": "x", "model": {"preset": "llama-tiny"}, "peft": {"lora": {"rank": 4}},
+                                      "checkpoint": {"load": str(base), "finetune": True}})
+    checkpoint.pinned_sources(lora, run)
+    (run / "iter_0000002").mkdir()
+    (run / "iter_0000002" / "metadata.json").write_text("{}")
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    assert checkpoint.pinned_sources(lora, run).checkpoint.load == str(base / "iter_0000003")
+    shutil.rmtree(base / "iter_0000003")
+    _with_record(base / "iter_0000003", _te_extra_state({"scale": 3.0}))  # other weights, same iteration
+    with pytest.raises(ConfigError, match=rf"^this run started from checkpoint.load={base / 'iter_0000003'}, which was "
+                                          rf"saved again in place since \(its metadata files changed\): a resume "
+                                          rf"reads it again"):
+        checkpoint.pinned_sources(lora, run)
+    shutil.rmtree(base / "iter_0000003")
+    with pytest.raises(ConfigError, match=r"which is gone: a resume reads it again"):
+        checkpoint.pinned_sources(lora, run)
 
 
 def test_a_checkpoint_folder_is_taken_as_it_is_and_a_folder_without_one_is_refused(model_parallel: None,

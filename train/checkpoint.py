@@ -445,13 +445,11 @@ def _run_sources(exp: Any, root: Path | None) -> tuple[str | None, str | None]:
     if record is not None and record.is_file() and resuming:
         kept = _recorded(record, given)
         if kept is not None:
-            for path, what in zip(kept, ("checkpoint.load", "peft.lora.load")):
-                if path and Path(path).exists():
-                    _check(Path(path))
-                elif path:
-                    log.warning("this run started from %s=%s, which is gone: a start that reads it again (a LoRA "
-                                "base, a DPO or GRPO reference) stops; restore it, or start a new run", what, path)
-            return kept
+            pinned, stamps = kept
+            for i, (path, what) in enumerate(zip(pinned, ("checkpoint.load", "peft.lora.load"))):
+                if path:
+                    _kept_source(Path(path), what, stamps[i], read_again=i == 0 and _reads_base_again(exp))
+            return pinned[0], pinned[1]
     pinned = checked_sources(exp)
     for path, what in zip(pinned, ("checkpoint.load", "peft.lora.load")):
         # what a start reads from a folder holding no checkpoint now would be whatever is saved there by the time it
@@ -465,25 +463,62 @@ def _run_sources(exp: Any, root: Path | None) -> tuple[str | None, str | None]:
     if record is not None and any(given):
         record.parent.mkdir(parents=True, exist_ok=True)
         tmp = record.with_name(record.name + ".tmp")
-        tmp.write_text(json.dumps({"given": given, "pinned": list(pinned)}, indent=1) + "\n")
+        stamps = [_stamp(Path(p)) if p else None for p in pinned]
+        tmp.write_text(json.dumps({"given": given, "pinned": list(pinned), "stamps": stamps}, indent=1) + "\n")
         os.replace(tmp, record)
     return pinned
 
 
-def _recorded(record: Path, given: list[str | None]) -> tuple[str | None, str | None] | None:
-    """The iterations a run's first start pinned, if it named the same sources as now (a run folder started again
-    with other ones pins them anew, with a warning)."""
+def _recorded(record: Path, given: list[str | None]) -> tuple[list[str | None], list[Any]] | None:
+    """The iterations a run's first start pinned and their stamps, if it named the same sources as now (a run folder
+    started again with other ones pins them anew, with a warning)."""
     try:
         saved = json.loads(record.read_text())
-        pinned = saved["pinned"]
-        ok = saved["given"] == given and len(pinned) == 2 and all(p is None or isinstance(p, str) for p in pinned)
-    except (OSError, ValueError, TypeError, KeyError):
+        pinned, stamps = saved["pinned"], saved.get("stamps", [None, None])
+        ok = (saved["given"] == given and len(pinned) == 2 and all(p is None or isinstance(p, str) for p in pinned)
+              and isinstance(stamps, list) and len(stamps) == 2)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         ok = False
     if not ok:
         log.warning("%s does not hold the sources this run names now (%s): pinning them anew", record,
                     ", ".join(str(g) for g in given if g))
         return None
-    return pinned[0], pinned[1]
+    return pinned, stamps
+
+
+def _kept_source(path: Path, what: str, stamp: Any, read_again: bool) -> None:
+    """A source a resume keeps: checked again; gone or saved again in place since the first start, a refusal where
+    the resume reads it again (read_again), else a warning."""
+    from mcorekit.errors import ConfigError
+
+    if not path.exists():
+        problem = "is gone"
+    elif stamp is not None and _stamp(path) != stamp:
+        problem = "was saved again in place since (its metadata files changed)"
+    else:
+        problem = None
+    if problem and read_again:
+        raise ConfigError(f"this run started from {what}={path}, which {problem}: a resume reads it again (a LoRA "
+                          f"base, a DPO or GRPO reference), and other weights would change what it trains; restore "
+                          f"it, or start a new run")
+    if problem:
+        log.warning("this run started from %s=%s, which %s (this resume does not read it again)", what, path, problem)
+    if path.exists():
+        _check(path)
+
+
+def _reads_base_again(exp: Any) -> bool:
+    """Whether every start reads checkpoint.load, a resume too: a LoRA base, DPO's live reference, GRPO's KL
+    reference."""
+    return (exp.peft.lora is not None or (exp.data.kind == "dpo" and exp.dpo.reference == "live")
+            or (exp.data.kind == "grpo" and exp.grpo.kl_coeff > 0))
+
+
+def _stamp(path: Path) -> list[list[int]]:
+    """Size and modification time of an iteration's metadata files, which a save writes last: a checkpoint saved
+    again in place (its run's tracker reset, a release converted again) has other ones."""
+    return [[f.stat().st_size, f.stat().st_mtime_ns] for f in (path / ".metadata", path / "metadata.json",
+                                                                path / FSDP_JSON) if f.is_file()]
 
 
 def _pinned(path: str | None) -> str | None:
