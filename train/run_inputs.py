@@ -58,8 +58,8 @@ def settings(exp: Any) -> dict[str, Any]:
 
 
 def files(exp: Any) -> list[Path]:
-    """The files a start reads: the data (.bin/.idx pairs of indexed prefixes), the tokenizer's and the HF config's
-    (the files directly in a folder), reward functions given as files. Hub ids and paths that are not there are
+    """The files a start reads: the training data (.bin/.idx pairs of indexed prefixes), the tokenizer's and the HF
+    config's (FOLDER_FILES of a folder), reward functions given as files. Hub ids and paths that are not there are
     left to the code that reads them."""
     data = exp.data
     found: list[Path] = []
