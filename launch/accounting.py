@@ -65,19 +65,27 @@ def _squeue(job_ids: list[str]) -> dict[str, JobRecord]:
 
 def _sacct(job_ids: list[str]) -> dict[str, JobRecord]:
     out = _run(["sacct", "-n", "-P", "-X", "-D", "-j", ",".join(job_ids),
-                "-o", "JobID,JobName,State,ExitCode,Elapsed"])
-    records: dict[str, JobRecord] = {}
+                "-o", "JobID,JobName,State,ExitCode,Elapsed,Submit"])
+    lines: dict[str, list[list[str]]] = {}
     for line in out.splitlines():
         parts = line.split("|")
-        if len(parts) < 5:
-            continue
-        jid, name, state, exit_code, elapsed = parts[:5]
-        # -D lists every requeued incarnation in order: the last line is the current one, the others are restarts.
-        # A line of another name is an earlier job that had the id (a reset cluster numbers from the start again).
-        earlier = records.get(jid)
-        restarts = earlier.restarts + 1 if earlier is not None and earlier.name == name else 0
+        if len(parts) >= 5:
+            lines.setdefault(parts[0], []).append((parts + [""])[:6])
+    records: dict[str, JobRecord] = {}
+    for jid, seen in lines.items():
+        # -D lists every incarnation of the id: a requeued job's earlier runs (restarts), and on a cluster whose job
+        # ids started again, earlier jobs that had the id, in no order we can rely on. The current one was submitted
+        # last (the later line on a tie); the restarts are the other lines of its name.
+        now = max(range(len(seen)), key=lambda i: (_submitted(seen[i][5]), i))
+        _, name, state, exit_code, elapsed, _ = seen[now]
+        restarts = sum(1 for i, other in enumerate(seen) if i != now and other[1] == name)
         records[jid] = JobRecord(jid, name, state.split()[0] if state else "UNKNOWN", exit_code, elapsed, restarts)
     return records
+
+
+def _submitted(value: str) -> str:
+    """sacct's Submit time (ISO 8601, which sorts as text); what is not one (Unknown, None) sorts first."""
+    return value if value[:1].isdigit() else ""
 
 
 def in_array_range(task_id: str, listed: str) -> bool:

@@ -293,6 +293,19 @@ def test_restarts_count_only_the_incarnations_of_the_job_named(fake_slurm: Path,
         ("938", "llama-tiny", "RUNNING", 1), ("939", "other", "RUNNING", 0)]
 
 
+def test_the_current_job_of_an_id_is_the_one_submitted_last(fake_slurm: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reset cluster's accounting lists an earlier job of the id, in any order (the Slurm CI at 4ad1e75 saw status
+    call our failed job 'ID REUSED': the earlier job was listed after it). The job submitted last is the current one."""
+    monkeypatch.setenv("FAKE_SACCT_OUT", "\n".join([
+        "51|c-bad|FAILED|1:0|00:00:01|2026-12-05T10:30:00",
+        "51|allocation|COMPLETED|0:0|00:00:05|2026-12-05T09:20:00",
+        "52|x|PENDING|0:0|00:00:00|Unknown"]))
+    records = accounting.sacct(["51", "52"])
+    assert [(r.job_id, r.name, r.state, r.exit_code, r.restarts) for r in records.values()] == [
+        ("51", "c-bad", "FAILED", "1:0", 0), ("52", "x", "PENDING", "0:0", 0)]
+
+
 def test_status_marks_a_reused_job_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     registry(tmp_path, {"job_id": "1001", "name": "llama-tiny"}, {"job_id": "1002", "name": "llama-tiny"})
     monkeypatch.setattr(accounting, "sacct", lambda ids: {
