@@ -123,11 +123,16 @@ def slurm_names(entries: list[dict[str, Any]]) -> dict[str, set[str]]:
     return names
 
 
+# slurmdbd's name for a job whose name has not reached it yet: sacct shows it for a second or so after submission,
+# longer on a busy machine (the Slurm CI at 4ad1e75 and 0eaf908 saw status call our failed job 'ID REUSED')
+UNNAMED = "allocation"
+
+
 def reused(rec: accounting.JobRecord | None, names: dict[str, set[str]]) -> str | None:
     """'Slurm's job 12 is named 'x', not 'y'' when Slurm's job of that id is not the one the registry holds."""
     base = (rec.job_id if rec else "").split("_")[0]
-    if rec is None or not rec.name or base not in names or rec.name in names[base]:
-        return None  # an empty name (some squeue outputs) proves nothing either way
+    if rec is None or rec.name in ("", UNNAMED) or base not in names or rec.name in names[base]:
+        return None  # an empty name (some squeue outputs) or accounting's placeholder proves nothing either way
     ours = " or ".join(repr(n) for n in sorted(names[base]))
     return f"Slurm's job {rec.job_id} is named {rec.name!r}, not {ours}: the id was reused by another job"
 

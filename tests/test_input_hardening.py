@@ -270,9 +270,9 @@ def test_cancel_goes_ahead_when_the_names_agree(tmp_path: Path, fake_slurm: Path
 
 def test_an_earlier_job_with_the_id_in_accounting_is_not_ours_to_judge_by(tmp_path: Path, fake_slurm: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """A reset dev cluster numbers its jobs from the start again while accounting keeps the earlier ones: sacct of
-    our array 938 also lists an earlier plain job 938 (an `salloc`'s 'allocation', CI at 3fa81ac). Our array's
-    tasks say whose the id is now."""
+    """sacct of our array 938 also listed a plain job 938 named 'allocation' (CI at 3fa81ac): accounting's name for a
+    job whose name it does not have yet, or an earlier job of a reset cluster. Our array's tasks say whose the id
+    is now."""
     registry(tmp_path, {"job_id": "938_0", "name": "faults", "kind": "sweep"})
     monkeypatch.setenv("FAKE_SACCT_OUT",
                        "938|allocation|COMPLETED|0:0|00:00:05\n938_0|faults-sweep|RUNNING|0:0|00:01:00")
@@ -316,6 +316,16 @@ def test_status_marks_a_reused_job_id(tmp_path: Path, monkeypatch: pytest.Monkey
         ("1001", "ID REUSED", "", "", None, "Slurm's job 1001 is named 'other-users-job', not 'llama-tiny': the id "
                                             "was reused by another job"),
         ("1002", "RUNNING", "0:0", "00:05:00", 0, None)]
+
+
+def test_accountings_placeholder_name_is_not_another_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sacct names a job 'allocation' until slurmdbd has its name (seen by the Slurm CI under load right after a job
+    failed): that is our job, not another one that had the id."""
+    registry(tmp_path, {"job_id": "1114", "name": "c-bad"})
+    monkeypatch.setattr(accounting, "sacct", lambda ids: {
+        "1114": accounting.JobRecord("1114", "allocation", "FAILED", "1:0", "00:00:01", 0)})
+    rows = jobs_cli.status_rows(tmp_path, 10)
+    assert [(r["job"], r["state"], r["exit"]) for r in rows] == [("1114", "FAILED", "1:0")]
 
 
 def test_logs_refuses_a_reused_job_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
