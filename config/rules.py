@@ -16,7 +16,7 @@ from mcorekit.config.cluster import ClusterProfile
 from mcorekit.config.experiment import Experiment, layout_of
 from mcorekit.config.model import model_problems, resolve_model
 from mcorekit.config.values import parse_time_minutes
-from mcorekit.errors import ModelError
+from mcorekit.errors import LISTED, ModelError
 from mcorekit.models.fp8_grouped_mm import FP8_RECIPES, GPUS as FP8_GROUPED_GEMM_GPUS, alignment_problem
 from mcorekit.models.parallel import MEGATRON, Layout
 from mcorekit.models.parallel import layout_problems as weight_split_problems
@@ -80,7 +80,7 @@ def listed(what: str, problems: list[str]) -> str:
     """One problem on one line; several as a list, one per line."""
     if len(problems) == 1:
         return f"{what}: {problems[0]}"
-    return f"{what} ({len(problems)} problems):\n  - " + "\n  - ".join(problems)
+    return f"{what} ({len(problems)} problems):{LISTED}" + LISTED.join(problems)
 
 
 def problems(exp: Experiment, world: int, nodes: Nodes, model: ModelSpec | None = None) -> list[str]:

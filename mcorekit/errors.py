@@ -58,7 +58,7 @@ def one_line(e: BaseException) -> str | None:
 BREAKING = ("Cc", "Zl", "Zp")  # control characters and line/paragraph separators: a space or joiner in a name stays
 
 
-LISTED = "\n  - "  # config.rules.listed's separator of problems
+LISTED = "\n  - "  # the separator of several problems in one error (config.rules.listed)
 
 
 def _message(e: BaseException) -> str | None:

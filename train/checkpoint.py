@@ -33,6 +33,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
+from mcorekit.errors import ConfigError, first_line
 from mcorekit.outputs import without_crc32
 from mcorekit.runtime.ranks import any_rank, rank_zero_choice
 from mcorekit.train.checkpoint_writer import background_writes, results_queue, save_strategy, stage_per_tensor
@@ -43,6 +44,7 @@ log = logging.getLogger("mcorekit.train")
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SOURCES = "sources.json"  # in a run's checkpoints folder: the iterations its first start pinned (pinned_sources)
+SOURCE_KEYS = ("checkpoint.load", "peft.lora.load")  # what pinned_sources pins, in its order
 LORA_JSON = "lora.json"  # in a LoRA checkpoint's iteration directory: what convert/lora.py needs to export it
 RELEASE = "release"  # Megatron-LM's name for a checkpoint that did not come from a training step (weights only)
 # fully_reshardable: the optimizer state is stored per model parameter, so a checkpoint resumes at another
@@ -374,8 +376,6 @@ def read(sharded: dict[str, Any], path: Path, metadata: Any = None, **kwargs: An
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from mcorekit.errors import ConfigError
-    from mcorekit.errors import first_line
     from mcorekit.train.checkpoint_reader import check_fit, checked_metadata, dcp_cause, read_ahead
 
     # Megatron-Core's loader unpickles .metadata without restriction: nothing unsafe in it, and what it describes fits
@@ -446,17 +446,15 @@ def _run_sources(exp: Any, root: Path | None) -> tuple[str | None, str | None]:
         kept = _recorded(record, given)
         if kept is not None:
             pinned, stamps = kept
-            for i, (path, what) in enumerate(zip(pinned, ("checkpoint.load", "peft.lora.load"))):
+            for i, (path, what) in enumerate(zip(pinned, SOURCE_KEYS)):
                 if path:
                     _kept_source(Path(path), what, stamps[i], read_again=i == 0 and _reads_base_again(exp))
             return pinned[0], pinned[1]
     pinned = checked_sources(exp)
-    for path, what in zip(pinned, ("checkpoint.load", "peft.lora.load")):
+    for path, what in zip(pinned, SOURCE_KEYS):
         # what a start reads from a folder holding no checkpoint now would be whatever is saved there by the time it
         # reads (the DPO reference at the first step), unchecked; a resume may not read it at all
         if path and not resuming and format_of(Path(path)) is None:
-            from mcorekit.errors import ConfigError
-
             state = "does not exist" if not Path(path).exists() else "holds no complete checkpoint"
             raise ConfigError(f"{what}={path} {state} (an iter_N or release folder with metadata.json, or a "
                               f"checkpoints folder holding one): give the checkpoint to start from")
@@ -489,8 +487,6 @@ def _recorded(record: Path, given: list[str | None]) -> tuple[list[str | None], 
 def _kept_source(path: Path, what: str, stamp: Any, read_again: bool) -> None:
     """A source a resume keeps: checked again; gone or saved again in place since the first start, a refusal where
     the resume reads it again (read_again), else a warning."""
-    from mcorekit.errors import ConfigError
-
     if not path.exists():
         problem = "is gone"
     elif stamp is not None and _stamp(path) != stamp:
@@ -517,8 +513,8 @@ def _reads_base_again(exp: Any) -> bool:
 def _stamp(path: Path) -> list[list[int]]:
     """Size and modification time of an iteration's metadata files, which a save writes last: a checkpoint saved
     again in place (its run's tracker reset, a release converted again) has other ones."""
-    return [[f.stat().st_size, f.stat().st_mtime_ns] for f in (path / ".metadata", path / "metadata.json",
-                                                                path / FSDP_JSON) if f.is_file()]
+    files = [f for f in (path / ".metadata", path / "metadata.json", path / FSDP_JSON) if f.is_file()]
+    return [[st.st_size, st.st_mtime_ns] for st in map(os.stat, files)]
 
 
 def _pinned(path: str | None) -> str | None:
@@ -602,8 +598,6 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
 
     part = ADAPTERS if lora_info(chunks) is not None else ALL
     if part == ADAPTERS and not (path / LORA_JSON).is_file():
-        from mcorekit.errors import ConfigError
-
         raise ConfigError(f"{path} is not a LoRA checkpoint (no {LORA_JSON}); a peft.lora run resumes only from its "
                           f"own checkpoints: give the base model as checkpoint.load with checkpoint.finetune=true, "
                           f"or a converted `release`")
@@ -687,8 +681,6 @@ def fsdp_info(path: Path) -> dict[str, Any]:
     """The marker of an fsdp_dtensor checkpoint: step, scheduler, the optimizer's non-tensor state, layout."""
     info = json.loads((path / FSDP_JSON).read_text())
     if info.get("format") != FSDP_DTENSOR:
-        from mcorekit.errors import ConfigError
-
         raise ConfigError(f"{path / FSDP_JSON} does not describe an fsdp_dtensor checkpoint")
     return info
 
@@ -751,8 +743,6 @@ def _load_fsdp(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) ->
         preprocess_state_dict_for_uneven_dtensor,
     )
 
-    from mcorekit.errors import ConfigError
-
     info = fsdp_info(path)
     now, saved = _layout(), info["layout"]
     if (now["tp"], now["etp"]) != (saved["tp"], saved["etp"]):
@@ -781,8 +771,6 @@ def load_fsdp_weights(path: Path, chunks: list[Any], metadata: Any = None) -> No
     import torch
     import torch.distributed.checkpoint as dcp
     from megatron.core import parallel_state as ps
-
-    from mcorekit.errors import ConfigError
 
     info = fsdp_info(path)
     saved, now = info["layout"], _layout()
