@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 from mcorekit.errors import ConfigError, first_line
-from mcorekit.outputs import without_crc32
+from mcorekit.outputs import without_crc32, write_atomic
 from mcorekit.runtime.ranks import any_rank, rank_zero_choice
 from mcorekit.train.checkpoint_writer import background_writes, results_queue, save_strategy, stage_per_tensor
 from mcorekit.train.fsdp import is_fsdp
@@ -460,10 +460,8 @@ def _run_sources(exp: Any, root: Path | None) -> tuple[str | None, str | None]:
                               f"checkpoints folder holding one): give the checkpoint to start from")
     if record is not None and any(given):
         record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_name(record.name + ".tmp")
         stamps = [_stamp(Path(p)) if p else None for p in pinned]
-        tmp.write_text(json.dumps({"given": given, "pinned": list(pinned), "stamps": stamps}, indent=1) + "\n")
-        os.replace(tmp, record)
+        write_atomic(record, json.dumps({"given": given, "pinned": list(pinned), "stamps": stamps}, indent=1) + "\n")
     return pinned
 
 
@@ -729,9 +727,7 @@ def _save_fsdp(path: Path, step: int, chunks: list[Any], optimizer: Any, schedul
         info = {"format": FSDP_DTENSOR, "iteration": step, "scheduler": to_json(scheduler.state_dict()),
                 "optimizer": to_json(rest), "layout": _layout(),
                 "num_moe_experts": unwrap(chunks[0]).config.num_moe_experts}
-        tmp = path / (FSDP_JSON + ".tmp")
-        tmp.write_text(json.dumps(info, indent=1) + "\n")
-        os.replace(tmp, path / FSDP_JSON)
+        write_atomic(path / FSDP_JSON, json.dumps(info, indent=1) + "\n")
 
 
 def _load_fsdp(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mcorekit.errors import ConfigError
+from mcorekit.outputs import write_atomic
 
 log = logging.getLogger("mcorekit.train")
 
@@ -86,10 +87,7 @@ def record_or_check(exp: Any, root: Path | None, resuming: bool) -> None:
         log.warning("%s is missing: this resume's inputs are recorded now, not compared with its first start's",
                     root / INPUTS)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / INPUTS
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_now(exp), indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(root / INPUTS, json.dumps(_now(exp), indent=1) + "\n")
 
 
 def check(exp: Any, root: Path) -> bool:
