@@ -8,7 +8,8 @@ Each rank also writes RUN_DIR/grads.rank<R>.json: the squared norm of every para
 numbers across pipeline stages and virtual chunks), so a test can say which parameters' gradients differ between
 layouts. With data (or context) parallelism the distributed optimizer reduces only this rank's shard: those write none.
 It prints whether the model fused its weight gradients into main_grad; GPU_TEST_GAF=off in the environment switches
-that off (there is no experiment key for it), so a test can compare the two."""
+that off (there is no experiment key for it), so a test can compare the two. GPU_TEST_STEP_SEED=off leaves the
+random streams unseeded at each step (train/build.seed_step), as before it existed."""
 
 from __future__ import annotations
 
@@ -100,6 +101,8 @@ def main() -> int:
     probe_first_step(run_dir)
     if os.environ.get("GPU_TEST_GAF") == "off":
         plain_weight_gradients()
+    if os.environ.get("GPU_TEST_STEP_SEED") == "off":
+        loop.seed_step = lambda exp, step: None
     try:
         loop.train(exp, run_dir, on_step=on_step)
     except SystemExit as e:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from test_gpu_train import BASE, converted_llama, sft_config  # noqa: E402
+from test_gpu_train import BASE, converted_llama, run, sft_config  # noqa: E402
 
 LORA = {"rank": 16, "alpha": 32.0, "target_modules": ["qkv", "proj", "fc1", "fc2"]}
 
@@ -108,3 +108,28 @@ def test_sft_lora_trains_adapters_only_and_exports_to_peft(tmp_path: Path, token
         worst = max(worst, ((ours - theirs).abs() / scale).max().item())
     print(f"merged vs merge_and_unload: worst difference {worst:.2e} of max(|base weight|, |merged|)")
     assert worst <= 2 ** -6  # within bf16 rounding of the two merge orders
+
+
+def test_lora_dropout_resume_reproduces_losses(tmp_path: Path, tokenizer: Path) -> None:
+    """LoRA with dropout, stopped by a signal after step 6 and resumed: each step's random streams are seeded from
+    data.seed and the step (train/build.seed_step), so the resumed steps draw the masks of the run that was not
+    interrupted and give its losses. The same pair with the per-step seeding switched off (the driver's
+    GPU_TEST_STEP_SEED=off, as before seed_step) draws other masks after the resume, and its losses drift from its
+    own uninterrupted run: the comparison can fail."""
+    converted_llama(tmp_path)
+    cfg = sft_config(tmp_path, tokenizer, packing=False)
+    cfg = {**cfg, "name": "lora-dropout", "model": {"hf_config": str(tmp_path / "hf")},
+           "peft": {"lora": {**LORA, "dropout": 0.5}}, "optimizer": {"lr": 2e-3, "min_lr": 2e-4, "weight_decay": 0.0},
+           "schedule": {**cfg["schedule"], "train_iters": 12},
+           "checkpoint": {"load": str(tmp_path / "mcore"), "save_interval": 1000, "keep_last": 2}}
+    gaps = {}
+    for name, env in (("seeded", {}), ("unseeded", {"GPU_TEST_STEP_SEED": "off"})):
+        full = [x for x in run(tmp_path, f"{name}-full", cfg, env=env) if "loss" in x]
+        run(tmp_path, name, cfg, stop_at=6, expect=3, env=env)
+        resumed = [x for x in run(tmp_path, name, cfg, env=env) if "loss" in x and x["step"] > 6]
+        assert [x["step"] for x in resumed] == list(range(7, 13))
+        gaps[name] = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(resumed, full[6:]))
+    print(f"LoRA dropout 0.5, resumed after step 6: largest relative loss difference to the uninterrupted run "
+          f"{gaps['seeded']:.2e} seeded per step, {gaps['unseeded']:.2e} without")
+    assert gaps["seeded"] <= 1e-3  # the other resume tests' tolerance
+    assert gaps["unseeded"] > max(1e-4, 10 * gaps["seeded"])

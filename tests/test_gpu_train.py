@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +29,14 @@ BASE = {
 }
 
 
-def run(tmp: Path, name: str, cfg: dict, *extra: str, stop_at: int = 0, expect: int = 0) -> list[dict]:
+def run(tmp: Path, name: str, cfg: dict, *extra: str, stop_at: int = 0, expect: int = 0,
+        env: dict | None = None) -> list[dict]:
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, str(HERE / "gpu_train_driver.py"), str(run_dir / "config.yaml"), str(run_dir),
-                           str(stop_at), *extra], capture_output=True, text=True, timeout=600)
+                           str(stop_at), *extra], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-5000:]
     (run_dir / "stdout.txt").write_text(proc.stdout)
     print(proc.stdout[-1500:])

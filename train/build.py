@@ -62,6 +62,21 @@ def init_distributed(exp: Experiment, graph_safe_rng: bool = False) -> DistEnv:
     return env
 
 
+def seed_step(exp: Experiment, step: int) -> None:
+    """The random streams of the step after `step` seeded from data.seed and the step alone, where a step draws
+    random numbers (LoRA's dropout; the model's own dropout is 0): a resumed run then draws the masks the run
+    that was not interrupted drew, where checkpoints hold no RNG state. Never under a step graph, whose replays
+    keep the generators they registered (rules: no LoRA there)."""
+    if exp.peft.lora is None or exp.peft.lora.dropout == 0:
+        return
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    # far from the start's seeds (data.seed + 100 per stage), and a stream of its own for every step and stage
+    model_parallel_cuda_manual_seed(exp.data.seed + 100 * ps.get_pipeline_model_parallel_rank()
+                                    + 1_000_003 * (step + 1))
+
+
 def check(exp: Experiment, spec: ModelSpec, world: int, nodes: Nodes) -> None:
     """The rules the launcher checked before queueing, against the ranks actually started and what this node has
     (a torchrun start skips the launcher; a profile can be wrong), before any process group exists."""

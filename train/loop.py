@@ -19,7 +19,7 @@ from mcorekit.errors import MCoreKitError
 from mcorekit.runtime.ranks import any_rank, collective_device
 from mcorekit.runtime.requeue import RestartGuard, StopSignal, stop_and_exit
 from mcorekit.train import checkpoint
-from mcorekit.train.build import Trainer, build, mtp_weights_check
+from mcorekit.train.build import Trainer, build, mtp_weights_check, seed_step
 from mcorekit.train.flops import train_flops_per_token
 from mcorekit.train.metrics import ExpertLoad, MetricsWriter, mtp_losses, startup
 from mcorekit.train.shutdown import stop_compile_workers
@@ -72,6 +72,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float | None = None, on_s
                 saver.save(step, t.model, t.optimizer, t.scheduler, wait=True)
             stop_and_exit(stop, guard, dist.get_rank(), step)
         saver.poll()
+        seed_step(exp, step)  # LoRA's dropout after a resume as without one
         metrics = train_step(t, task, data)
         step, saved = step + 1, False
         stop_on_nan(metrics, step)
