@@ -102,7 +102,7 @@ def main() -> int:
     if os.environ.get("GPU_TEST_GAF") == "off":
         plain_weight_gradients()
     if os.environ.get("GPU_TEST_STEP_SEED") == "off":
-        loop.seed_step = lambda exp, step: None
+        loop.seed_step = lambda t, step: None
     try:
         loop.train(exp, run_dir, on_step=on_step)
     except SystemExit as e:

@@ -713,9 +713,9 @@ def test_metrics_lines_are_json_after_a_kill_and_a_nan(tmp_path: Any) -> None:
 
 def test_each_lora_dropout_step_is_seeded_from_the_seed_and_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """seed_step seeds Megatron-Core's random streams from data.seed, the pipeline stage and the step, only where a
-    step draws random numbers (LoRA dropout): a resume then draws the masks of the run that was not interrupted
-    (the GPU test test_lora_dropout_resume_reproduces_losses compares the losses). Megatron-Core's seeding needs
-    CUDA: it is recorded here, not run."""
+    step draws random numbers (LoRA dropout) and never under a step graph: a resume then draws the masks of the run
+    that was not interrupted (the GPU test test_lora_dropout_resume_reproduces_losses compares the losses).
+    Megatron-Core's seeding needs CUDA: it is recorded here, not run."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random
 
@@ -724,9 +724,14 @@ def test_each_lora_dropout_step_is_seeded_from_the_seed_and_the_step(monkeypatch
     seeds: list[int] = []
     monkeypatch.setattr(random, "model_parallel_cuda_manual_seed", seeds.append)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 2)
+
+    def trainer(*overrides: str, graph: bool = False) -> Any:
+        return SimpleNamespace(exp=exp(*overrides), full_graph=graph)
+
     lora = ("peft.lora.rank=8", "peft.lora.target_modules=[qkv]", "data.seed=7")
-    seed_step(exp(*lora), 0)
-    seed_step(exp(*lora, "peft.lora.dropout=0.1"), 0)
-    seed_step(exp(*lora, "peft.lora.dropout=0.1"), 41)
-    seed_step(exp("data.seed=7"), 41)  # no LoRA: nothing seeded
+    seed_step(trainer(*lora), 0)  # dropout 0: nothing drawn
+    seed_step(trainer(*lora, "peft.lora.dropout=0.1"), 0)
+    seed_step(trainer(*lora, "peft.lora.dropout=0.1"), 41)
+    seed_step(trainer(*lora, "peft.lora.dropout=0.1", graph=True), 41)  # a step graph keeps its generators
+    seed_step(trainer("data.seed=7"), 41)  # no LoRA
     assert seeds == [7 + 200 + 1_000_003, 7 + 200 + 42 * 1_000_003]

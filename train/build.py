@@ -62,12 +62,13 @@ def init_distributed(exp: Experiment, graph_safe_rng: bool = False) -> DistEnv:
     return env
 
 
-def seed_step(exp: Experiment, step: int) -> None:
+def seed_step(t: Trainer, step: int) -> None:
     """The random streams of the step after `step` seeded from data.seed and the step alone, where a step draws
     random numbers (LoRA's dropout; the model's own dropout is 0): a resumed run then draws the masks the run
     that was not interrupted drew, where checkpoints hold no RNG state. Never under a step graph, whose replays
-    keep the generators they registered (rules: no LoRA there)."""
-    if exp.peft.lora is None or exp.peft.lora.dropout == 0:
+    keep the generators they registered (the rules keep LoRA out of it: this says so again)."""
+    exp = t.exp
+    if exp.peft.lora is None or exp.peft.lora.dropout == 0 or t.full_graph:
         return
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

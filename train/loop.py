@@ -72,7 +72,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float | None = None, on_s
                 saver.save(step, t.model, t.optimizer, t.scheduler, wait=True)
             stop_and_exit(stop, guard, dist.get_rank(), step)
         saver.poll()
-        seed_step(exp, step)  # LoRA's dropout after a resume as without one
+        seed_step(t, step)  # LoRA's dropout after a resume as without one
         metrics = train_step(t, task, data)
         step, saved = step + 1, False
         stop_on_nan(metrics, step)
