@@ -39,6 +39,7 @@ def run(tmp: Path, name: str, cfg: dict, *extra: str, stop_at: int = 0, expect: 
                           env={**os.environ, **(env or {})})
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-5000:]
     (run_dir / "stdout.txt").write_text(proc.stdout)
+    (run_dir / "stderr.txt").write_text(proc.stderr)  # mcorekit.train's warnings (Python logging)
     print(proc.stdout[-1500:])
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -437,7 +438,8 @@ def test_fp8_checkpoint_starts_another_run(tmp_path: Path) -> None:
     cont = run(tmp_path, "continued", {**BASE, **fp8, "schedule": {**BASE["schedule"], "train_iters": 16},
                                        "checkpoint": {**BASE["checkpoint"], **load, "finetune": False}})
     assert [x["step"] for x in cont] == [13, 14, 15, 16]
-    assert f"continuing from {saved} at step 12" in (tmp_path / "continued" / "stdout.txt").read_text()
+    said = "".join((tmp_path / "continued" / f).read_text() for f in ("stdout.txt", "stderr.txt"))
+    assert f"continuing from {saved} at step 12" in said  # a warning: logging's, on stderr
     tuned = run(tmp_path, "tuned", {**BASE, **fp8, "schedule": {**BASE["schedule"], "train_iters": 4},
                                     "checkpoint": {**BASE["checkpoint"], **load, "finetune": True}})
     print("fp8 first run's last losses", [round(x["loss"], 4) for x in first[-3:]], "continued",
