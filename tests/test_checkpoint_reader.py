@@ -516,3 +516,30 @@ def test_a_crafted_common_pt_is_refused_in_one_line(model_parallel: None, tmp_pa
         with pytest.raises(ConfigError, match=rf"^checkpoint {iter_dir}: common.pt asks to run posix.system when "):
             check()
     assert not marker.exists()
+
+
+def test_the_grpo_examples_evaluation_starts_from_the_checkpoint_it_evaluates(model_parallel: None, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/grpo/evaluate.py builds the model from grpo.yaml, whose checkpoint.load names the SFT run: where that
+    run's folder does not exist (a checkpoint evaluated elsewhere, the GPU test's folders), the start refused it
+    (what failed test_grpo_example_raises_held_out_accuracy on one H100 at 6db32bb). The evaluated checkpoint is the
+    start's source instead, pinned and checked as any."""
+    import importlib.util
+
+    from mcorekit.config.experiment import load_experiment
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "grpo" / "evaluate.py"
+    spec = importlib.util.spec_from_file_location("grpo_evaluate", script)
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    monkeypatch.chdir(tmp_path)  # runs/grpo-example/sft/checkpoints (grpo.yaml's checkpoint.load) is not here
+    exp = load_experiment(str(script.parent / "grpo.yaml"), [])
+    with pytest.raises(ConfigError, match="checkpoint.load=runs/grpo-example/sft/checkpoints does not exist"):
+        checkpoint.pinned_sources(exp)
+    grpo = tmp_path / "grpo" / "checkpoints"
+    _with_record(grpo / "iter_0000060", _te_extra_state({"scale": 1.0}))
+    (grpo / "latest_checkpointed_iteration.txt").write_text("60")
+    pinned = checkpoint.pinned_sources(evaluate.evaluating(exp, grpo / "iter_0000060"))
+    assert pinned.checkpoint.load == str(grpo / "iter_0000060") and pinned.checkpoint.finetune

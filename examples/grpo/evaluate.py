@@ -93,6 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def evaluating(exp: Any, start: Path) -> Any:
+    """exp with the checkpoint evaluated as its start's source (weights only), not its own checkpoint.load: that
+    names the run the config starts from, which need not exist where a checkpoint is evaluated (a start refuses a
+    checkpoint.load that is gone)."""
+    source = exp.checkpoint.model_copy(update={"load": str(start), "finetune": True})
+    return exp.model_copy(update={"checkpoint": source})
+
+
 def evaluate(a: argparse.Namespace, exp: Any) -> int:
     import torch
     import torch.distributed as dist
@@ -116,8 +124,8 @@ def evaluate(a: argparse.Namespace, exp: Any) -> int:
         raise ConfigError(f"checkpoint not found: {root}")
     tok = AutoTokenizer.from_pretrained(exp.data.tokenizer, trust_remote_code=False)
     max_new = a.max_new_tokens or exp.grpo.max_new_tokens
-    t = build(exp)
-    checkpoint.load_weights(start, t.model)
+    t = build(evaluating(exp, start))  # pins and checks the checkpoint as any start's source
+    checkpoint.load_weights(Path(t.exp.checkpoint.load), t.model)
     bos = bos_ids(tok)  # as training's plain prompts start (train/tasks/grpo.py)
     ids = [bos + tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     greedy = Sampling(max_new_tokens=max_new, greedy=True)
