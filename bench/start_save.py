@@ -11,7 +11,10 @@ never holding two checkpoints on disk (the GPU machine's disk is 64 GB):
           SAVE_STEPS steps, then its end-of-run save (synchronous): the
           start-up phases (its `mcorekit.train: startup` line), the save's seconds and GB/s (its `mcorekit.train:
           checkpoint` line: bytes on disk / seconds), and how long the process lived on after the save ended
-  async   the same entry resumed from that checkpoint (its page cache dropped first, so the load reads the disk),
+  async   the same entry continuing from that checkpoint (its page cache dropped first, so the load reads the disk):
+          a run of its own (its own checkpoint folder) whose checkpoint.load is the save run's folder, the whole
+          state (finetune: false), as a resume loads it; it cannot be the save run resumed, which refuses a
+          changed schedule.train_iters (train/run_inputs.py),
           the compile cache the save run left (warm: a later or requeued run; start-up less the load),
           with checkpoint.async_save=true: the load's seconds and GB/s (the `resume` phase), an asynchronous save
           at step ASYNC_AT and the end-of-run save at ASYNC_END. Step times (log_interval 1) of the steps that ran
@@ -43,7 +46,7 @@ from train_bench import SHAPES, write_config
 
 SHAPES.setdefault("3b", {"preset": "llama-3b", "mbs": 4})  # 2.6B parameters: a 35 GB checkpoint with its optimizer
 # A process's first steps are not steady: under the step graph (the one-GPU default) two run eagerly and the third
-# captures the graph. The save run's steps after them are the step time without a save; the async run (resumed at
+# captures the graph. The save run's steps after them are the step time without a save; the async run (continuing at
 # SAVE_STEPS) warms up again, runs steady steps, saves in the background at ASYNC_AT, keeps training while it
 # writes, and ends with the final save at ASYNC_END (save_interval ASYNC_AT).
 WARM_STEPS = 3
@@ -75,15 +78,22 @@ exit_with(main(sys.argv[1:]))  # as `python -m mcorekit.train` ends
 
 
 def bench_config(shape: str, run: str, run_dir: Path, ckpt: Path) -> Path:
-    """train_bench's experiment file of this shape, with this bench's steps, checkpointing and per-step logging."""
+    """train_bench's experiment file of this shape, with this bench's steps, checkpointing and per-step logging;
+    `ckpt`: the save run's checkpoint folder, which the async run continues from into a folder of its own."""
     steps = SAVE_STEPS if run == "save" else ASYNC_END
     path = write_config(shape, "bf16", steps, run_dir, log_interval=1)
     cfg = yaml.safe_load(path.read_text())
     cfg["name"] = f"start-save-{shape}-{run}"
-    cfg["checkpoint"] = {"dir": str(ckpt), "keep_last": 1, "async_save": run == "async",
-                         "save_interval": 10**6 if run == "save" else ASYNC_AT}
+    cfg["checkpoint"] = {"dir": str(ckpt), "keep_last": 1, "async_save": False, "save_interval": 10**6}
+    if run == "async":
+        cfg["checkpoint"] = {"dir": str(async_ckpt(ckpt)), "load": str(ckpt), "finetune": False, "keep_last": 1,
+                             "async_save": True, "save_interval": ASYNC_AT}
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def async_ckpt(ckpt: Path) -> Path:
+    return ckpt.with_name(ckpt.name + "-async")
 
 
 def dd_speed(folder: Path, gb: int) -> dict[str, float]:
@@ -219,6 +229,7 @@ def async_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
     code, log, ended = train([sys.executable, "-c", WORKER, "--config", str(config), "--run-dir", str(run_dir)],
                              run_dir)
     shutil.rmtree(ckpt, ignore_errors=True)
+    shutil.rmtree(async_ckpt(ckpt), ignore_errors=True)
     if code:
         return {"error": log[-1500:]}
     got = parse(log)
@@ -254,6 +265,7 @@ def measure(shape: str, out: Path, dd_gb: int, results: list[dict[str, Any]]) ->
     results.append(r)
     ckpt = out / f"{shape}-ckpt"  # outside the run folders: the async run loads it
     shutil.rmtree(ckpt, ignore_errors=True)
+    shutil.rmtree(async_ckpt(ckpt), ignore_errors=True)
     shutil.rmtree(compile_cache(out), ignore_errors=True)  # each shape's first process starts cold
     for part, run in (("dd", lambda: dd_speed(out, dd_gb)), ("save", lambda: save_run(shape, out, ckpt)),
                       ("async", lambda: async_run(shape, out, ckpt))):

@@ -28,7 +28,10 @@ def test_dry_run_writes_valid_configs(tmp_path: Path, capsys: pytest.CaptureFixt
     save, run = (load_experiment(tmp_path / f"3b-{r}" / "config.yaml") for r in ("save", "async"))
     assert (save.schedule.train_iters, save.checkpoint.async_save, save.logging.log_interval) == (6, False, 1)
     assert (run.schedule.train_iters, run.checkpoint.async_save, run.checkpoint.save_interval) == (24, True, 12)
-    assert save.checkpoint.dir == run.checkpoint.dir == str(tmp_path / "3b-ckpt")  # the async run resumes from it
+    # the async run continues from the save run's checkpoint as a run of its own: the save run resumed with another
+    # schedule.train_iters would be refused (train/run_inputs.py)
+    assert save.checkpoint.dir == run.checkpoint.load == str(tmp_path / "3b-ckpt") and not run.checkpoint.finetune
+    assert run.checkpoint.dir == str(tmp_path / "3b-ckpt-async")
     assert save.checkpoint.keep_last == 1 and save.schedule.global_batch_size == 32
 
 
@@ -73,7 +76,7 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         assert "-c" in cmd and "load_then_delete" in cmd[cmd.index("-c") + 1]  # the worker keeps one checkpoint
         import shutil
 
-        shutil.rmtree(ckpt)
+        shutil.rmtree(cfg["checkpoint"]["load"])
         lines += ["bench: deleted the loaded checkpoint in 0.50 s",
                   "mcorekit.train: startup " + json.dumps({"imports": 5.0, "dist_init": 7.0, "model": 12.0,
                                                            "optimizer": 13.0, "resume": 30.5, "step1": 35.0}),
@@ -113,7 +116,8 @@ def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pyte
     assert a["load_s"] == 17.0 and r["load_gb_per_s"] == round(35.0 / 17.0, 3)  # resume minus the bench's delete
     assert a["steps_in_flight"] == [13, 14] and a["step_s_in_flight"] == pytest.approx((3.5 - 1.5 + 2.1) / 2, abs=1e-3)  # step 13 less the blocking
     assert a["step_s_free"] == pytest.approx(2.0) and a["async_blocking_s"] == 1.5 and a["final_save_s"] == 18.0
-    assert not (tmp_path / "3b-ckpt").exists() and not (tmp_path / "dd.bin").exists()
+    assert not (tmp_path / "3b-ckpt").exists() and not (tmp_path / "3b-ckpt-async").exists()
+    assert not (tmp_path / "dd.bin").exists()
     table = capsys.readouterr().out
     assert "| save (sync, end of run), s | 20.0 |" in table and "(steps [13, 14])" in table
     assert "| step s without a save (save run, steps 4-6) | 2.00 |" in table
