@@ -283,7 +283,7 @@ def resume(run_dir: str | Path) -> tuple[Prepared, Path]:
         from mcorekit.train import run_inputs  # no torch: what the job's start checks, asked before queueing
 
         try:
-            run_inputs.check(experiment, checkpoints)
+            run_inputs.check(experiment, checkpoints, elsewhere=True)
         except ConfigError as e:
             raise ConfigError(f"--resume {shown(run_dir)}: {e}") from None
     if relative:

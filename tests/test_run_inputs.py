@@ -148,3 +148,19 @@ def test_other_software_at_a_resume_is_a_warning(tmp_path: Path, inputs: Path, m
     with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
         run_inputs.record_or_check(_experiment(tmp_path), inputs, resuming=True)
     assert f"this run started with other software: torch {recorded['torch']} -> 9.9.9" in caplog.text
+
+
+def test_a_file_this_machine_does_not_see_is_left_to_the_jobs_own_check_before_queueing(
+        tmp_path: Path, inputs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`launch --resume` asks on the login node (elsewhere=True), which may not see what the nodes read (a node-local
+    copy, a mount only the nodes have): a recorded file it cannot see is a warning there, as a fresh launch warns of
+    unseen inputs, and still a refusal where the job starts; a file it sees at another size is refused on either."""
+    (tmp_path / "train.jsonl").unlink()
+    with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
+        assert run_inputs.check(_experiment(tmp_path), inputs, elsewhere=True)
+    assert f"not on this machine, checked where the job runs: {tmp_path / 'train.jsonl'}" in caplog.text
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'train.jsonl'} is gone"):
+        run_inputs.check(_experiment(tmp_path), inputs)
+    (tmp_path / "train.jsonl").write_text('{"messages": [], "more": 1}\n')
+    with pytest.raises(ConfigError, match="train.jsonl changed"):
+        run_inputs.check(_experiment(tmp_path), inputs, elsewhere=True)

@@ -90,17 +90,19 @@ def record_or_check(exp: Any, root: Path | None, resuming: bool) -> None:
     write_atomic(root / INPUTS, json.dumps(_now(exp), indent=1) + "\n")
 
 
-def check(exp: Any, root: Path) -> bool:
+def check(exp: Any, root: Path, elsewhere: bool = False) -> bool:
     """The run's inputs now against those its first start recorded under `root`: a ConfigError naming what changed,
     warnings for files rewritten at the same size and other software. False when there is no record (a run started
-    by an earlier version), or one that cannot be read (a warning). `mcorekit launch --resume` asks before queueing."""
+    by an earlier version), or one that cannot be read (a warning). `mcorekit launch --resume` asks before queueing,
+    `elsewhere`: on a machine other than the job's, where a recorded file it cannot see (a node-local copy, a mount
+    only the nodes have) is left to the job's own check, with a warning, as a fresh launch warns of unseen inputs."""
     path = root / INPUTS
     if not path.is_file():
         return False
     now = _now(exp)
     try:
         then = json.loads(path.read_text())
-        changed, rewritten = _changes(then, now)
+        changed, rewritten, unseen = _changes(then, now, elsewhere)
         upgraded = [f"{k} {v} -> {now['software'].get(k)}" for k, v in then.get("software", {}).items()
                     if now["software"].get(k) != v]
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
@@ -108,6 +110,8 @@ def check(exp: Any, root: Path) -> bool:
         return True
     if rewritten:
         log.warning("rewritten since this run's first start, at the same size: %s", ", ".join(rewritten))
+    if unseen:
+        log.warning("not on this machine, checked where the job runs: %s", ", ".join(unseen))
     if upgraded:
         log.warning("this run started with other software: %s (losses may not follow on exactly)", ", ".join(upgraded))
     if changed:
@@ -140,14 +144,17 @@ def _stat(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _changes(then: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(what changed, files rewritten at the same size). Settings one side lacks are those another version of
-    mcorekit added or removed: not compared."""
+def _changes(then: dict[str, Any], now: dict[str, Any],
+             elsewhere: bool = False) -> tuple[list[str], list[str], list[str]]:
+    """(what changed, files rewritten at the same size, files not on this machine where `elsewhere`). Settings one
+    side lacks are those another version of mcorekit added or removed: not compared."""
     old, new = _absolute(then["settings"]), _absolute(now["settings"])
     changed = [f"{k} {_shown(old[k])} -> {_shown(new[k])}" for k in sorted(old.keys() & new.keys()) if old[k] != new[k]]
-    rewritten = []
+    rewritten, unseen = [], []
     for name, (size, mtime) in {os.path.abspath(k): v for k, v in then["files"].items()}.items():
-        if name not in now["files"]:
+        if name not in now["files"] and elsewhere and not Path(name).exists():
+            unseen.append(name)
+        elif name not in now["files"]:
             changed.append(f"{name} is gone" if not Path(name).exists() else f"{name} is no longer read")
         elif now["files"][name][0] != size:
             changed.append(f"{name} changed ({size:,} -> {now['files'][name][0]:,} bytes)")
@@ -155,7 +162,7 @@ def _changes(then: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], list
             rewritten.append(name)
     recorded = {os.path.abspath(k) for k in then["files"]}
     changed += [f"{name} is read now, not at the first start" for name in now["files"] if name not in recorded]
-    return changed, rewritten
+    return changed, rewritten, unseen
 
 
 def _absolute(settings: dict[str, Any]) -> dict[str, Any]:
