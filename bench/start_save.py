@@ -13,7 +13,8 @@ never holding two checkpoints on disk (the GPU machine's disk is 64 GB):
           checkpoint` line: bytes on disk / seconds), and how long the process lived on after the save ended
   async   the same entry continuing from that checkpoint (its page cache dropped first, so the load reads the disk):
           a run of its own (its own checkpoint folder) whose checkpoint.load is the save run's folder, the whole
-          state (finetune: false), as a resume loads it; it cannot be the save run resumed, which refuses a
+          state (finetune: false), as a resume loads it (its records are checked at the start, in the `dist_init`
+          phase, where a resume checks them in `resume`); it cannot be the save run resumed, which refuses a
           changed schedule.train_iters (train/run_inputs.py),
           the compile cache the save run left (warm: a later or requeued run; start-up less the load),
           with checkpoint.async_save=true: the load's seconds and GB/s (the `resume` phase), an asynchronous save
