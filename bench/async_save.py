@@ -48,6 +48,10 @@ def experiment(shape: str, run_dir: Path, ckpt: Path, steps: int, every: int) ->
     path = bench_config(shape, "async", run_dir, ckpt)
     cfg = yaml.safe_load(path.read_text())
     cfg["schedule"]["train_iters"], cfg["checkpoint"]["save_interval"] = steps, every
+    # its own folder, nothing to continue from (start_save's async run continues from the save run's checkpoint)
+    cfg["checkpoint"]["dir"] = str(ckpt)
+    for key in ("load", "finetune"):
+        cfg["checkpoint"].pop(key)
     cfg["name"] = f"async-save-{shape}"
     path.write_text(yaml.safe_dump(cfg))
     return path
