@@ -48,8 +48,9 @@ def probe(path: Path) -> dict[str, float]:
     finally:
         for fd in fds.values():
             os.close(fd)
-    gb = sum(r.length for r in records) / 1e9
-    return {"records": len(records), "gb": round(gb, 3),
+    total = sum(r.length for r in records)
+    gb = total / 1e9
+    return {"records": len(records), "bytes": total, "gb": round(gb, 3),
             **{f"{k}_s": round(v, 3) for k, v in seconds.items()},
             **{f"{k}_gb_per_s": round(gb / v, 2) if v else None for k, v in seconds.items()}}
 

@@ -48,7 +48,9 @@ def write(path: Path, records: int) -> None:
         torch.cuda.current_device = current  # type: ignore[assignment]
 
 
-def check(path: Path, drop_cache: bool) -> dict[str, float]:
+def check(path: Path, drop_cache: bool) -> dict[str, float | int]:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     from mcorekit.train.checkpoint_reader import checked_metadata, checked_records
 
     if drop_cache:
@@ -58,7 +60,10 @@ def check(path: Path, drop_cache: bool) -> dict[str, float]:
     metadata = checked_metadata(path)
     read = time.perf_counter()
     checked_records(path, metadata)
-    return {"metadata_s": round(read - start, 3), "records_s": round(time.perf_counter() - read, 3)}
+    checked = time.perf_counter()
+    records = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    return {"metadata_s": round(read - start, 3), "records_s": round(checked - read, 3), "bytes_records": len(records),
+            "extra_states": sum("._extra_state" in k for k in records)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,9 +63,9 @@ def init_distributed(exp: Experiment, graph_safe_rng: bool = False) -> DistEnv:
 
 
 def seed_step(t: Trainer, step: int) -> None:
-    """The random streams of the step after `step` seeded from data.seed and the step alone, where a step draws
-    random numbers (LoRA's dropout; the model's own dropout is 0): a resumed run then draws the masks the run
-    that was not interrupted drew, where checkpoints hold no RNG state. Never under a step graph, whose replays
+    """The random streams of the step after `step` seeded from data.seed, the pipeline stage and the step, where a
+    step draws random numbers (LoRA's dropout; the model's own dropout is 0): a resumed run then draws the masks the
+    run that was not interrupted drew, where checkpoints hold no RNG state. Never under a step graph, whose replays
     keep the generators they registered (the rules keep LoRA out of it: this says so again)."""
     exp = t.exp
     if exp.peft.lora is None or exp.peft.lora.dropout == 0 or t.full_graph:

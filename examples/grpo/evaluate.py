@@ -124,6 +124,9 @@ def evaluate(a: argparse.Namespace, exp: Any) -> int:
         raise ConfigError(f"checkpoint not found: {root}")
     tok = AutoTokenizer.from_pretrained(exp.data.tokenizer, trust_remote_code=False)
     max_new = a.max_new_tokens or exp.grpo.max_new_tokens
+    if exp.peft.lora is not None:  # a LoRA checkpoint holds the adapters only: its base is another checkpoint
+        raise ConfigError("evaluate.py evaluates full checkpoints: merge a LoRA run's adapters into its base first "
+                          "(mcorekit convert mcore-to-hf --merge), or evaluate the HF model with --hf")
     t = build(evaluating(exp, start))  # pins and checks the checkpoint as any start's source
     checkpoint.load_weights(Path(t.exp.checkpoint.load), t.model)
     bos = bos_ids(tok)  # as training's plain prompts start (train/tasks/grpo.py)
