@@ -85,8 +85,9 @@ def bench_config(shape: str, run: str, run_dir: Path, ckpt: Path) -> Path:
     path = write_config(shape, "bf16", steps, run_dir, log_interval=1)
     cfg = yaml.safe_load(path.read_text())
     cfg["name"] = f"start-save-{shape}-{run}"
-    cfg["checkpoint"] = {"dir": str(ckpt), "keep_last": 1, "async_save": False, "save_interval": 10**6}
-    if run == "async":
+    if run == "save":
+        cfg["checkpoint"] = {"dir": str(ckpt), "keep_last": 1, "async_save": False, "save_interval": 10**6}
+    else:
         cfg["checkpoint"] = {"dir": str(async_ckpt(ckpt)), "load": str(ckpt), "finetune": False, "keep_last": 1,
                              "async_save": True, "save_interval": ASYNC_AT}
     path.write_text(yaml.safe_dump(cfg))

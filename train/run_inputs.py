@@ -151,7 +151,8 @@ def _changes(then: dict[str, Any], now: dict[str, Any],
     old, new = _absolute(then["settings"]), _absolute(now["settings"])
     changed = [f"{k} {_shown(old[k])} -> {_shown(new[k])}" for k in sorted(old.keys() & new.keys()) if old[k] != new[k]]
     rewritten, unseen = [], []
-    for name, (size, mtime) in {os.path.abspath(k): v for k, v in then["files"].items()}.items():
+    recorded = {os.path.abspath(k): v for k, v in then["files"].items()}
+    for name, (size, mtime) in recorded.items():
         if name not in now["files"] and elsewhere and not Path(name).exists():
             unseen.append(name)
         elif name not in now["files"]:
@@ -160,7 +161,6 @@ def _changes(then: dict[str, Any], now: dict[str, Any],
             changed.append(f"{name} changed ({size:,} -> {now['files'][name][0]:,} bytes)")
         elif now["files"][name][1] != mtime:
             rewritten.append(name)
-    recorded = {os.path.abspath(k) for k in then["files"]}
     changed += [f"{name} is read now, not at the first start" for name in now["files"] if name not in recorded]
     return changed, rewritten, unseen
 
