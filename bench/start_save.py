@@ -262,15 +262,29 @@ def async_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
             "exit_phases": exit_phases(got["events"], final_end, ended)}
 
 
-def measure(shape: str, out: Path, dd_gb: int, results: list[dict[str, Any]]) -> None:
+def load_probe(ckpt: Path) -> dict[str, Any]:
+    """bench/load_probe.py on the saved checkpoint, its page cache dropped: the read-ahead thread's pread (from the
+    disk), the consumer's view of each record and its copy into the GPU, and torch.load of the same bytes for
+    comparison; in a process of its own, so this one never holds a CUDA context."""
+    drop_page_cache(ckpt)
+    (iteration,) = ckpt.glob("iter_*")
+    cmd = [sys.executable, str(Path(__file__).with_name("load_probe.py")), str(iteration), "--device", "cuda"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30.0, DEADLINE[0] - time.time()))
+    if proc.returncode:
+        raise RuntimeError((proc.stdout + proc.stderr).strip()[-400:])
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+def measure(shape: str, out: Path, dd_gb: int, results: list[dict[str, Any]], probe: bool = False) -> None:
     r: dict[str, Any] = {"shape": shape, "preset": SHAPES[shape]["preset"]}
     results.append(r)
     ckpt = out / f"{shape}-ckpt"  # outside the run folders: the async run loads it
     shutil.rmtree(ckpt, ignore_errors=True)
     shutil.rmtree(async_ckpt(ckpt), ignore_errors=True)
     shutil.rmtree(compile_cache(out), ignore_errors=True)  # each shape's first process starts cold
-    for part, run in (("dd", lambda: dd_speed(out, dd_gb)), ("save", lambda: save_run(shape, out, ckpt)),
-                      ("async", lambda: async_run(shape, out, ckpt))):
+    parts = [("dd", lambda: dd_speed(out, dd_gb)), ("save", lambda: save_run(shape, out, ckpt)),
+             ("probe", lambda: load_probe(ckpt)), ("async", lambda: async_run(shape, out, ckpt))]
+    for part, run in (p for p in parts if p[0] != "probe" or probe):
         start = time.perf_counter()
         try:
             got = run()
@@ -330,6 +344,9 @@ def table(results: list[dict[str, Any]]) -> str:
         ("load (resume), s", lambda r: cell(r, "async", "load_s")),
         ("load GB/s (page cache dropped)", lambda r: cell(r, "", "load_gb_per_s", "{:.2f}") +
          share(r, ("", "load_gb_per_s"), "dd_read_gb_per_s")),
+        ("  load probe, each step alone: pread (disk) / view / copy into the GPU / torch.load (not used), GB/s",
+         lambda r: " / ".join(cell(r, "probe", f"{k}_gb_per_s", "{:.2f}") for k in ("pread", "view", "copy",
+                                                                                       "torch_load"))),
         ("dd O_DIRECT write / read, GB/s", lambda r: f"{cell(r, 'dd', 'dd_write_gb_per_s', '{:.2f}')} / "
                                                      f"{cell(r, 'dd', 'dd_read_gb_per_s', '{:.2f}')}"),
         ("async save: blocking part, s", lambda r: cell(r, "async", "async_blocking_s")),
@@ -349,7 +366,7 @@ def table(results: list[dict[str, Any]]) -> str:
     for name, get in rows:
         lines.append(f"| {name} | " + " | ".join(get(r) for r in results) + " |")
     for r in results:
-        for part in ("dd", "save", "async"):
+        for part in ("dd", "save", "probe", "async"):
             if "error" in r.get(part, {}):
                 lines.append(f"\n{r['shape']} {part} failed: {r[part]['error'].strip().splitlines()[-1][:200]}")
     return "\n".join(lines)
@@ -363,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=540, help="seconds for the whole bench: a training process still "
                    "running then is killed (its part reports what it printed), so one GPU call always returns")
     p.add_argument("--dry", action="store_true", help="write and validate the experiment files, train nothing")
+    p.add_argument("--load-probe", action="store_true", help="between the save and the async run, time the load's "
+                   "host steps on the saved checkpoint (bench/load_probe.py, targets on the GPU, page cache dropped)")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -379,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     DEADLINE[0] = time.time() + a.budget
     results: list[dict[str, Any]] = []
     for shape in shapes:
-        measure(shape, out, a.dd_gb, results)
+        measure(shape, out, a.dd_gb, results, a.load_probe)
     print(table(results))
     return 0 if all("error" not in r.get(part, {}) for r in results for part in ("dd", "save", "async")) else 1
 

@@ -15,8 +15,8 @@ Reading trusts nothing in the directory: DCP's own `read_metadata()` unpickles `
 crafted file runs code); here a restricted unpickler admits only the classes DCP metadata is made of, the
 result is checked (types, bounds, storage files inside the directory, enough bytes behind every chunk) before
 anything is allocated, bytes entries are loaded with `weights_only=True`, tensor chunks are read straight from
-the .distcp files without unpickling anything (distcp.py), and a read fails unless the stored chunks cover every
-element it returns. The writer starts every item at a multiple of 64 bytes, so that large chunks can be mapped.
+the .distcp files without unpickling anything (mcorekit/torch_save.py), and a read fails unless the stored chunks
+cover every element it returns. The writer starts every item at a multiple of 64 bytes, so that large chunks can be mapped.
 """
 
 from __future__ import annotations
@@ -58,12 +58,13 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mcorekit.convert import distcp
 from mcorekit.convert.direct_io import DirectFile
+from mcorekit.convert import files
 from mcorekit.convert.files import model_file, read_json, write_failure
 from mcorekit.errors import ConversionError, first_line
 from mcorekit.train.checkpoint_reader import dcp_cause
 from mcorekit.outputs import without_crc32
+from mcorekit.torch_save import NotATensorChunk, StoredTensor, locate
 from mcorekit.train.checkpoint_reader import load_metadata as checked_load_metadata
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
@@ -187,7 +188,7 @@ class _AligningStream(io.BufferedWriter):
     the next item's offset with the next tell(): a tell() with no write since the one before is where an item
     begins, and zeros put in there (between items, in none) start every item, and so the data of each chunk's
     torch.save archive (64-byte aligned inside the archive), at a multiple of ITEM_ALIGN in the file. That lets
-    the reader map a chunk's bytes from the page cache instead of copying them (distcp.storage)."""
+    the reader map a chunk's bytes from the page cache instead of copying them (_storage)."""
 
     _told = False
 
@@ -428,7 +429,7 @@ class TorchDistReader:
         return out.reshape(size[len(index):])
 
     def _read_items(self, md: TensorStorageMetadata, sizes: tuple[int, ...], items: list[Any]) -> torch.Tensor:
-        """The requested block from its stored chunks, read straight from the .distcp files (distcp.locate finds
+        """The requested block from its stored chunks, read straight from the .distcp files (mcorekit.torch_save.locate finds
         each chunk's bytes without unpickling anything). A stored chunk that is the whole request is returned as
         it lies in the file: mapped from the page cache when it is large and aligned there, else read into the
         returned tensor's own memory; otherwise each chunk's part is copied into one buffer."""
@@ -441,8 +442,8 @@ class TorchDistReader:
             fd = os.open(self.path / info.relative_path, os.O_RDONLY)
             try:
                 try:
-                    stored = distcp.locate(fd, info.offset, info.length)
-                except distcp.NotATensorChunk as e:
+                    stored = locate(fd, info.offset, info.length)
+                except NotATensorChunk as e:
                     raise ConversionError(f"{self.path}: cannot read tensor {index.fqn!r} (chunk at "
                                           f"{tuple(index.offset)}, {where}: {e})") from None
                 if stored.dtype != dtype or len(stored.size) != len(sizes) or any(
@@ -452,16 +453,16 @@ class TorchDistReader:
                                           f"says: {dtype}, at least {tuple(item.lengths)})")
                 whole = stored.is_dense() and tuple(item.storage_offsets) == (0,) * len(sizes)
                 if len(items) == 1 and whole and stored.size == tuple(sizes):
-                    return distcp.storage(fd, stored).view(sizes)  # the stored chunk is the request
+                    return _storage(fd, stored).view(sizes)  # the stored chunk is the request
                 if buf is None:
                     buf = torch.empty(sizes, dtype=dtype)  # every element is filled: _check_coverage
                 dest = buf
                 for dim, (o, n) in enumerate(zip(item.dest_offsets, item.lengths)):
                     dest = dest.narrow(dim, o, n)
                 if whole and stored.size == tuple(item.lengths) and dest.is_contiguous():
-                    distcp.pread_into(fd, dest, stored.data_offset)  # e.g. one of the chunks a dim-0 split made
+                    _pread_into(fd, dest, stored.data_offset)  # e.g. one of the chunks a dim-0 split made
                     continue
-                part = distcp.storage(fd, stored).as_strided(stored.size, stored.stride, stored.storage_offset)
+                part = _storage(fd, stored).as_strided(stored.size, stored.stride, stored.storage_offset)
                 for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
                     part = part.narrow(dim, o, n)
                 dest.copy_(part)
@@ -600,3 +601,20 @@ class LayerStackedView:
         if not index:
             raise ConversionError(f"{self.reader.path}: {fqn!r} is stored per layer; read one layer")
         return self.reader.read(layer_key(fqn, index[0]), index[1:])
+
+
+def _storage(fd: int, stored: StoredTensor) -> torch.Tensor:
+    """The stored chunk's storage as a flat tensor (files.read_flat): mapped from the page cache when it is large and
+    its bytes lie at a multiple of the element size, else read into fresh memory."""
+    try:
+        return files.read_flat(fd, stored.data_offset, stored.nbytes, stored.dtype,
+                               may_map=stored.data_offset % stored.dtype.itemsize == 0)
+    except EOFError as e:
+        raise NotATensorChunk(f"{e}, inside the chunk") from None
+
+
+def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
+    try:
+        files.pread_into(fd, out, offset)
+    except EOFError as e:
+        raise NotATensorChunk(f"{e}, inside the chunk") from None

@@ -37,7 +37,7 @@ _crc32 = {"lock": threading.Lock(), "depth": 0, "before": True}
 @contextmanager
 def without_crc32() -> Iterator[None]:
     """torch.save without the CRC-32 of each record: nothing that reads these checkpoints checks it (torch.load does
-    not, convert/distcp.py neither for tensor records) and computing it is one CPU pass over every byte written,
+    not, mcorekit/torch_save.py neither for tensor records) and computing it is one CPU pass over every byte written,
     ~4 GB/s on one core, in the writer thread while it holds the GIL. The archives stay valid for torch.load;
     `unzip -t` would report their CRCs as wrong. A forked background writer inherits the setting. The setting is
     the process's: blocks that overlap (on several threads) share one, and the last to end restores it."""

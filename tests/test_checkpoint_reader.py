@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from mcorekit.torch_save import locate_in
 from mcorekit.train import checkpoint_reader
 from mcorekit.train.checkpoint_reader import ReadAheadReader, read_ahead
 from test_checkpoint_writer import _finalize_on_cpu, _save, _state  # noqa: F401  # the fixture applies here too
@@ -56,14 +57,15 @@ def test_loads_what_torchs_reader_loads_in_file_order(model_parallel: None, tmp_
     _save(tmp_path / "ckpt", ours=True)
     monkeypatch.setattr(checkpoint_reader, "AHEAD_BYTES", ahead_bytes)
     reads: list[tuple[int, int]] = []
-    pread = os.pread
+    preadv = os.preadv
 
-    def spy(fd: int, n: int, offset: int) -> bytes:
-        got = pread(fd, min(n, most_per_read or n), offset)
-        reads.append((offset, len(got)))
+    def spy(fd: int, buffers: list[memoryview], offset: int) -> int:
+        (buffer,) = buffers
+        got = preadv(fd, [buffer[:most_per_read or len(buffer)]], offset)
+        reads.append((offset, got))
         return got
 
-    monkeypatch.setattr(checkpoint_reader.os, "pread", spy)
+    monkeypatch.setattr(checkpoint_reader.os, "preadv", spy)
     with read_ahead():
         assert type(strategies._get_filesystem_reader(str(tmp_path / "ckpt"))) is ReadAheadReader
     assert strategies._get_filesystem_reader.__name__ == "_get_filesystem_reader"  # put back
@@ -83,6 +85,58 @@ def test_loads_what_torchs_reader_loads_in_file_order(model_parallel: None, tmp_
     assert not _readers()
 
 
+def _record(value: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("shape", ["plain", "transposed", "a slice", "0-d", "empty"])
+def test_a_saved_tensor_is_viewed_where_its_bytes_were_read(dtype: torch.dtype, shape: str) -> None:
+    """What torch.load gives, bitwise, with the same strides, as a view into the record's memory (no copy)."""
+    full = (torch.randn(6, 10) * 50).to(dtype)
+    value = {"plain": full, "transposed": full.t(), "a slice": full[2:5, 1:8], "0-d": full[1, 2],
+             "empty": full[:0]}[shape]
+    record = _record(value)
+    expected = torch.load(io.BytesIO(record.numpy().tobytes()), weights_only=True)
+    got = checkpoint_reader.saved_tensor(record)
+    assert got.dtype == expected.dtype and got.size() == expected.size() and got.stride() == expected.stride()
+    assert torch.equal(got.flatten().view(torch.uint8), expected.flatten().view(torch.uint8))  # bitwise
+    start = record.data_ptr()
+    assert got.untyped_storage().data_ptr() == start  # the record's own memory
+    assert got.numel() == 0 or start < got.data_ptr() < start + record.numel()
+
+
+def test_a_saved_tensor_at_an_unaligned_offset_is_copied_out() -> None:
+    """An archive whose storage record starts at an odd offset (zipfile, unlike torch.save, does not align):
+    the bytes are copied to aligned memory; the values are torch.load's."""
+    import zipfile
+
+    value = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    with zipfile.ZipFile(io.BytesIO(_record(value).numpy().tobytes())) as saved:
+        records = {i.filename.split("/", 1)[1]: saved.read(i) for i in saved.infolist()}
+    unaligned = 0
+    for pad in range(4):
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+            for name, data in records.items():
+                z.writestr(("a" * pad) + "archive/" + name, data)  # a longer name moves the bytes after it
+        record = torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
+        got = checkpoint_reader.saved_tensor(record)
+        assert torch.equal(got, value) and torch.equal(got, torch.load(io.BytesIO(out.getvalue()), weights_only=True))
+        aligned = locate_in(memoryview(record.numpy())).data_offset % 4 == 0
+        assert (got.untyped_storage().data_ptr() == record.data_ptr()) == aligned  # a view exactly where aligned
+        unaligned += not aligned
+    assert unaligned
+
+
+def test_a_record_that_is_not_one_tensor_goes_to_torch_load() -> None:
+    value = {"a": torch.ones(3), "b": [1, 2]}
+    got = checkpoint_reader.saved_tensor(_record(value))
+    assert torch.equal(got["a"], value["a"]) and got["b"] == [1, 2]
+
+
 def test_a_truncated_file_is_an_error_not_a_hang(model_parallel: None, tmp_path: Path) -> None:
     _save(tmp_path / "ckpt", ours=True)
     data = next((tmp_path / "ckpt").glob("*.distcp"))
@@ -94,20 +148,20 @@ def test_a_truncated_file_is_an_error_not_a_hang(model_parallel: None, tmp_path:
 
 def test_a_failing_target_stops_the_reader(model_parallel: None, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The consumer fails half-way (here: the second tensor's deserializing): the error comes out (in torch's
+    """The consumer fails half-way (here: finding the second tensor in its record): the error comes out (in torch's
     CheckpointException, a BaseException), the thread ends."""
     _save(tmp_path / "ckpt", ours=True)
     monkeypatch.setattr(checkpoint_reader, "AHEAD_BYTES", 1)  # the thread is waiting for room when the copy fails
     loads = []
-    real_load = torch.load
+    real = checkpoint_reader.saved_tensor
 
-    def failing_load(*args: object, **kwargs: object) -> object:
+    def failing(record: torch.Tensor) -> torch.Tensor:
         loads.append(1)
         if len(loads) == 2:
             raise RuntimeError("the target's copy failed")
-        return real_load(*args, **kwargs)
+        return real(record)
 
-    monkeypatch.setattr(checkpoint_reader.torch, "load", failing_load)
+    monkeypatch.setattr(checkpoint_reader, "saved_tensor", failing)
     with pytest.raises(BaseException, match="the target's copy failed"):
         _load(tmp_path / "ckpt", ahead=True)
     assert not _readers()

@@ -1,4 +1,4 @@
-"""The torch_dist read path: chunks read straight from the .distcp files (convert/distcp.py) give the same bytes as
+"""The torch_dist read path: chunks read straight from the .distcp files (mcorekit/torch_save.py) give the same bytes as
 torch.distributed.checkpoint's own load, with several chunks per tensor, mapped or read, in our checkpoints and in
 Megatron-Core's; nothing from the data files is unpickled; a damaged chunk is one error line, never garbage."""
 
@@ -18,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from hf_models import make_model
-from mcorekit.convert import distcp, files, torch_dist
+from mcorekit import torch_save
+from mcorekit.convert import files, torch_dist
 from mcorekit.convert.torch_dist import BACKEND, ChunkSource, PlannedTensor, TorchDistReader, load_metadata
 from test_faults_convert import assert_nothing_at, assert_one_error, convert, tree_digest
 
@@ -94,7 +95,7 @@ def test_writer_aligns_every_chunk(chunked: Path, monkeypatch: pytest.MonkeyPatc
         if index.offset is not None:
             fd = os.open(chunked / info.relative_path, os.O_RDONLY)
             try:
-                offsets.append(distcp.locate(fd, info.offset, info.length).data_offset)
+                offsets.append(torch_save.locate(fd, info.offset, info.length).data_offset)
             finally:
                 os.close(fd)
     aligned = [o % 64 == 0 for o in offsets]
@@ -118,7 +119,7 @@ def test_big_aligned_chunk_is_mapped_not_copied(chunked: Path, monkeypatch: pyte
         if index.fqn == "big":
             fd = os.open(chunked / info.relative_path, os.O_RDONLY)
             try:
-                element_aligned += distcp.locate(fd, info.offset, info.length).data_offset % 2 == 0
+                element_aligned += torch_save.locate(fd, info.offset, info.length).data_offset % 2 == 0
             finally:
                 os.close(fd)
     assert len(maps) == element_aligned == 3 if torch_dist.ITEM_ALIGN == 64 else len(maps) == element_aligned < 3
@@ -153,7 +154,7 @@ def test_non_contiguous_stored_chunk(tmp_path: Path) -> None:
     for index, info in reader.metadata.storage_data.items():  # stored with strides: the as_strided path is taken
         fd = os.open(tmp_path / info.relative_path, os.O_RDONLY)
         try:
-            assert not distcp.locate(fd, info.offset, info.length).is_dense()
+            assert not torch_save.locate(fd, info.offset, info.length).is_dense()
         finally:
             os.close(fd)
     for fqn, t in state.items():

@@ -41,6 +41,11 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         if (out := next((a[3:] for a in cmd if a.startswith("of=")), None)) not in (None, "/dev/null"):
             Path(out).write_bytes(b"0" * 1024)
         return subprocess.CompletedProcess(cmd, 0, "", "")
+    if cmd[1].endswith("load_probe.py"):  # its real run: tests/test_checkpoint_reader.py
+        assert (Path(cmd[2]).name, cmd[3:]) == ("iter_0000006", ["--device", "cuda"])
+        got = {"records": 9, "gb": 35.0, **{f"{k}_gb_per_s": v for k, v in
+                                            (("pread", 1.5), ("view", 900.0), ("copy", 6.0), ("torch_load", 2.2))}}
+        return subprocess.CompletedProcess(cmd, 0, "35 GB ...\nRESULT " + json.dumps(got) + "\n", "")
     config = Path(cmd[cmd.index("--config") + 1])
     run_dir = Path(cmd[cmd.index("--run-dir") + 1])
     cfg = yaml.safe_load(config.read_text())
@@ -180,3 +185,14 @@ def test_compile_env_keeps_every_kernel_cache_in_the_runs_folder(tmp_path: Path,
     assert env["CUDA_CACHE_PATH"] == str(tmp_path / "cache" / "cuda") and "CUDA_CACHE_DISABLE" not in env
     assert env["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")
     assert env["MASTER_PORT"] == "29000" and env["TORCH_LOGS"] == "dynamo"
+
+
+def test_the_load_probe_part_runs_between_the_save_and_the_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(start_save.subprocess, "run", fake_training)
+    assert start_save.main(["--out", str(tmp_path), "--load-probe"]) == 0
+    [r] = json.loads((tmp_path / "results.json").read_text())
+    assert list(r)[:6] == ["shape", "preset", "dd", "save", "probe", "async"]
+    assert r["probe"]["pread_gb_per_s"] == 1.5 and r["probe"]["records"] == 9
+    assert "| 1.50 / 900.00 / 6.00 / 2.20 |" in capsys.readouterr().out
+

@@ -1,11 +1,15 @@
-"""The resume load's reader of torch_dist checkpoints: torch's FileSystemReader with the disk kept busy.
+"""The resume load's reader of torch_dist checkpoints: torch's FileSystemReader with the disk kept busy and each
+tensor viewed where it was read.
 
 torch's reader (torch.distributed.checkpoint.FileSystemReader, which Megatron-Core's load uses) reads each tensor's
 record from the file when it gets to it, then deserializes it and copies it into its target (often on the GPU), the
 disk idle meanwhile, and in the plan's order rather than the file's. On one H200 machine it loaded the 3B shape's
 36.6 GB checkpoint at 0.78-0.96 GB/s where `dd` read 0.95-1.44 GB/s (2026-12-01/02). This reader reads the records
-on a thread in file order, up to AHEAD_BYTES ahead of the deserializing, so the disk reads while the tensors before
-are copied. The same records, deserialized the same way (torch.load, weights_only) into the same targets.
+on a thread in file order, up to AHEAD_BYTES ahead of the consumer, so the disk reads while the tensors before are
+copied. A tensor record (a torch.save archive of one tensor) is not deserialized with torch.load, which copies the
+tensor out of the bytes read: mcorekit.torch_save finds the tensor's bytes in the record without unpickling
+anything, and the copy into the target reads them where they lie. A record torch_save does not recognise is
+loaded with torch.load (weights_only), as torch's reader does.
 
     with read_ahead():
         dist_checkpointing.load(...)
@@ -31,12 +35,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from mcorekit.errors import ConfigError
+from mcorekit.torch_save import NotATensorChunk, locate_in, memory_file
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-# records read and queued, not yet taken by the deserializing (one record larger than this still passes); the record
-# being deserialized is held on top of it, twice for a moment (its bytes and torch.load's tensor)
+# records read and queued, not yet taken by the consumer (one record larger than this still passes); the record
+# being copied is held on top of it
 AHEAD_BYTES = 2 << 30
 
 
@@ -46,12 +51,11 @@ class ReadAheadReader(FileSystemReader):
             return super().read_data(plan, planner)  # compressed or otherwise transformed: torch's own path
         records = _Records(self, plan.items)
         try:
-            for req, data in records:
+            for req, record in records:
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(data))
+                    planner.load_bytes(req, io.BytesIO(record.numpy().tobytes()))
                     continue
-                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                tensor = narrow_tensor_by_index(saved_tensor(record), req.storage_offsets, req.lengths)
                 target = planner.resolve_tensor(req).detach()
                 if target.size() != tensor.size():
                     raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
@@ -64,8 +68,23 @@ class ReadAheadReader(FileSystemReader):
         return done
 
 
+def saved_tensor(record: torch.Tensor) -> torch.Tensor:
+    """The tensor a torch.save archive held in `record` (uint8) stores, as a view into `record` where its bytes lie
+    at a multiple of its element size in it (torch.save puts them at a multiple of 64), else copied out; torch.load
+    (weights_only) for an archive that is not one plain tensor."""
+    try:
+        stored = locate_in(memoryview(record.numpy()))
+    except NotATensorChunk:
+        return torch.load(memory_file(memoryview(record.numpy())), map_location="cpu", weights_only=True)
+    data = record[stored.data_offset:stored.data_offset + stored.nbytes]
+    if stored.data_offset % stored.dtype.itemsize:
+        data = data.clone()  # fresh memory is aligned
+    flat = data.view(stored.dtype)  # as_strided's offset counts from the start of the record's memory
+    return flat.as_strided(stored.size, stored.stride, flat.storage_offset() + stored.storage_offset)
+
+
 class _Records:
-    """(read item, its record's bytes) in file order (file by file, by offset), read by a thread ahead of the
+    """(read item, its record's bytes as uint8) in file order (file by file, by offset), read by a thread ahead of the
     consumer; a failed read is raised to the consumer; close() stops the thread."""
 
     def __init__(self, reader: FileSystemReader, items: list[ReadItem]) -> None:
@@ -101,7 +120,7 @@ class _Records:
             if fd >= 0:
                 os.close(fd)
 
-    def __iter__(self) -> Iterator[tuple[ReadItem, bytes]]:
+    def __iter__(self) -> Iterator[tuple[ReadItem, torch.Tensor]]:
         for _ in self._order:
             got = self._queue.get()
             if isinstance(got, BaseException):
@@ -118,20 +137,20 @@ class _Records:
         self._thread.join()
 
 
-def read_exactly(fd: int, length: int, offset: int, name: str) -> bytes:
-    """`length` bytes at `offset`, as bytes (which io.BytesIO wraps without a copy; convert/files.pread_into fills a
-    tensor instead, whose memory BytesIO would copy). One read returns at most 0x7ffff000 bytes on Linux: a record over
-    2 GiB (the fp32 Adam moment of a large vocabulary's embedding) takes several, joined once. A read that returns
-    nothing is the end of the file before the record's end."""
-    parts, got = [], 0
+def read_exactly(fd: int, length: int, offset: int, name: str) -> torch.Tensor:
+    """`length` bytes at `offset`, read straight into a new uint8 tensor (not zero-filled first, unlike bytearray).
+    One read returns at most 0x7ffff000 bytes on Linux: a record over 2 GiB (the fp32 Adam moment of a large
+    vocabulary's embedding) takes several. A read that returns nothing is the end of the file before the record's
+    end."""
+    out = torch.empty(length, dtype=torch.uint8)
+    view, got = memoryview(out.numpy()), 0
     while got < length:
-        part = os.pread(fd, length - got, offset + got)
+        part = os.preadv(fd, [view[got:]], offset + got)
         if not part:
             raise OSError(f"{name}: {got} bytes at offset {offset}, the checkpoint's metadata says {length} "
                           "(a truncated file?)")
-        parts.append(part)
-        got += len(part)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+        got += part
+    return out
 
 
 # ---------------------------------------------------------------- reading a checkpoint's .metadata without running it

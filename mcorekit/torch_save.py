@@ -1,4 +1,4 @@
-"""Where a stored torch_dist chunk's bytes lie in its .distcp file, found without running anything from the file.
+"""A stored tensor chunk (a `torch.save` archive of one tensor) parsed without running anything from it.
 
 torch.distributed.checkpoint stores each tensor chunk as a `torch.save` archive (an uncompressed zip) at the offset
 and length that `.metadata` gives. Its `data.pkl` describes the tensor (storage type, element count, offset, size,
@@ -6,7 +6,8 @@ strides) and `data/<key>` holds the storage's bytes. Here the zip directory is r
 parses) and `data.pkl` is disassembled with `pickletools.genops` and evaluated symbolically: the few opcodes that
 `torch.save` of one tensor uses build plain ints, strings and tuples, globals stay names, nothing is imported or
 called. Anything else (another opcode, another callable, a compressed record, a second storage, bytes that do not
-fit) is refused with a reason, and the caller reads the bytes straight from the file into the tensor's memory.
+fit) is refused with a reason. The caller then reads the storage's bytes straight into a tensor (the converter's
+reader, convert/torch_dist.py) or views them where they were read (the resume load, train/checkpoint_reader.py).
 
 Like `torch.load`, the data record's CRC-32 is not checked (that would cost a pass over every byte); our writers
 write none (mcorekit.outputs.without_crc32), and data.pkl's is checked where one was written.
@@ -14,18 +15,17 @@ write none (mcorekit.outputs.without_crc32), and data.pkl's is checked where one
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickletools
 import struct
 import zipfile
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.storage import _dtype_to_storage_type_map
-
-from mcorekit.convert import files
-from mcorekit.convert.files import read_flat
 
 STORAGE_DTYPES = {name: dtype for dtype, name in _dtype_to_storage_type_map().items()}
 MAX_PICKLE_BYTES = 1024**2  # data.pkl of one tensor is ~200 bytes
@@ -64,10 +64,11 @@ class StoredTensor:
 
 
 class _Window(io.RawIOBase):
-    """Bytes [start, start + length) of an open file, read with pread (a seekable file for zipfile)."""
+    """Bytes [0, length) of a chunk as a seekable file for zipfile, each read through `read_at(buffer, position)`
+    (pread from a file, or a slice of a record already in memory: nothing is copied but what zipfile asks for)."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+    def __init__(self, read_at: Callable[[memoryview, int], int], length: int) -> None:
+        self.read_at, self.length, self.pos = read_at, length, 0
 
     def readable(self) -> bool:
         return True
@@ -87,9 +88,13 @@ class _Window(io.RawIOBase):
 
     def readinto(self, b: bytearray | memoryview) -> int:
         n = max(0, min(len(b), self.length - self.pos))
-        got = os.preadv(self.fd, [memoryview(b)[:n]], self.start + self.pos) if n else 0
+        got = self.read_at(memoryview(b)[:n], self.pos) if n else 0
         self.pos += got
         return got
+
+    def read_exactly_at(self, pos: int, n: int) -> bytes:
+        self.seek(pos)
+        return self.read(n) or b""
 
 
 class _Global:
@@ -223,8 +228,31 @@ def _read_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
 
 
 def locate(fd: int, start: int, length: int) -> StoredTensor:
-    """The one tensor in the torch.save archive at bytes [start, start + length) of `fd`."""
-    window = _Window(fd, start, length)
+    """The one tensor in the torch.save archive at bytes [start, start + length) of `fd`; its data_offset counts
+    from the start of the file."""
+    stored = _locate(_Window(lambda b, pos: os.preadv(fd, [b], start + pos), length))
+    return dataclasses.replace(stored, data_offset=start + stored.data_offset)
+
+
+def locate_in(record: memoryview) -> StoredTensor:
+    """The one tensor in a torch.save archive held in memory (a byte-format memoryview); its data_offset counts from
+    the start of `record`."""
+    return _locate(memory_file(record))
+
+
+def memory_file(record: memoryview) -> _Window:
+    """`record` as a seekable file that copies out only what is read from it (io.BytesIO copies it whole first)."""
+
+    def read_at(b: memoryview, pos: int) -> int:
+        n = min(len(b), len(record) - pos)
+        b[:n] = record[pos:pos + n]
+        return n
+
+    return _Window(read_at, len(record))
+
+
+def _locate(window: _Window) -> StoredTensor:
+    length = window.length
     try:
         archive = zipfile.ZipFile(window)
         infos = archive.infolist()
@@ -253,7 +281,7 @@ def locate(fd: int, start: int, length: int) -> StoredTensor:
     if record.file_size != numel * dtype.itemsize:
         raise NotATensorChunk(f"record data/{key} holds {record.file_size} bytes, the tensor's storage needs "
                               f"{numel * dtype.itemsize}")
-    head = os.pread(fd, LOCAL_HEADER.size, start + record.header_offset)
+    head = window.read_exactly_at(record.header_offset, LOCAL_HEADER.size)
     if len(head) != LOCAL_HEADER.size or record.header_offset + LOCAL_HEADER.size > length:
         raise NotATensorChunk(f"record data/{key} lies outside the chunk")
     fields = LOCAL_HEADER.unpack(head)
@@ -262,21 +290,4 @@ def locate(fd: int, start: int, length: int) -> StoredTensor:
     data = record.header_offset + LOCAL_HEADER.size + fields[9] + fields[10]
     if data + record.file_size > length:
         raise NotATensorChunk(f"record data/{key} ends past the chunk")
-    return StoredTensor(start + data, dtype, numel, storage_offset, size, stride)
-
-
-def storage(fd: int, stored: StoredTensor) -> torch.Tensor:
-    """The stored chunk's storage as a flat tensor (files.read_flat): mapped from the page cache when it is large and
-    its bytes lie at a multiple of the element size, else read into fresh memory."""
-    try:
-        return read_flat(fd, stored.data_offset, stored.nbytes, stored.dtype,
-                         may_map=stored.data_offset % stored.dtype.itemsize == 0)
-    except EOFError as e:
-        raise NotATensorChunk(f"{e}, inside the chunk") from None
-
-
-def pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
-    try:
-        files.pread_into(fd, out, offset)
-    except EOFError as e:
-        raise NotATensorChunk(f"{e}, inside the chunk") from None
+    return StoredTensor(data, dtype, numel, storage_offset, size, stride)
