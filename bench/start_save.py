@@ -206,13 +206,18 @@ def in_flight_steps(events: list[tuple[str, Any]], save_step: int) -> set[int]:
     return steps
 
 
+def failure(log: str) -> str:
+    """The end of a failed process's output, without torch's dynamo timing lines (TORCH_LOGS), which fill it."""
+    return "\n".join(x for x in log.splitlines() if "torch/_dynamo/" not in x)[-1500:]
+
+
 def save_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
     run_dir = out / f"{shape}-save"
     config = bench_config(shape, "save", run_dir, ckpt)
     code, log, ended = train([sys.executable, "-m", "mcorekit.train", "--config", str(config), "--run-dir",
                               str(run_dir)], run_dir)
     if code:
-        return {"error": log[-1500:]}
+        return {"error": failure(log)}
     got = parse(log)
     saved = [e for kind, e in got["events"] if kind == "checkpoint" and e["event"] == "saved"]
     s = SHAPES[shape]
@@ -233,7 +238,7 @@ def async_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
     shutil.rmtree(ckpt, ignore_errors=True)
     shutil.rmtree(async_ckpt(ckpt), ignore_errors=True)
     if code:
-        return {"error": log[-1500:]}
+        return {"error": failure(log)}
     got = parse(log)
     ckpts = [e for kind, e in got["events"] if kind == "checkpoint"]
     scheduled = next(e for e in ckpts if e["event"] == "scheduled" and e["step"] == ASYNC_AT)

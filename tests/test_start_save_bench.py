@@ -133,12 +133,15 @@ def test_a_failed_save_run_stops_before_the_async_run(tmp_path: Path, monkeypatc
         if cmd[0] == "dd":
             return fake_training(cmd)
         assert "-c" not in cmd, "the async run started after the save run failed"
-        return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nRuntimeError: CUDA out of memory")
+        dynamo = "".join(f"[rank0]:I1205 15:04:11.699000 1371 torch/_dynamo/utils.py:910] timer {i} 0.0839\n"
+                         for i in range(100))  # TORCH_LOGS lines, printed at exit, after the error
+        return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nRuntimeError: CUDA out of memory\n" + dynamo)
 
     monkeypatch.setattr(start_save.subprocess, "run", failing)
     assert start_save.main(["--out", str(tmp_path)]) == 1
     [r] = json.loads((tmp_path / "results.json").read_text())
     assert "CUDA out of memory" in r["save"]["error"] and "async" not in r
+    assert "_dynamo" not in r["save"]["error"]
 
 
 def test_startup_phases_are_seconds_since_the_process_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
