@@ -23,8 +23,10 @@ Load levers (--load-levers, after the save levers): the state saved once more wi
 into zeroed tensors of the same shapes and device by `dist_checkpointing.load`, the checkpoint's pages dropped from
 the page cache before each load (so it reads the disk), the levers alternated --load-repeats times:
   torch        torch's FileSystemReader as Megatron-Core builds it (each record read when the loader reaches it)
-  read-ahead   train/checkpoint_reader.ReadAheadReader (records read in file order on a thread, up to 2 GiB ahead;
-               what a resume of mcorekit reads with)
+  read-ahead   train/checkpoint_reader.ReadAheadReader (records read in file order on a thread, up to 2 GiB ahead,
+               each tensor copied from where its record was read; what a resume of mcorekit reads with)
+  read-ahead-torch-load  the same reader deserializing each tensor record with torch.load (weights_only), which
+               copies it out of the bytes read: the reader before 38af619
 With --device cpu the state lies in host memory and one gloo rank writes it: the staging is then no copy, and
 only the levers staged per tensor run (Megatron-Core's own staging needs CUDA).
 Each save's seconds include the writer's fsync; `release_s` is how long torch then takes to hand its cached pinned
@@ -141,7 +143,7 @@ def save_once(state: dict[str, Any], path: Path, lever: str, keep: bool = False)
             "read_back": check}
 
 
-LOAD_LEVERS = ("torch", "read-ahead")
+LOAD_LEVERS = ("torch", "read-ahead-torch-load", "read-ahead")
 
 
 def load_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
@@ -150,14 +152,22 @@ def load_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from mcorekit.train.checkpoint_reader import read_ahead
+    from mcorekit.torch_save import memory_file
+    from mcorekit.train import checkpoint_reader
+
+    def torch_load(record: torch.Tensor) -> Any:
+        return torch.load(memory_file(memoryview(record.numpy())), map_location="cpu", weights_only=True)
 
     targets = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v.data), replica_id=0) for k, v in state.items()}
     drop_page_cache(path)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    with read_ahead() if lever == "read-ahead" else contextlib.nullcontext():
+    with contextlib.ExitStack() as using:
+        if lever.startswith("read-ahead"):
+            using.enter_context(checkpoint_reader.read_ahead())
+        if lever == "read-ahead-torch-load":
+            using.enter_context(mock.patch.object(checkpoint_reader, "saved_tensor", torch_load))
         loaded = dist_checkpointing.load(targets, str(path))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
