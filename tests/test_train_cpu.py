@@ -735,3 +735,23 @@ def test_each_lora_dropout_step_is_seeded_from_the_seed_and_the_step(monkeypatch
     seed_step(trainer(*lora, "peft.lora.dropout=0.1", graph=True), 41)  # a step graph keeps its generators
     seed_step(trainer("data.seed=7"), 41)  # no LoRA
     assert seeds == [7 + 200 + 1_000_003, 7 + 200 + 42 * 1_000_003]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_step_end_groups_are_connected_at_the_start(model_parallel: None, pp: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """init_distributed reduces once over each group the loop's step-end metrics use (data-parallel; pipeline when
+    pp > 1), so NCCL makes their communicators while the GPU is empty (one gloo rank here; NCCL on the GPU)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from mcorekit.train import build
+
+    pipeline = dist.new_group([0])  # stands in for a pipeline group
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_group", lambda: pipeline)
+    reduced = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, **kw: (reduced.append(group), real(t, group=group)))
+    build.connect_step_end_groups(pp)
+    assert reduced == [ps.get_data_parallel_group()] + ([pipeline] if pp > 1 else [])
+

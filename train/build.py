@@ -15,6 +15,7 @@ from mcorekit.errors import LayoutError
 from mcorekit.models.megatron import DTYPES, build_gpt, padded_vocab_size
 from mcorekit.models.spec import ModelSpec
 from mcorekit.runtime.env import DistEnv, from_environ, init_process_group
+from mcorekit.runtime.ranks import collective_device
 from mcorekit.train import checkpoint
 from mcorekit.train.fsdp import wrap_chunk
 from mcorekit.train.lora import apply_lora, is_lora
@@ -59,7 +60,21 @@ def init_distributed(exp: Experiment, graph_safe_rng: bool = False) -> DistEnv:
     # a step captured as a CUDA graph replays the random streams it draws from: they must be generators the graph
     # can register (same seeds, same streams)
     model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graph_safe_rng)
+    connect_step_end_groups(p.pp)
     return env
+
+
+def connect_step_end_groups(pp: int) -> None:
+    """One tiny all-reduce on each group that the loop's step-end metrics reduce over (loop._mean_metrics), so that
+    NCCL creates their communicators now, while the GPU is empty. NCCL allocates GPU memory of its own (outside
+    torch's cache) at a group's first collective; left to the end of step 1, that is the fullest moment of a run
+    continuing from a checkpoint (its optimizer state loaded, torch's cache at the step's peak): a 3B run on one
+    80 GB H100 failed there, NCCL unable to allocate 4 bytes (2026-12-05, docs/gpu-runs.md)."""
+    from megatron.core import parallel_state as ps
+
+    groups = [ps.get_data_parallel_group()] + ([ps.get_pipeline_model_parallel_group()] if pp > 1 else [])
+    for group in groups:
+        torch.distributed.all_reduce(torch.zeros(1, device=collective_device()), group=group)
 
 
 def seed_step(t: Trainer, step: int) -> None:

@@ -48,10 +48,6 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float | None = None, on_s
     stop = StopSignal()
     saver = checkpoint.Saver(root, exp.checkpoint.keep_last, exp.checkpoint.async_save)
     step, saved = _resume(t, saver.root, exp)  # saved: this run's own checkpoint holds `step`
-    # what the load allocated for the moment goes back to the driver: allocations outside torch's cache (NCCL's, at
-    # the first collective) need room. A 3B run continuing from a checkpoint on one 80 GB H100 failed at its first
-    # step when NCCL could not allocate 4 bytes (2026-12-05, docs/gpu-runs.md)
-    torch.cuda.empty_cache()
     startup.mark("resume")
     refused, guard = None, RestartGuard(run_dir, exp.resources.max_restarts)
     if dist.get_rank() == 0:
