@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         measure(shape, out, a.dd_gb, results, a.load_probe)
     print(table(results))
-    return 0 if all("error" not in r.get(part, {}) for r in results for part in ("dd", "save", "async")) else 1
+    return 0 if all("error" not in r.get(part, {}) for r in results for part in ("dd", "save", "probe", "async")) else 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import pickletools
 import struct
@@ -30,6 +31,12 @@ from torch.storage import _dtype_to_storage_type_map
 STORAGE_DTYPES = {name: dtype for dtype, name in _dtype_to_storage_type_map().items()}
 MAX_PICKLE_BYTES = 1024**2  # data.pkl of one tensor is ~200 bytes
 LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
+END = struct.Struct("<4s4H2IH")  # zip end of central directory record, 22 bytes (torch.save writes no comment)
+ZIP64_LOCATOR = struct.Struct("<4sIQI")  # zip64 end of central directory locator, 20 bytes
+ZIP64_END = struct.Struct("<4sqHH2L4q")  # zip64 end of central directory record, 56 bytes (zipfile's layout)
+# torch.save of one tensor writes 7 entries, a directory of ~460 bytes; zipfile reads and parses however many the
+# end records claim before anything else can be checked
+MAX_ENTRIES, MAX_DIRECTORY_BYTES = 64, 64 * 1024
 
 
 class NotATensorChunk(ValueError):
@@ -213,6 +220,8 @@ def describe(pkl: bytes) -> tuple[torch.dtype, str, int, int, tuple[int, ...], t
             and len(size) == len(stride) and requires_grad is False and isinstance(hooks, _Call)
             and _is_global(hooks.fn, "collections.OrderedDict") and hooks.args == ()):
         raise NotATensorChunk("data.pkl holds an unexpected tensor description")
+    if math.prod(size) >= 2**62:  # stride-0 dimensions can claim any size within the storage
+        raise NotATensorChunk(f"data.pkl describes a tensor of {size} elements")
     last = storage_offset + sum((d - 1) * s for d, s in zip(size, stride)) if all(size) else storage_offset - 1
     if last >= numel:
         raise NotATensorChunk(f"data.pkl describes a tensor {size} with strides {stride} beyond its storage of {numel}")
@@ -251,25 +260,51 @@ def memory_file(record: memoryview) -> _Window:
     return _Window(read_at, len(record))
 
 
+def _check_directory_size(window: _Window) -> None:
+    """The entry count and directory size the end records give (the zip64 one where its locator is present, as
+    zipfile reads it), at most MAX_ENTRIES and MAX_DIRECTORY_BYTES: checked before zipfile reads the directory."""
+    n = window.length
+    end = window.read_exactly_at(n - END.size, END.size) if n >= END.size else b""
+    if len(end) != END.size or end[:4] != b"PK\x05\x06":
+        raise NotATensorChunk("not a torch.save archive (no zip end record at the end of the chunk)")
+    counts = [END.unpack(end)[4:6]]  # (entries, directory bytes)
+    at = n - END.size - ZIP64_LOCATOR.size
+    if at >= 0 and window.read_exactly_at(at, 4) == b"PK\x06\x07":
+        record = window.read_exactly_at(at - ZIP64_END.size, ZIP64_END.size) if at >= ZIP64_END.size else b""
+        if len(record) != ZIP64_END.size or record[:4] != b"PK\x06\x06":
+            raise NotATensorChunk("a zip64 locator without its end record")
+        counts.append(ZIP64_END.unpack(record)[7:9])
+    for entries, size in counts:
+        if not 0 <= entries <= MAX_ENTRIES or not 0 <= size <= MAX_DIRECTORY_BYTES:
+            raise NotATensorChunk(f"a zip directory of {entries} entries in {size} bytes, not one saved tensor's")
+
+
 def _locate(window: _Window) -> StoredTensor:
     length = window.length
     try:
+        _check_directory_size(window)
         archive = zipfile.ZipFile(window)
         infos = archive.infolist()
         pkl_infos = [i for i in infos if i.filename.endswith("/data.pkl")]
         if len(pkl_infos) != 1:
             raise NotATensorChunk(f"{len(pkl_infos)} data.pkl records, expected one")
-        prefix = pkl_infos[0].filename[: -len("data.pkl")]
-        if pkl_infos[0].file_size > MAX_PICKLE_BYTES:
-            raise NotATensorChunk(f"data.pkl of {pkl_infos[0].file_size} bytes")
-        pkl = _read_record(archive, pkl_infos[0])
+        prefix, pkl_info = pkl_infos[0].filename[: -len("data.pkl")], pkl_infos[0]
+        if pkl_info.file_size > MAX_PICKLE_BYTES or pkl_info.compress_size != pkl_info.file_size:
+            raise NotATensorChunk(f"data.pkl of {pkl_info.file_size} bytes, {pkl_info.compress_size} stored")
+        if pkl_info.compress_type != zipfile.ZIP_STORED or pkl_info.flag_bits & 0x1:
+            raise NotATensorChunk("data.pkl is compressed or encrypted")
+        pkl = _read_record(archive, pkl_info)
         names = {i.filename: i for i in infos}
         order = names.get(prefix + "byteorder")
-        if order is not None and (order.file_size > 16 or _read_record(archive, order) != b"little"):
+        if order is not None and (order.file_size > 16 or order.compress_size != order.file_size
+                                  or _read_record(archive, order) != b"little"):
             raise NotATensorChunk("stored big-endian")
+    except NotATensorChunk:
+        raise
     except zipfile.BadZipFile as e:
         raise NotATensorChunk(f"not a torch.save archive ({e})") from None
-    except (zipfile.LargeZipFile, NotImplementedError, EOFError, struct.error) as e:
+    except (zipfile.LargeZipFile, NotImplementedError, EOFError, struct.error, RuntimeError, OSError, ValueError) as e:
+        # what zipfile raises for damaged or unusual archives (an encrypted or bzip2 entry: RuntimeError, OSError)
         raise NotATensorChunk(f"unreadable torch.save archive ({type(e).__name__}: {e})") from None
     dtype, key, numel, storage_offset, size, stride = describe(pkl)
     storages = [n for n in names if n.startswith(prefix + "data/")]

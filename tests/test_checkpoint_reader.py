@@ -129,12 +129,55 @@ def test_a_saved_tensor_at_an_unaligned_offset_is_copied_out() -> None:
         assert (got.untyped_storage().data_ptr() == record.data_ptr()) == aligned  # a view exactly where aligned
         unaligned += not aligned
     assert unaligned
+    record = _record(value)  # torch.save's own alignment, but the record at an odd address (a slice of memory)
+    shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), record])[3:]
+    assert shifted.data_ptr() % 4 and torch.equal(checkpoint_reader.saved_tensor(shifted), value)
 
 
 def test_a_record_that_is_not_one_tensor_goes_to_torch_load() -> None:
     value = {"a": torch.ones(3), "b": [1, 2]}
     got = checkpoint_reader.saved_tensor(_record(value))
     assert torch.equal(got["a"], value["a"]) and got["b"] == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint16, torch.complex32])
+def test_a_dtype_torch_saves_with_its_v3_rebuild_goes_to_torch_load(dtype: torch.dtype) -> None:
+    """torch.save writes these with _rebuild_tensor_v3, which mcorekit.torch_save does not read: torch.load's
+    value, bitwise, in memory of its own."""
+    value = torch.arange(24, dtype=torch.float32).reshape(4, 6).to(dtype)
+    record = _record(value)
+    got = checkpoint_reader.saved_tensor(record)
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), value.view(torch.uint8))
+    assert got.untyped_storage().data_ptr() != record.data_ptr()
+
+
+def test_a_tensor_record_that_would_run_code_is_refused_not_run(tmp_path: Path) -> None:
+    """The parser refuses it (no _rebuild_tensor_v2) and torch.load, weights_only, refuses it too: nothing runs."""
+    import pickle
+
+    record = _record(Evil(tmp_path / "ran"))
+    with pytest.raises(pickle.UnpicklingError, match="system"):
+        checkpoint_reader.saved_tensor(record)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_the_reader_views_every_plain_tensor_record(model_parallel: None, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """What read_data copies into the targets is, for each of the saved tensors, a view into the record it read."""
+    _save(tmp_path / "ckpt", ours=True)
+    views = []
+    real = checkpoint_reader.saved_tensor
+
+    def spy(record: torch.Tensor) -> torch.Tensor:
+        got = real(record)
+        views.append(got.untyped_storage().data_ptr() == record.data_ptr())
+        return got
+
+    monkeypatch.setattr(checkpoint_reader, "saved_tensor", spy)
+    loaded = _load(tmp_path / "ckpt", ahead=True)
+    assert views == [True] * 5  # w.bf16, m.fp32, e.int, view.fp32, t.fp32; the ShardedObject is a bytes record
+    template = _state()
+    assert all(torch.equal(loaded[k], template[k].data) for k in ("w.bf16", "m.fp32", "e.int", "view.fp32", "t.fp32"))
 
 
 def test_a_truncated_file_is_an_error_not_a_hang(model_parallel: None, tmp_path: Path) -> None:

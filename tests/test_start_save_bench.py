@@ -199,3 +199,16 @@ def test_the_load_probe_part_runs_between_the_save_and_the_resume(tmp_path: Path
     assert r["probe"]["pread_gb_per_s"] == 1.5 and r["probe"]["records"] == 9
     assert "| 1.50 / 900.00 / 6.00 / 2.20 |" in capsys.readouterr().out
 
+
+def test_a_failed_load_probe_fails_the_bench_and_the_resume_still_runs(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    def probe_fails(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        if cmd[1].endswith("load_probe.py"):
+            return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nOSError: the disk went away")
+        return fake_training(cmd)
+
+    monkeypatch.setattr(start_save.subprocess, "run", probe_fails)
+    assert start_save.main(["--out", str(tmp_path), "--load-probe"]) == 1
+    [r] = json.loads((tmp_path / "results.json").read_text())
+    assert "the disk went away" in r["probe"]["error"] and r["async"]["load_s"] == 17.0
+

@@ -70,14 +70,15 @@ class ReadAheadReader(FileSystemReader):
 
 def saved_tensor(record: torch.Tensor) -> torch.Tensor:
     """The tensor a torch.save archive held in `record` (uint8) stores, as a view into `record` where its bytes lie
-    at a multiple of its element size in it (torch.save puts them at a multiple of 64), else copied out; torch.load
-    (weights_only) for an archive that is not one plain tensor."""
+    at a multiple of its element size in memory (torch.save puts them at a multiple of 64 in the archive), else
+    copied out; torch.load (weights_only) for an archive that is not one plain tensor (among them the dtypes torch
+    saves with its v3 rebuild: float8, uint16-64, complex32, ...)."""
     try:
         stored = locate_in(memoryview(record.numpy()))
     except NotATensorChunk:
         return torch.load(memory_file(memoryview(record.numpy())), map_location="cpu", weights_only=True)
     data = record[stored.data_offset:stored.data_offset + stored.nbytes]
-    if stored.data_offset % stored.dtype.itemsize:
+    if data.data_ptr() % stored.dtype.itemsize:
         data = data.clone()  # fresh memory is aligned
     flat = data.view(stored.dtype)  # as_strided's offset counts from the start of the record's memory
     return flat.as_strided(stored.size, stored.stride, flat.storage_offset() + stored.storage_offset)
