@@ -477,7 +477,7 @@ def start_save_figures(m: Measurement) -> list[Figure]:
         lines = asy["error"].strip().splitlines()
         said = next((x for x in reversed(lines) if ("Error" in x and "Warning" not in x) or x.startswith("bench:")),
                     None)
-        said = said.removeprefix("[rank0]: ")[:160] if said else "the error is not in the output kept (see below)"
+        said = said.removeprefix("[rank0]: ")[:160] if said else "no error line in the end of its output the bench kept (see below)"
         rows.append(("second process (continues from the checkpoint)", f"failed: {said}", "", None))
     if "load_of_dd_read" in sh:
         rows.append(("load on resume, page cache dropped", f"{asy['load_s']:.1f} s = {r['load_gb_per_s']:.2f} GB/s "
