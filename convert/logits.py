@@ -18,7 +18,7 @@ from mcorekit.convert.torch_dist import TorchDistReader
 from mcorekit.convert.verify import LogitsReport, compare_logits
 from mcorekit.errors import ConversionError
 from mcorekit.models.spec import ModelSpec
-from mcorekit.train.checkpoint_reader import checked_extra_states, checked_records
+from mcorekit.train.checkpoint_reader import checked_extra_states, checked_records, read_ahead
 
 
 def fixed_prompts(vocab: int, batch: int = 4, seq: int = 64, seed: int = 1234) -> torch.Tensor:
@@ -49,7 +49,8 @@ def megatron_logits(hf_dir: str | Path, ckpt: str | Path, ids: torch.Tensor) -> 
     init_single_gpu()
     config = transformer_config(spec)
     model = build_gpt(spec, config, padded, use_te=te_available()).cuda().eval()
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(iter_dir), strict=StrictHandling.RAISE_ALL)
+    with read_ahead():  # its .metadata and common state read as checked_checkpoint read them, nothing unrestricted
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(iter_dir), strict=StrictHandling.RAISE_ALL)
     with checked_extra_states():  # checked_checkpoint checked its records, TE's FP8 extra states among them
         model.load_state_dict(state)
     ids = ids.cuda()

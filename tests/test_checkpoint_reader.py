@@ -62,7 +62,8 @@ def test_loads_what_torchs_reader_loads_in_file_order(model_parallel: None, tmp_
     def spy(fd: int, buffers: list[memoryview], offset: int) -> int:
         (buffer,) = buffers
         got = preadv(fd, [buffer[:most_per_read or len(buffer)]], offset)
-        reads.append((offset, got))
+        if threading.current_thread().name == "mcorekit-read-ahead":  # not common_state's read, before the load
+            reads.append((offset, got))
         return got
 
     monkeypatch.setattr(checkpoint_reader.os, "preadv", spy)
@@ -208,6 +209,61 @@ def test_a_failing_target_stops_the_reader(model_parallel: None, tmp_path: Path,
     with pytest.raises(BaseException, match="the target's copy failed"):
         _load(tmp_path / "ckpt", ahead=True)
     assert not _readers()
+
+
+def test_the_reader_unpickles_metadata_through_the_restricted_unpickler(model_parallel: None, tmp_path: Path) -> None:
+    """A .metadata replaced after the start's check (or never checked) is refused by the load's own reader: what
+    torch's reader would unpickle, running its code, never runs."""
+    import pickle
+
+    _save(tmp_path / "ckpt", ours=True)
+    assert _load(tmp_path / "ckpt", ahead=True)["iteration"] == 7  # a real one loads through it
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(Evil(tmp_path / "ran")))
+    with pytest.raises(BaseException, match="refusing to load class") as e:
+        _load(tmp_path / "ckpt", ahead=True)
+    assert "metadata is None" not in str(e.value)  # not DCP's own message after it swallowed the refusal
+    assert not (tmp_path / "ran").exists()
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    with pytest.raises(checkpoint_reader.MetadataRefused, match="refusing to load class"), read_ahead():
+        TorchDistLoadShardedStrategy().load_sharded_metadata(tmp_path / "ckpt")  # Megatron-Core reads it directly
+    assert not (tmp_path / "ran").exists()
+
+
+def test_common_state_reads_what_megatron_core_reads(model_parallel: None, tmp_path: Path) -> None:
+    """checkpoint_reader.common_state against dist_checkpointing.load_common_state_dict (which unpickles without
+    restriction) on our checkpoint, with a nested common state, and on Megatron-Core's own (the fixtures)."""
+    import tarfile
+
+    from megatron.core import dist_checkpointing
+
+    state = {**_state(), "scheduler": {"num_steps": 56, "max_lr": 3e-4, "decay_style": "cosine"}}
+    _save(tmp_path / "ours", ours=True, state=state)
+    got = checkpoint_reader.common_state(tmp_path / "ours")
+    assert got == {"iteration": 7, "scheduler": state["scheduler"]}
+    assert got == dist_checkpointing.load_common_state_dict(str(tmp_path / "ours"))
+    with tarfile.open(FIXTURES) as tar:
+        tar.extractall(tmp_path / "megatron", filter="data")
+    folders = [m.parent for m in (tmp_path / "megatron").rglob(".metadata")]
+    assert folders
+    for folder in folders:
+        assert checkpoint_reader.common_state(folder) == dist_checkpointing.load_common_state_dict(str(folder))
+
+
+def test_a_common_state_that_would_run_code_is_refused_by_every_load(model_parallel: None, tmp_path: Path) -> None:
+    """A common state that calls os.system when unpickled: Megatron-Core's own load_common_state_dict would run it
+    (DCP's default planner unpickles byte records with weights_only=False); checkpoint.read, the loads of training,
+    refuses it in one line and nothing runs."""
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint
+
+    _save(tmp_path / "iter_0000005", ours=True, state={**_state(), "evil": Evil(tmp_path / "ran")})
+    with pytest.raises(ConfigError, match=r"record common_state/shard_0_1 asks to run posix\.system") as e:
+        checkpoint.read(_zeroed(), tmp_path / "iter_0000005")
+    assert "\n" not in str(e.value) and not (tmp_path / "ran").exists()
+    with pytest.raises(ConfigError, match="asks to run posix.system"):
+        checkpoint_reader.common_state(tmp_path / "iter_0000005")
+    assert not (tmp_path / "ran").exists()
 
 
 def test_checked_metadata_passes_a_real_checkpoint(model_parallel: None, tmp_path: Path) -> None:

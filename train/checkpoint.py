@@ -378,7 +378,8 @@ def read(sharded: dict[str, Any], path: Path, metadata: Any = None, **kwargs: An
 
     from mcorekit.train.checkpoint_reader import check_fit, checked_metadata, dcp_cause, read_ahead
 
-    # Megatron-Core's loader unpickles .metadata without restriction: nothing unsafe in it, and what it describes fits
+    # checked before anything is read: nothing unsafe in .metadata (the load's reader unpickles it the same restricted
+    # way, read_ahead), and what it describes fits
     check_fit(sharded, path, metadata or checked_metadata(path))
     state, failed = None, ""
     try:
@@ -570,11 +571,9 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
     A LoRA model loads its adapters only (the base came from checkpoint.load in build). Across the FSDP boundary
     (see the module's docstring) the weights, scheduler and step, with a fresh optimizer; `weights_loaded`: an FSDP
     model whose weights build loaded from `path` before wrapping."""
-    from megatron.core import dist_checkpointing
+    from mcorekit.train.checkpoint_reader import checked_metadata, common_state
 
-    from mcorekit.train.checkpoint_reader import checked_metadata
-
-    metadata = checked_metadata(path)  # every path below has DCP unpickle its .metadata
+    metadata = checked_metadata(path)  # refused here in one line, before any loader reads the checkpoint
     fmt, fsdp = format_of(path), is_fsdp(chunks)
     if fmt == FSDP_DTENSOR and fsdp:
         return _load_fsdp(path, chunks, optimizer, scheduler)
@@ -589,7 +588,7 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
         if not weights_loaded:
             raise RuntimeError(f"{path} is a torch_dist checkpoint: its weights go into the model before Megatron-FSDP "
                                f"wraps it (train/build.py: weights_before_wrap)")
-        common = dist_checkpointing.load_common_state_dict(str(path))
+        common = common_state(path)
         load_schedule(scheduler, common["scheduler"], path)
         _fresh_optimizer_warning(path, "a checkpoint of a run without parallel.fsdp", "parallel.fsdp")
         return int(common["iteration"])
@@ -601,13 +600,12 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, weights_
                           f"or a converted `release`")
     model_sd = _model_state(chunks, part)
     sharded = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=SHARDING)}
-    state = read(sharded, path, metadata)
-    optimizer_state = state.pop("optimizer")
+    state = read(sharded, path, metadata)  # with the common state (iteration, scheduler) merged in
+    optimizer_state, scheduler_state, iteration = state.pop("optimizer"), state.pop("scheduler"), state["iteration"]
     _load_model(chunks, state, part)
     optimizer.load_state_dict(optimizer_state)
-    common = dist_checkpointing.load_common_state_dict(str(path))
-    load_schedule(scheduler, common["scheduler"], path)
-    return int(common["iteration"])
+    load_schedule(scheduler, scheduler_state, path)
+    return int(iteration)
 
 
 SCHEDULE = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd")  # as saved

@@ -13,6 +13,8 @@ loaded with torch.load (weights_only), as torch's reader does.
 
     with read_ahead():
         dist_checkpointing.load(...)
+
+Its .metadata is unpickled by MetadataUnpickler, which admits only DCP's metadata classes, as the start's check does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index  # as torch's FileSystemReader
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -45,7 +48,34 @@ if TYPE_CHECKING:
 AHEAD_BYTES = 2 << 30
 
 
+class MetadataRefused(CheckpointException):
+    """A .metadata load_metadata refuses, in torch's CheckpointException (a BaseException): DCP's load catches an
+    Exception from read_metadata and fails later with 'metadata is None'; this reaches checkpoint.read's handler of
+    torch's failures, which prints its message in one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, {})
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class ReadAheadReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The .metadata through MetadataUnpickler (load_metadata), where torch's reader unpickles anything in it:
+        the start's check of a checkpoint (checked_metadata) holds for the file the load reads, even one replaced
+        since."""
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        try:
+            metadata = load_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+        except ConfigError as e:
+            raise MetadataRefused(str(e)) from None
+        if getattr(metadata, "storage_meta", None) is None:  # as torch's reader
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items):
             return super().read_data(plan, planner)  # compressed or otherwise transformed: torch's own path
@@ -321,12 +351,13 @@ def _opened(where: str, file: Path) -> Iterator[Any]:
         yield f
 
 
-def _checked(where: str, read: Any, extra_state: bool) -> None:
+def _checked(where: str, read: Any, extra_state: bool) -> Any:
     """One record (`read()` gives its bytes) unpickled as checked_records says, or one line."""
     try:
         obj = _weights_only(read())
         for state in _extra_states(obj) if extra_state else ():
             _check_extra_state(state)
+        return obj
     except UnsafeRecord as e:
         raise ConfigError(f"{where} asks to run {e} when it is unpickled: refusing to load it (a checkpoint from an "
                           f"untrusted source goes through `mcorekit convert`, which runs nothing of it)") from None
@@ -336,6 +367,32 @@ def _checked(where: str, read: Any, extra_state: bool) -> None:
         first = str(e).strip().splitlines()
         raise ConfigError(f"{where} is not readable ({type(e).__name__}: {first[0] if first else ''}): a damaged or "
                           f"incomplete checkpoint") from None
+
+
+def common_state(iter_dir: Path) -> dict[str, Any]:
+    """The checkpoint's common state (iteration, scheduler, Megatron-Core's args), as Megatron-Core's
+    dist_checkpointing.load_common_state_dict returns it, with nothing unpickled unrestricted: that function reads
+    `.metadata` with torch's reader (plain pickle) and the common-state record with DCP's default planner
+    (torch.load, weights_only=False); here load_metadata and the weights-only unpickler (_weights_only), as the start's
+    checks read them. read_ahead() has dist_checkpointing.load use it too."""
+    if (legacy := iter_dir / "common.pt").is_file():  # older Megatron-Core: torch.load'ed weights-only there too
+        return _checked(f"checkpoint {iter_dir}: common.pt", legacy.read_bytes, extra_state=False)
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    key = ShardedObject("common_state", None, (1,), (0,)).unique_key
+    metadata = load_metadata(iter_dir / ".metadata")
+    found = [info for index, info in metadata.storage_data.items() if index.fqn == key]
+    if len(found) != 1 or found[0].transform_descriptors:
+        raise ConfigError(f"checkpoint {iter_dir}: {len(found)} plain common-state records, expected one (a damaged "
+                          f"checkpoint, or one of another format)")
+    info, where = found[0], f"checkpoint {iter_dir}: record {key}"
+    with _opened(where, iter_dir / info.relative_path) as f:
+        value = _checked(where, lambda: (f.seek(info.offset), f.read(info.length))[1], extra_state=False)
+    if isinstance(value, io.BytesIO):  # how Megatron-Core saves it: a torch.save'd list inside the record
+        value = _checked(where, value.getvalue, extra_state=False)
+    if not (isinstance(value, list) and value and isinstance(value[0], dict)):
+        raise ConfigError(f"{where} holds a {type(value).__name__}, not Megatron-Core's common state")
+    return value[0]
 
 
 def checked_metadata(iter_dir: Path) -> Metadata:
@@ -382,17 +439,20 @@ def check_fit(sharded: dict[str, Any], path: Path, metadata: Metadata) -> None:
 def read_ahead() -> Iterator[None]:
     """Megatron-Core's torch_dist loads inside the block read through ReadAheadReader (Megatron-Core builds its
     reader per load in strategies.torch._get_filesystem_reader; only the plain reader is replaced: a metadata cache
-    or the multi-storage client keep theirs)."""
+    or the multi-storage client keep theirs), and their common state through common_state."""
     from megatron.core.dist_checkpointing.strategies import torch as strategies
 
-    build = strategies._get_filesystem_reader
+    from megatron.core.dist_checkpointing import serialization
+
+    build, common = strategies._get_filesystem_reader, serialization.load_common_state_dict
 
     def reader(checkpoint_dir: Any, *args: Any, **kwargs: Any) -> FileSystemReader:
         built = build(checkpoint_dir, *args, **kwargs)
         return ReadAheadReader(checkpoint_dir) if type(built) is FileSystemReader else built
 
     strategies._get_filesystem_reader = reader
+    serialization.load_common_state_dict = lambda checkpoint_dir: common_state(Path(checkpoint_dir))
     try:
         yield
     finally:
-        strategies._get_filesystem_reader = build
+        strategies._get_filesystem_reader, serialization.load_common_state_dict = build, common
