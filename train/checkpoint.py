@@ -737,6 +737,8 @@ def _load_fsdp(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) ->
         preprocess_state_dict_for_uneven_dtensor,
     )
 
+    from mcorekit.train.checkpoint_reader import RestrictedReader
+
     info = fsdp_info(path)
     now, saved = _layout(), info["layout"]
     if (now["tp"], now["etp"]) != (saved["tp"], saved["etp"]):
@@ -748,7 +750,7 @@ def _load_fsdp(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) ->
     tensors, _ = split_tensors(optim_sd)
     state = {"model": model_sd, "optimizer": tensors}
     preprocess_state_dict_for_uneven_dtensor(state)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))  # in place: the DTensors are the parameters
+    dcp.load(state, storage_reader=RestrictedReader(str(path)))  # in place: the DTensors are the parameters
     optimizer.load_state_dict(merge(state["optimizer"], from_json(info["optimizer"])))
     for chunk in chunks:
         chunk.module.install_optimized_model_weights()  # main (fp32) -> training weights (Megatron-FSDP's buffers)
@@ -775,10 +777,10 @@ def load_fsdp_weights(path: Path, chunks: list[Any], metadata: Any = None) -> No
     model = unwrap(chunks[0])
     own = model.state_dict()
     names = fsdp_model_keys(list(own), model.config.num_moe_experts)
-    from mcorekit.train.checkpoint_reader import checked_metadata
+    from mcorekit.train.checkpoint_reader import RestrictedReader, checked_metadata
 
-    meta = (metadata or checked_metadata(path)).state_dict_metadata  # before DCP's reader unpickles it
-    reader = dcp.FileSystemReader(str(path))
+    meta = (metadata or checked_metadata(path)).state_dict_metadata  # one line for a refusal, before DCP reads
+    reader = RestrictedReader(str(path))
     absent = [saved_key for saved_key in names.values() if f"model.{saved_key}" not in meta]
     if absent:
         raise ConfigError(f"{path} lacks {len(absent)} of this model's tensors (e.g. {absent[:3]}): a different model")

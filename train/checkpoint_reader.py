@@ -60,7 +60,9 @@ class MetadataRefused(CheckpointException):
         return str(self.args[0])
 
 
-class ReadAheadReader(FileSystemReader):
+class RestrictedReader(FileSystemReader):
+    """torch's FileSystemReader with its .metadata read by load_metadata."""
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The .metadata through MetadataUnpickler (load_metadata), where torch's reader unpickles anything in it:
         the start's check of a checkpoint (checked_metadata) holds for the file the load reads, even one replaced
@@ -76,6 +78,8 @@ class ReadAheadReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+
+class ReadAheadReader(RestrictedReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items):
             return super().read_data(plan, planner)  # compressed or otherwise transformed: torch's own path
