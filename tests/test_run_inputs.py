@@ -164,3 +164,50 @@ def test_a_file_this_machine_does_not_see_is_left_to_the_jobs_own_check_before_q
     (tmp_path / "train.jsonl").write_text('{"messages": [], "more": 1}\n')
     with pytest.raises(ConfigError, match="train.jsonl changed"):
         run_inputs.check(_experiment(tmp_path), inputs, elsewhere=True)
+
+
+def _hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, commit: str) -> Path:
+    """An offline HF cache whose refs/main names `commit` (tests/test_hub.py's layout), a tokenizer file in it."""
+    repo = tmp_path / "hf" / "hub" / "models--tiny-org--tok"
+    (repo / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+    (repo / "snapshots" / commit / "tokenizer.json").write_text("{}")
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    return repo
+
+
+def test_a_hub_tokenizer_that_moved_to_another_commit_stops_the_resume(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.tokenizer as a Hub ID follows the repository's newest commit: the first start records the one it read,
+    a resume that would read another stops in one line naming both; the same commit goes on."""
+    first, later = "a" * 40, "b" * 40
+    _hub_cache(tmp_path, monkeypatch, first)
+    (tmp_path / "train.jsonl").write_text('{"messages": []}\n')
+    exp = _experiment(tmp_path, data__tokenizer="tiny-org/tok")
+    run_inputs.record_or_check(exp, tmp_path / "ckpt", resuming=False)
+    assert run_inputs.hub_revisions(exp) == {"data.tokenizer": first}
+    run_inputs.record_or_check(exp, tmp_path / "ckpt", resuming=True)  # same commit: goes on
+    _hub_cache(tmp_path, monkeypatch, later)  # the Hub moved on and the job downloaded it
+    with pytest.raises(ConfigError, match=f"data.tokenizer tiny-org/tok resolves to the Hub's commit {later} now, "
+                                          f"to {first} at the first start") as e:
+        run_inputs.record_or_check(exp, tmp_path / "ckpt", resuming=True)
+    assert "\n" not in str(e.value)
+
+
+def test_a_hub_id_the_launching_machine_cannot_resolve_is_left_to_the_job(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    _hub_cache(tmp_path, monkeypatch, "a" * 40)
+    (tmp_path / "train.jsonl").write_text('{"messages": []}\n')
+    exp = _experiment(tmp_path, data__tokenizer="tiny-org/tok")
+    run_inputs.record_or_check(exp, tmp_path / "ckpt", resuming=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))  # this machine's cache lacks it, and it is offline
+    with caplog.at_level(logging.WARNING):
+        assert run_inputs.check(exp, tmp_path / "ckpt", elsewhere=True)
+    assert "its Hub revision is checked where the job runs" in caplog.text
+    with pytest.raises(Exception, match="not in the Hugging Face cache"):  # the job's own start: one error line
+        run_inputs.check(exp, tmp_path / "ckpt")

@@ -99,7 +99,7 @@ def check(exp: Any, root: Path, elsewhere: bool = False) -> bool:
     path = root / INPUTS
     if not path.is_file():
         return False
-    now = _now(exp)
+    now = _now(exp, elsewhere)
     try:
         then = json.loads(path.read_text())
         changed, rewritten, unseen = _changes(then, now, elsewhere)
@@ -121,8 +121,30 @@ def check(exp: Any, root: Path, elsewhere: bool = False) -> bool:
     return True
 
 
-def _now(exp: Any) -> dict[str, Any]:
-    return {"settings": settings(exp), "files": {str(p): _stat(p) for p in files(exp)}, "software": software()}
+def _now(exp: Any, elsewhere: bool = False) -> dict[str, Any]:
+    return {"settings": settings(exp), "files": {str(p): _stat(p) for p in files(exp)},
+            "hub": hub_revisions(exp, elsewhere), "software": software()}
+
+
+def hub_revisions(exp: Any, elsewhere: bool = False) -> dict[str, str]:
+    """{setting: the commit its Hub model ID resolves to now} (mcorekit.hub.model_dir's snapshot folder is named by
+    it) for the settings that may name one: `org/name` follows the repository's newest commit, so a start after it
+    moved on would read another tokenizer or config with the same settings. `elsewhere` (mcorekit launch --resume):
+    an ID that cannot be resolved there is left to the job's own check, with a warning."""
+    from mcorekit.hub import HubError, is_hub_id, model_dir
+
+    found = {}
+    for key, value, need in (("data.tokenizer", exp.data.tokenizer, "tokenizer"),
+                             ("model.hf_config", exp.model.hf_config, "config")):
+        if not (value and is_hub_id(value)):
+            continue
+        try:
+            found[key] = model_dir(value, need, key).name
+        except HubError as e:
+            if not elsewhere:
+                raise
+            log.warning("%s; its Hub revision is checked where the job runs", e)
+    return found
 
 
 def software() -> dict[str, str | None]:
@@ -162,6 +184,10 @@ def _changes(then: dict[str, Any], now: dict[str, Any],
         elif now["files"][name][1] != mtime:
             rewritten.append(name)
     changed += [f"{name} is read now, not at the first start" for name in now["files"] if name not in recorded]
+    for key, commit in then.get("hub", {}).items():  # runs recorded before the Hub revisions were: nothing here
+        if now["hub"].get(key, commit) != commit:
+            changed.append(f"{key} {new.get(key)} resolves to the Hub's commit {now['hub'][key]} now, to {commit} at "
+                           f"the first start")
     return changed, rewritten, unseen
 
 
