@@ -219,6 +219,9 @@ def test_the_reader_unpickles_metadata_through_the_restricted_unpickler(model_pa
     _save(tmp_path / "ckpt", ours=True)
     assert _load(tmp_path / "ckpt", ahead=True)["iteration"] == 7  # a real one loads through it
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(Evil(tmp_path / "ran")))
+    for reader in (checkpoint_reader.RestrictedReader, ReadAheadReader):
+        with pytest.raises(checkpoint_reader.MetadataRefused, match="refusing to load class"):
+            reader(str(tmp_path / "ckpt")).read_metadata()
     with pytest.raises(BaseException, match="refusing to load class") as e:
         _load(tmp_path / "ckpt", ahead=True)
     assert "metadata is None" not in str(e.value)  # not DCP's own message after it swallowed the refusal
@@ -263,6 +266,49 @@ def test_a_common_state_that_would_run_code_is_refused_by_every_load(model_paral
     assert "\n" not in str(e.value) and not (tmp_path / "ran").exists()
     with pytest.raises(ConfigError, match="asks to run posix.system"):
         checkpoint_reader.common_state(tmp_path / "iter_0000005")
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_bytes_record_replaced_after_the_start_check_is_refused_by_the_load(model_parallel: None, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start's check (checked_records) passes; the record is then replaced by one that calls os.system (the same
+    length, as a copy in place could); the load checks the bytes it read before the planner unpickles them (with
+    weights_only=False): one line, nothing runs. Here the replacement is simulated at the read."""
+    from mcorekit.errors import ConfigError
+    from mcorekit.train import checkpoint
+
+    path = _with_record(tmp_path / "iter_0000005", {"fine": 1})
+    checkpoint_reader.checked_records(path, checkpoint_reader.checked_metadata(path))
+    evil = _record(Evil(tmp_path / "ran")).numpy().tobytes()
+    real = checkpoint_reader.read_exactly
+
+    def swapped(fd: int, length: int, offset: int, name: str) -> torch.Tensor:
+        got = real(fd, length, offset, name)
+        if threading.current_thread().name == "mcorekit-read-ahead" and \
+                b"fine" in got.numpy().tobytes():
+            return torch.frombuffer(bytearray(evil), dtype=torch.uint8)
+        return got
+
+    monkeypatch.setattr(checkpoint_reader, "read_exactly", swapped)
+    state = _zeroed()
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    state["layer._extra_state"] = ShardedObject("layer._extra_state", None, (1,), (0,), replica_id=0)
+    with pytest.raises(ConfigError, match=r"record layer\._extra_state.* asks to run posix\.system") as e:
+        checkpoint.read(state, path)
+    assert "\n" not in str(e.value) and not (tmp_path / "ran").exists()
+
+
+def test_a_legacy_common_pt_is_read_weights_only(model_parallel: None, tmp_path: Path) -> None:
+    """Older Megatron-Core wrote the common state to common.pt (torch.load'ed weights-only there as well)."""
+    from mcorekit.errors import ConfigError
+
+    (tmp_path / "old").mkdir()
+    torch.save({"iteration": 3, "args": None}, tmp_path / "old" / "common.pt")
+    assert checkpoint_reader.common_state(tmp_path / "old") == {"iteration": 3, "args": None}
+    torch.save({"x": Evil(tmp_path / "ran")}, tmp_path / "old" / "common.pt")
+    with pytest.raises(ConfigError, match="common.pt asks to run posix.system"):
+        checkpoint_reader.common_state(tmp_path / "old")
     assert not (tmp_path / "ran").exists()
 
 

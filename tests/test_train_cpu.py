@@ -740,8 +740,10 @@ def test_each_lora_dropout_step_is_seeded_from_the_seed_and_the_step(monkeypatch
 @pytest.mark.parametrize("pp", [1, 2])
 def test_the_step_end_groups_are_connected_at_the_start(model_parallel: None, pp: int,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """init_distributed reduces once over each group the loop's step-end metrics use (data-parallel; pipeline when
-    pp > 1), so NCCL makes their communicators while the GPU is empty (one gloo rank here; NCCL on the GPU)."""
+    """init_distributed reduces once over each group a step's end reduces over (data-parallel, with and without
+    context parallel; model-parallel; pipeline when pp > 1), so NCCL makes their communicators while the GPU is
+    empty (one gloo rank here; NCCL on the GPU), and init_distributed calls it."""
+    import inspect
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -752,6 +754,9 @@ def test_the_step_end_groups_are_connected_at_the_start(model_parallel: None, pp
     reduced = []
     real = dist.all_reduce
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, **kw: (reduced.append(group), real(t, group=group)))
+    assert "connect_step_end_groups(p.pp)" in inspect.getsource(build.init_distributed)
     build.connect_step_end_groups(pp)
-    assert reduced == [ps.get_data_parallel_group()] + ([pipeline] if pp > 1 else [])
+    expected = [ps.get_data_parallel_group(), ps.get_data_parallel_group(with_context_parallel=True),
+                ps.get_model_parallel_group()] + ([pipeline] if pp > 1 else [])
+    assert reduced == list(dict.fromkeys(expected)) and ps.get_data_parallel_group() in reduced
 

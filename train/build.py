@@ -65,15 +65,19 @@ def init_distributed(exp: Experiment, graph_safe_rng: bool = False) -> DistEnv:
 
 
 def connect_step_end_groups(pp: int) -> None:
-    """One tiny all-reduce on each group that the loop's step-end metrics reduce over (loop._mean_metrics), so that
-    NCCL creates their communicators now, while the GPU is empty. NCCL allocates GPU memory of its own (outside
-    torch's cache) at a group's first collective; left to the end of step 1, that is the fullest moment of a run
-    continuing from a checkpoint (its optimizer state loaded, torch's cache at the step's peak): a 3B run on one
-    80 GB H100 failed there, NCCL unable to allocate 4 bytes (2026-12-05, docs/gpu-runs.md)."""
+    """One tiny all-reduce on each group a training step's end reduces over, so that NCCL creates their
+    communicators now, while the GPU is empty: the loop's metrics (loop._mean_metrics: data-parallel; pipeline with
+    pp > 1), DDP's gradient reduction (data-parallel with context parallel) and the optimizer's gradient norm
+    (model-parallel). NCCL allocates GPU memory of its own (outside torch's cache) at a group's first collective;
+    left to the end of step 1, that is the fullest moment of a run continuing from a checkpoint (its optimizer state
+    loaded, torch's cache at the step's peak): a 3B run on one 80 GB H100 failed there, NCCL unable to allocate 4
+    bytes in the metrics' all-reduce (2026-12-05, docs/gpu-runs.md). Every rank makes the same calls in the same
+    order."""
     from megatron.core import parallel_state as ps
 
-    groups = [ps.get_data_parallel_group()] + ([ps.get_pipeline_model_parallel_group()] if pp > 1 else [])
-    for group in groups:
+    groups = [ps.get_data_parallel_group(), ps.get_data_parallel_group(with_context_parallel=True),
+              ps.get_model_parallel_group()] + ([ps.get_pipeline_model_parallel_group()] if pp > 1 else [])
+    for group in dict.fromkeys(groups):  # a group named twice once
         torch.distributed.all_reduce(torch.zeros(1, device=collective_device()), group=group)
 
 

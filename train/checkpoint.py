@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-from mcorekit.errors import ConfigError, first_line
+from mcorekit.errors import ConfigError, MCoreKitError, first_line
 from mcorekit.outputs import without_crc32, write_atomic
 from mcorekit.runtime.ranks import any_rank, rank_zero_choice
 from mcorekit.train.checkpoint_writer import background_writes, results_queue, save_strategy, stage_per_tensor
@@ -387,6 +387,8 @@ def read(sharded: dict[str, Any], path: Path, metadata: Any = None, **kwargs: An
             state = dist_checkpointing.load(sharded, str(path), **kwargs)
     except CheckpointException as e:  # a BaseException: torch's wrapper of each rank's failure
         failed = first_line(dcp_cause(e))
+    except MCoreKitError as e:  # common_state's refusal, outside DCP's wrapper: every rank must learn of it
+        failed = first_line(e)
     if any_rank(bool(failed)):
         hint = (f": resume from an earlier one by setting its step in {path.parent / TRACKER}"
                 if step_of(path) is not None else "")  # a run's iteration; not a release or converted adapters
@@ -737,7 +739,7 @@ def _load_fsdp(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) ->
         preprocess_state_dict_for_uneven_dtensor,
     )
 
-    from mcorekit.train.checkpoint_reader import RestrictedReader
+    from mcorekit.train.checkpoint_reader import RestrictedReader, TensorsOnlyPlanner
 
     info = fsdp_info(path)
     now, saved = _layout(), info["layout"]
@@ -750,7 +752,7 @@ def _load_fsdp(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) ->
     tensors, _ = split_tensors(optim_sd)
     state = {"model": model_sd, "optimizer": tensors}
     preprocess_state_dict_for_uneven_dtensor(state)
-    dcp.load(state, storage_reader=RestrictedReader(str(path)))  # in place: the DTensors are the parameters
+    dcp.load(state, storage_reader=RestrictedReader(str(path)), planner=TensorsOnlyPlanner())  # in place: the DTensors are the parameters
     optimizer.load_state_dict(merge(state["optimizer"], from_json(info["optimizer"])))
     for chunk in chunks:
         chunk.module.install_optimized_model_weights()  # main (fp32) -> training weights (Megatron-FSDP's buffers)
@@ -777,7 +779,7 @@ def load_fsdp_weights(path: Path, chunks: list[Any], metadata: Any = None) -> No
     model = unwrap(chunks[0])
     own = model.state_dict()
     names = fsdp_model_keys(list(own), model.config.num_moe_experts)
-    from mcorekit.train.checkpoint_reader import RestrictedReader, checked_metadata
+    from mcorekit.train.checkpoint_reader import RestrictedReader, TensorsOnlyPlanner, checked_metadata
 
     meta = (metadata or checked_metadata(path)).state_dict_metadata  # one line for a refusal, before DCP reads
     reader = RestrictedReader(str(path))
@@ -786,7 +788,7 @@ def load_fsdp_weights(path: Path, chunks: list[Any], metadata: Any = None) -> No
         raise ConfigError(f"{path} lacks {len(absent)} of this model's tensors (e.g. {absent[:3]}): a different model")
     read = {k: torch.empty(tuple(meta[f"model.{k}"].size), dtype=meta[f"model.{k}"].properties.dtype)
             for k in names.values()}
-    dcp.load({"model": read}, storage_reader=reader)
+    dcp.load({"model": read}, storage_reader=reader, planner=TensorsOnlyPlanner())
     params = dict(model.named_parameters())
     ranks = {False: (ps.get_tensor_model_parallel_rank(), now["tp"]),
              True: (ps.get_expert_tensor_parallel_rank(), now["etp"])}

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index  # as torch's FileSystemReader
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
@@ -61,7 +62,8 @@ class MetadataRefused(CheckpointException):
 
 
 class RestrictedReader(FileSystemReader):
-    """torch's FileSystemReader with its .metadata read by load_metadata."""
+    """torch's FileSystemReader with its .metadata read by load_metadata. Its bytes records go to the planner as
+    torch reads them: give it a planner that refuses them (TensorsOnlyPlanner) or use ReadAheadReader."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The .metadata through MetadataUnpickler (load_metadata), where torch's reader unpickles anything in it:
@@ -79,15 +81,31 @@ class RestrictedReader(FileSystemReader):
         return metadata
 
 
+class TensorsOnlyPlanner(DefaultLoadPlanner):
+    """torch's default load planner for loads of tensors alone (the Megatron-FSDP checkpoints): a bytes record,
+    which it would unpickle with weights_only=False, is refused instead."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise ConfigError(f"record {read_item.dest_index.fqn} is a bytes record where this load reads tensors only: "
+                          f"refusing to unpickle it (a damaged or crafted .metadata)")
+
+
 class ReadAheadReader(RestrictedReader):
+    """Also: each bytes record (a ShardedObject: TE's extra states, the RNG states, Megatron-Core's common state) is
+    checked in memory (_checked) before the planner unpickles it (torch's default planner and Megatron-Core's:
+    torch.load with weights_only=False), so a file replaced after the start's check runs nothing either."""
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items):
             return super().read_data(plan, planner)  # compressed or otherwise transformed: torch's own path
         records = _Records(self, plan.items)
         try:
             for req, record in records:
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(record.numpy().tobytes()))
+                if req.type == LoadItemType.BYTE_IO:  # the planner unpickles it without restriction: these very
+                    data = record.numpy().tobytes()   # bytes are checked first, as checked_records checks a start's
+                    fqn = req.storage_index.fqn
+                    _checked(f"checkpoint {self.path}: record {fqn}", lambda: data, "_extra_state" in fqn)
+                    planner.load_bytes(req, io.BytesIO(data))
                     continue
                 tensor = narrow_tensor_by_index(saved_tensor(record), req.storage_offsets, req.lengths)
                 target = planner.resolve_tensor(req).detach()
