@@ -16,7 +16,8 @@ crafted file runs code); here a restricted unpickler admits only the classes DCP
 result is checked (types, bounds, storage files inside the directory, enough bytes behind every chunk) before
 anything is allocated, bytes entries are loaded with `weights_only=True`, tensor chunks are read straight from
 the .distcp files without unpickling anything (mcorekit/torch_save.py), and a read fails unless the stored chunks
-cover every element it returns. The writer starts every item at a multiple of 64 bytes, so that large chunks can be mapped.
+cover every element it returns. The writer starts every item at a multiple of 64 bytes, so that large chunks can be
+mapped.
 """
 
 from __future__ import annotations
@@ -429,7 +430,7 @@ class TorchDistReader:
         return out.reshape(size[len(index):])
 
     def _read_items(self, md: TensorStorageMetadata, sizes: tuple[int, ...], items: list[Any]) -> torch.Tensor:
-        """The requested block from its stored chunks, read straight from the .distcp files (mcorekit.torch_save.locate finds
+        """The requested block from its stored chunks, read straight from the .distcp files (torch_save.locate finds
         each chunk's bytes without unpickling anything). A stored chunk that is the whole request is returned as
         it lies in the file: mapped from the page cache when it is large and aligned there, else read into the
         returned tensor's own memory; otherwise each chunk's part is copied into one buffer."""

@@ -470,14 +470,16 @@ def start_save_figures(m: Measurement) -> list[Figure]:
     if (probe := r.get("probe")) and "error" not in probe:  # bench/start_save.py --load-probe (from `38af619` on)
         rows.append(("load probe (bench/load_probe.py), page cache dropped, each step alone over all records",
                      f"pread {probe['pread_s']:.1f} s = {probe['pread_gb_per_s']:.2f} GB/s, view "
-                     f"{probe['view_s']:.1f} s, copy into the GPU {probe['copy_s']:.1f} s = {probe['copy_gb_per_s']:.2f} "
+                     f"{probe['view_s']:.1f} s, copy into the GPU {probe['copy_s']:.1f} s = "
+                     f"{probe['copy_gb_per_s']:.2f} "
                      f"GB/s; torch.load (the reader's way before `38af619`) {probe['torch_load_s']:.1f} s = "
                      f"{probe['torch_load_gb_per_s']:.2f} GB/s", "", None))
     if "error" in asy and "load_s" not in asy:  # failed, and no figures taken from its log afterwards
         lines = asy["error"].strip().splitlines()
         said = next((x for x in reversed(lines) if ("Error" in x and "Warning" not in x) or x.startswith("bench:")),
                     None)
-        said = said.removeprefix("[rank0]: ")[:160] if said else "no error line in the end of its output the bench kept (see below)"
+        kept = "no error line in the end of its output the bench kept (see below)"
+        said = said.removeprefix("[rank0]: ")[:160] if said else kept
         rows.append(("second process (continues from the checkpoint)", f"failed: {said}", "", None))
     if "load_of_dd_read" in sh:
         rows.append(("load on resume, page cache dropped", f"{asy['load_s']:.1f} s = {r['load_gb_per_s']:.2f} GB/s "

@@ -752,7 +752,8 @@ def _load_fsdp(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) ->
     tensors, _ = split_tensors(optim_sd)
     state = {"model": model_sd, "optimizer": tensors}
     preprocess_state_dict_for_uneven_dtensor(state)
-    dcp.load(state, storage_reader=RestrictedReader(str(path)), planner=TensorsOnlyPlanner())  # in place: the DTensors are the parameters
+    # in place: the DTensors are the parameters
+    dcp.load(state, storage_reader=RestrictedReader(str(path)), planner=TensorsOnlyPlanner())
     optimizer.load_state_dict(merge(state["optimizer"], from_json(info["optimizer"])))
     for chunk in chunks:
         chunk.module.install_optimized_model_weights()  # main (fp32) -> training weights (Megatron-FSDP's buffers)
