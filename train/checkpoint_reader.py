@@ -14,7 +14,9 @@ loaded with torch.load (weights_only), as torch's reader does.
     with read_ahead():
         dist_checkpointing.load(...)
 
-Its .metadata is unpickled by MetadataUnpickler, which admits only DCP's metadata classes, as the start's check does.
+Nothing it reads is unpickled without restriction: .metadata goes through MetadataUnpickler (RestrictedReader), each
+bytes record is checked in memory before the planner unpickles it, and the common state is read weights-only
+(common_state), as the start's checks read them.
 """
 
 from __future__ import annotations
@@ -418,9 +420,9 @@ def common_state(iter_dir: Path) -> dict[str, Any]:
 
 
 def checked_metadata(iter_dir: Path) -> Metadata:
-    """A checkpoint's DCP metadata (torch_dist or fsdp_dtensor), read by load_metadata: run before torch's or
-    Megatron-Core's loaders read the checkpoint, which unpickle `.metadata` without restriction, so a crafted one
-    is one error line and nothing in it runs. Its bytes records: checked_records, for checkpoints from elsewhere."""
+    """A checkpoint's DCP metadata (torch_dist or fsdp_dtensor), read by load_metadata: run before any loader reads
+    the checkpoint (torch's and Megatron-Core's own unpickle `.metadata` without restriction; ours, RestrictedReader,
+    reads it the same way again), so a crafted one is one error line and nothing in it runs. Its bytes records: checked_records, for checkpoints from elsewhere."""
     return load_metadata(iter_dir / ".metadata")
 
 
@@ -462,9 +464,8 @@ def read_ahead() -> Iterator[None]:
     """Megatron-Core's torch_dist loads inside the block read through ReadAheadReader (Megatron-Core builds its
     reader per load in strategies.torch._get_filesystem_reader; only the plain reader is replaced: a metadata cache
     or the multi-storage client keep theirs), and their common state through common_state."""
-    from megatron.core.dist_checkpointing.strategies import torch as strategies
-
     from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import torch as strategies
 
     build, common = strategies._get_filesystem_reader, serialization.load_common_state_dict
 
