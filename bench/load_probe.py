@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from mcorekit.torch_save import memory_file
-from mcorekit.train.checkpoint_reader import checked_metadata, read_exactly, saved_tensor
+from mcorekit.train.checkpoint_reader import checked_metadata, read_exactly, saved_tensor, torch_loaded
 
 
 def probe(path: Path, device: str = "cpu") -> dict[str, float]:
@@ -40,7 +39,7 @@ def probe(path: Path, device: str = "cpu") -> dict[str, float]:
             read = time.perf_counter()
             value = saved_tensor(record)
             viewed = time.perf_counter()
-            torch.load(memory_file(memoryview(record.numpy())), map_location="cpu", weights_only=True)
+            torch_loaded(record)
             loaded = time.perf_counter()
             if isinstance(value, torch.Tensor):
                 torch.empty(value.shape, dtype=value.dtype, device=device).copy_(value)

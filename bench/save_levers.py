@@ -152,11 +152,7 @@ def load_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from mcorekit.torch_save import memory_file
     from mcorekit.train import checkpoint_reader
-
-    def torch_load(record: torch.Tensor) -> Any:
-        return torch.load(memory_file(memoryview(record.numpy())), map_location="cpu", weights_only=True)
 
     targets = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v.data), replica_id=0) for k, v in state.items()}
     drop_page_cache(path)
@@ -167,7 +163,7 @@ def load_once(state: dict[str, Any], path: Path, lever: str) -> dict[str, Any]:
         if lever.startswith("read-ahead"):
             using.enter_context(checkpoint_reader.read_ahead())
         if lever == "read-ahead-torch-load":
-            using.enter_context(mock.patch.object(checkpoint_reader, "saved_tensor", torch_load))
+            using.enter_context(mock.patch.object(checkpoint_reader, "saved_tensor", checkpoint_reader.torch_loaded))
         loaded = dist_checkpointing.load(targets, str(path))
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -59,13 +59,13 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mcorekit.convert.direct_io import DirectFile
 from mcorekit.convert import files
+from mcorekit.convert.direct_io import DirectFile
 from mcorekit.convert.files import model_file, read_json, write_failure
 from mcorekit.errors import ConversionError, first_line
-from mcorekit.train.checkpoint_reader import dcp_cause
 from mcorekit.outputs import without_crc32
 from mcorekit.torch_save import NotATensorChunk, StoredTensor, locate
+from mcorekit.train.checkpoint_reader import dcp_cause
 from mcorekit.train.checkpoint_reader import load_metadata as checked_load_metadata
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}

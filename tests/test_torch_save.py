@@ -24,10 +24,13 @@ def _saved(value: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def _rewritten(data: bytes, change: Callable[[zipfile.ZipInfo], None]) -> bytes:
-    """The archive's entries written again by zipfile, each ZipInfo changed by `change` first."""
+def _rewritten(data: bytes, change: Callable[[zipfile.ZipInfo], None] = lambda info: None,
+               pkl: bytes | None = None) -> bytes:
+    """The archive's entries written again by zipfile, each ZipInfo changed by `change` first, data.pkl's bytes
+    replaced by `pkl` where given."""
     with zipfile.ZipFile(io.BytesIO(data)) as z:
-        entries = [(i.filename, z.read(i)) for i in z.infolist()]
+        entries = [(i.filename, pkl if pkl is not None and i.filename.endswith("data.pkl") else z.read(i))
+                   for i in z.infolist()]
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as z:
         for name, payload in entries:
@@ -81,13 +84,7 @@ def _with_pkl(size: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
     """torch.save's archive of a one-element float tensor whose data.pkl describes `size` and `stride` instead."""
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(_Tensor(size, stride))
-    with zipfile.ZipFile(io.BytesIO(_saved(torch.ones(1)))) as z:
-        entries = [(i.filename, buf.getvalue() if i.filename.endswith("data.pkl") else z.read(i)) for i in z.infolist()]
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as z:
-        for name, payload in entries:
-            z.writestr(name, payload)
-    return out.getvalue()
+    return _rewritten(_saved(torch.ones(1)), pkl=buf.getvalue())
 
 
 CRAFTED = {

@@ -471,8 +471,8 @@ def start_save_figures(m: Measurement) -> list[Figure]:
         rows.append(("load probe (bench/load_probe.py), page cache dropped, each step alone over all records",
                      f"pread {probe['pread_s']:.1f} s = {probe['pread_gb_per_s']:.2f} GB/s, view "
                      f"{probe['view_s']:.1f} s, copy into the GPU {probe['copy_s']:.1f} s = "
-                     f"{probe['copy_gb_per_s']:.2f} "
-                     f"GB/s; torch.load (the reader's way before `38af619`) {probe['torch_load_s']:.1f} s = "
+                     f"{probe['copy_gb_per_s']:.2f} GB/s; torch.load (the reader's way before `38af619`) "
+                     f"{probe['torch_load_s']:.1f} s = "
                      f"{probe['torch_load_gb_per_s']:.2f} GB/s", "", None))
     if "error" in asy and "load_s" not in asy:  # failed, and no figures taken from its log afterwards
         lines = asy["error"].strip().splitlines()

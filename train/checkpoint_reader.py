@@ -130,12 +130,17 @@ def saved_tensor(record: torch.Tensor) -> torch.Tensor:
     try:
         stored = locate_in(memoryview(record.numpy()))
     except NotATensorChunk:
-        return torch.load(memory_file(memoryview(record.numpy())), map_location="cpu", weights_only=True)
+        return torch_loaded(record)
     data = record[stored.data_offset:stored.data_offset + stored.nbytes]
     if data.data_ptr() % stored.dtype.itemsize:
         data = data.clone()  # fresh memory is aligned
     flat = data.view(stored.dtype)  # as_strided's offset counts from the start of the record's memory
     return flat.as_strided(stored.size, stored.stride, flat.storage_offset() + stored.storage_offset)
+
+
+def torch_loaded(record: torch.Tensor) -> Any:
+    """The torch.save archive in `record` (uint8) deserialized by torch.load (weights_only), reading it in place."""
+    return torch.load(memory_file(memoryview(record.numpy())), map_location="cpu", weights_only=True)
 
 
 class _Records:
