@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tokenizer and model loads must never reach for the network
@@ -671,6 +672,13 @@ def test_preprocess_killed_mid_write_then_rerun(tok: Path, tmp_path: Path) -> No
     ("bin cut short", ".bin: "),
     ("bin longer than its index", "(truncated, or the pair does not belong together)"),  # an .idx of a smaller set
     ("idx with no documents", ".idx: holds no documents"),  # Megatron's reader: an mmap traceback
+    # the middle of the index, which Megatron's reader trusts: a traceback at the step that first read the document
+    ("a length negative", ".idx: sequence 7 has length -5 at byte"),
+    ("a length too long", ".idx: sequence 8 has length"),  # the next sequence starts inside this one
+    ("an offset past the end", ".idx: sequence 7 has length"),
+    ("the document index short of the sequences", ".idx: its document index ends at sequence"),
+    ("the document index falling", ".idx: its document index does not rise from 0"),
+    ("float tokens", ".idx: token dtype code 7 is not an integer type"),
     ("json invalid", ".json: not a valid JSON side-car"),
     ("json without eod", ".json: eod missing or not an integer"),
     ("json a list", ".json: expected a JSON object"),
@@ -699,6 +707,27 @@ def test_indexed_dataset_damage_is_one_line_naming_the_file(dataset: Path, tmp_p
         code = HEAD.unpack(idx.read_bytes()[:HEAD.size])[2]
         idx.write_bytes(HEAD.pack(INDEX_HEADER, 1, code, 0, 1) + bytes(8))  # no sequences, the document index [0]
         bin_.write_bytes(b"")
+    elif damage.startswith(("a length", "an offset", "the document index", "float")):
+        from mcorekit.train.data.indexed import HEAD
+
+        _, _, code, sequences, documents = HEAD.unpack(idx.read_bytes()[:HEAD.size])
+        lengths = np.memmap(idx, np.int32, "r+", HEAD.size, (sequences,))
+        offsets = np.memmap(idx, np.int64, "r+", HEAD.size + sequences * 4, (sequences,))
+        starts = np.memmap(idx, np.int64, "r+", HEAD.size + sequences * 12, (documents,))
+        if damage == "a length negative":
+            lengths[7] = -5
+        elif damage == "a length too long":
+            lengths[7] += 1000
+        elif damage == "an offset past the end":
+            offsets[7] = 10**9
+        elif damage == "the document index short of the sequences":
+            starts[-1] -= 1
+        elif damage == "the document index falling":
+            starts[3] = 1
+        else:
+            idx.write_bytes(idx.read_bytes()[:HEAD.size - 17] + bytes([7]) + idx.read_bytes()[HEAD.size - 16:])
+        for a in (lengths, offsets, starts):
+            a.flush()
     elif damage == "json invalid":
         meta.write_text('{"eod": ')
     elif damage == "json without eod":

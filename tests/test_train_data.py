@@ -195,6 +195,55 @@ def test_indexed_errors(two_corpora: list[str], tmp_path: Path) -> None:
         build_gpt_dataset(two_corpora, None, 32, 10, 1, tmp_path, None, 100)
 
 
+def test_data_preprocessed_again_gets_new_indices(tok: Path, tmp_path: Path) -> None:
+    """Megatron-Core keys its index cache on the path: the same prefix preprocessed again (20 documents, then 200)
+    read through the cached indices of the first cut the new documents (an IndexError, or windows padded). The
+    cache key now holds the .idx's digest: the second build samples the new data as a fresh cache would."""
+    prefix, cache = str(tmp_path / "p"), tmp_path / "cache"
+    for docs, seed in ((20, 1), (200, 2)):
+        write_corpus(tmp_path / "c.jsonl", docs, seed=seed)
+        preprocess([str(tmp_path / "c.jsonl")], str(tok), prefix, workers=1, quiet=True, force=True)
+        ds = build_gpt_dataset([prefix], None, 32, 100, 1, cache, None, 256)
+    fresh = build_gpt_dataset([prefix], None, 32, 100, 1, tmp_path / "fresh", None, 256)
+    assert all(torch.equal(ds[i]["tokens"], fresh[i]["tokens"]) for i in range(100))
+    assert len(list(cache.glob("*-description.txt"))) == 2  # one index set per content
+
+
+def test_a_damaged_index_cache_is_built_again(two_corpora: list[str], tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A start killed while Megatron-Core wrote the cache leaves a file cut short, which it would find and fail on
+    at every later start; one that needs unpickling is not one it wrote. Both are removed and built again."""
+    cache = tmp_path / "cache"
+    first = build_gpt_dataset(two_corpora[:1], None, 32, 100, 1, cache, None, 256)
+    expected = [first[i]["tokens"] for i in range(100)]
+    shuffle = next(cache.glob("*shuffle_index.npy"))
+    shuffle.write_bytes(shuffle.read_bytes()[:100])
+    document = next(cache.glob("*document_index.npy"))
+    np.save(document, np.array([{"not": "an index"}], dtype=object), allow_pickle=True)
+    with caplog.at_level("WARNING", logger="mcorekit.train"):
+        again = build_gpt_dataset(two_corpora[:1], None, 32, 100, 1, cache, None, 256)
+    assert all(torch.equal(again[i]["tokens"], expected[i]) for i in range(100))
+    assert f"{shuffle}: removed from the dataset index cache" in caplog.text
+    assert f"{document}: removed from the dataset index cache" in caplog.text
+
+
+def test_a_token_outside_the_vocabulary_is_one_line(two_corpora: list[str], tmp_path: Path) -> None:
+    """A .bin written with another tokenizer: an id past the vocabulary would train on a wrong loss (Megatron's
+    cross entropy takes it) or index past the embedding. The sample holding it is refused, naming the data."""
+    prefix = str(tmp_path / "web")
+    for ext in (".bin", ".idx", ".json"):
+        Path(prefix + ext).write_bytes(Path(two_corpora[0] + ext).read_bytes())
+    tokens = np.memmap(prefix + ".bin", np.uint16, "r+")
+    assert tokens.size > 200
+    tokens[200] = 60000
+    tokens.flush()
+    ds = build_gpt_dataset([prefix], None, 32, 400, 1, tmp_path / "cache", None, 256)
+    with pytest.raises(ConfigError, match=rf"sample \d+ of {prefix} holds token id 60000, outside the data's "
+                                          r"vocabulary of \d+"):
+        for i in range(len(ds)):
+            ds[i]
+
+
 # ---------------------------------------------------------------- SFT and packing
 
 

@@ -4,7 +4,9 @@ index caches shared between runs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,17 +17,21 @@ import torch
 
 from mcorekit.errors import ConfigError
 
+log = logging.getLogger("mcorekit.train")
+
 
 @dataclass
 class TokenIds:
-    """What GPTDataset needs of a tokenizer: the end-of-document id and the vocabulary size."""
+    """What GPTDataset needs of a tokenizer: the end-of-document id and the vocabulary size; `data`, the index
+    digest of the prefixes read, goes into Megatron-Core's cache key with them."""
 
     eod: int
     vocab_size: int
+    data: str = ""
 
     @property
-    def unique_identifiers(self) -> dict[str, int]:  # part of the dataset cache key
-        return {"eod": self.eod, "vocab_size": self.vocab_size}
+    def unique_identifiers(self) -> dict[str, int | str]:  # part of the dataset cache key
+        return {"eod": self.eod, "vocab_size": self.vocab_size, "data": self.data}
 
 
 def token_ids(prefix: str, tokenizer_dir: str | None) -> TokenIds:
@@ -60,41 +66,77 @@ def _sidecar_ids(meta: Path) -> TokenIds:
     return TokenIds(m["eod"], m["vocab_size"])
 
 
-# Megatron-Core's .idx (megatron/core/datasets/indexed_dataset.py): header, version, dtype code, counts, arrays.
+# Megatron-Core's .idx (megatron/core/datasets/indexed_dataset.py): header, version, dtype code, counts, then the
+# arrays: each sequence's length (int32) and byte offset in the .bin (int64), and the document index (int64)
 INDEX_HEADER = b"MMIDIDX\x00\x00"
-ITEM_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # DType code -> bytes per token
+TOKEN_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}  # code -> dtype;
+# 6 and 7 are float64 and float32, which Megatron's format allows and no tokenizer writes
 HEAD = struct.Struct("<9sQBQQ")
+CHUNK = 1 << 22  # elements per step of the array checks: bounded memory for an index of any size
 
 
 def check_index(prefix: str) -> None:
-    """The .idx is whole and its last document lies inside the .bin: a truncated or foreign pair fails here with
-    its file named, not deep inside Megatron's reader."""
+    """The .idx is whole and describes its .bin: every sequence's length non-negative and its bytes right after the
+    previous one's, the last ending where the .bin does, the document index rising from 0 to the sequence count. A
+    truncated, foreign or crafted pair fails here with its file named, not in Megatron's reader at whatever step
+    first reads the bad document (a traceback hours into a run, the other ranks waiting)."""
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
     fix = "re-run `mcorekit data preprocess` for this prefix"
     size = idx.stat().st_size
     with open(idx, "rb") as f:
         head = f.read(HEAD.size)
-        if len(head) < HEAD.size:
-            raise ConfigError(f"{idx}: truncated ({size} bytes, the header alone is {HEAD.size}); {fix}")
-        magic, version, code, sequences, documents = HEAD.unpack(head)
-        if magic != INDEX_HEADER or version != 1:
-            raise ConfigError(f"{idx}: not a Megatron indexed-dataset index (header {magic!r}, version {version}); {fix}")
-        if code not in ITEM_SIZES:
-            raise ConfigError(f"{idx}: unknown token dtype code {code}; {fix}")
-        need = HEAD.size + sequences * (4 + 8) + documents * 8
-        if documents < 1 or size < need:
-            raise ConfigError(f"{idx}: truncated or corrupt ({size} bytes; {sequences} sequences and {documents - 1} "
-                              f"documents need {need}); {fix}")
-        if sequences == 0:  # Megatron's reader would fail on mapping an empty .bin, with a traceback
-            raise ConfigError(f"{idx}: holds no documents; {fix}, or drop the prefix from data.paths")
-        f.seek(HEAD.size + (sequences - 1) * 4)
-        (last_len,) = struct.unpack("<i", f.read(4))
-        f.seek(HEAD.size + sequences * 4 + (sequences - 1) * 8)
-        (last_ptr,) = struct.unpack("<q", f.read(8))
-    end = last_ptr + last_len * ITEM_SIZES[code]
-    if last_len < 0 or last_ptr < 0 or bin_.stat().st_size != end:  # the .bin ends where its last document does
-        raise ConfigError(f"{bin_}: {bin_.stat().st_size} bytes, but {idx.name} places its last document at bytes "
-                          f"{last_ptr}..{end} (truncated, or the pair does not belong together); {fix}")
+    if len(head) < HEAD.size:
+        raise ConfigError(f"{idx}: truncated ({size} bytes, the header alone is {HEAD.size}); {fix}")
+    magic, version, code, sequences, documents = HEAD.unpack(head)
+    if magic != INDEX_HEADER or version != 1:
+        raise ConfigError(f"{idx}: not a Megatron indexed-dataset index (header {magic!r}, version {version}); {fix}")
+    if code not in TOKEN_DTYPES:
+        raise ConfigError(f"{idx}: token dtype code {code} is not an integer type Megatron writes "
+                          f"({', '.join(f'{k} {v.__name__}' for k, v in TOKEN_DTYPES.items())}); {fix}")
+    need = HEAD.size + sequences * (4 + 8) + documents * 8
+    if documents < 1 or size < need:
+        raise ConfigError(f"{idx}: truncated or corrupt ({size} bytes; {sequences} sequences and {documents - 1} "
+                          f"documents need {need}); {fix}")
+    if sequences == 0:  # Megatron's reader would fail on mapping an empty .bin, with a traceback
+        raise ConfigError(f"{idx}: holds no documents; {fix}, or drop the prefix from data.paths")
+    lengths = np.memmap(idx, np.int32, "r", HEAD.size, (sequences,))
+    offsets = np.memmap(idx, np.int64, "r", HEAD.size + sequences * 4, (sequences,))
+    starts = np.memmap(idx, np.int64, "r", HEAD.size + sequences * 12, (documents,))
+    item = np.dtype(TOKEN_DTYPES[code]).itemsize
+    end = 0  # where the next sequence must start
+    for i in range(0, sequences, CHUNK):
+        length, offset = lengths[i:i + CHUNK].astype(np.int64), offsets[i:i + CHUNK]
+        expected = end + np.concatenate(([0], np.cumsum(length[:-1] * item)))
+        if (length < 0).any() or (offset != expected).any():
+            bad = i + int(np.flatnonzero((length < 0) | (offset != expected))[0])
+            raise ConfigError(f"{idx}: sequence {bad} has length {lengths[bad]} at byte {offsets[bad]} of the .bin, "
+                              f"where the sequences before it end at byte {int(expected[bad - i])} (corrupt or "
+                              f"crafted); {fix}")
+        end = int(expected[-1] + length[-1] * item)
+    if bin_.stat().st_size != end:  # the .bin ends where its last document does
+        raise ConfigError(f"{bin_}: {bin_.stat().st_size} bytes, but {idx.name} places its last document's end at "
+                          f"byte {end} (truncated, or the pair does not belong together); {fix}")
+    previous = 0
+    for i in range(0, documents, CHUNK):
+        part = starts[i:i + CHUNK]
+        if (np.diff(part, prepend=previous) < 0).any() or (i == 0 and part[0] != 0):
+            raise ConfigError(f"{idx}: its document index does not rise from 0 (corrupt or crafted); {fix}")
+        previous = int(part[-1])
+    if previous != sequences:
+        raise ConfigError(f"{idx}: its document index ends at sequence {previous}, not at its {sequences} sequences "
+                          f"(corrupt or crafted); {fix}")
+
+
+def index_digest(prefixes: list[str]) -> str:
+    """A digest of the .idx files (every document's length and place): Megatron-Core keys its index cache on the
+    paths, not on what they hold, so data preprocessed again under the same prefix would get stale indices (samples
+    cut at the old documents' ends, or reading past the new ones)."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in prefixes:
+        with open(p + ".idx", "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+    return h.hexdigest()
 
 
 def check_prefixes(prefixes: list[str], weights: list[float] | None) -> None:
@@ -120,26 +162,51 @@ def build_gpt_dataset(prefixes: list[str], weights: list[float] | None, seq_leng
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     cache_dir.mkdir(parents=True, exist_ok=True)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # the rank that writes the cache
+        drop_damaged_cache(cache_dir)
+    tokens = TokenIds(ids[0].eod, ids[0].vocab_size, index_digest(prefixes))
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=(list(prefixes), list(weights) if weights else None),
-        split="100,0,0", path_to_cache=str(cache_dir), tokenizer=ids[0], reset_position_ids=False,
+        split="100,0,0", path_to_cache=str(cache_dir), tokenizer=tokens, reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False, mmap_bin_files=True)
     built_on_all = lambda: True  # noqa: E731  (the builder coordinates ranks itself when distributed is up)
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], built_on_all, config).build()
-    return IndexedSamples(train)
+    return IndexedSamples(train, tokens.vocab_size, prefixes)
+
+
+def drop_damaged_cache(cache_dir: Path) -> None:
+    """Removes the index-cache files that do not load as plain arrays: a start killed while Megatron-Core wrote them
+    leaves one cut short, which it would find (it looks for the files, not at them) and fail on at every later start.
+    Megatron-Core loads them with pickles allowed; a file that needs that is not one it wrote, and goes too."""
+    for f in sorted(cache_dir.glob("*.npy")):
+        try:
+            np.load(f, mmap_mode="r", allow_pickle=False)
+        except (ValueError, EOFError, OSError) as e:
+            log.warning("%s: removed from the dataset index cache, it does not load (%s); it is built again", f,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            f.unlink(missing_ok=True)
 
 
 class IndexedSamples:
-    """GPTDataset/BlendedDataset samples as our loader's dict (tokens, labels, loss_mask, position_ids)."""
+    """GPTDataset/BlendedDataset samples as our loader's dict (tokens, labels, loss_mask, position_ids). Each sample's
+    token ids are checked against the data's vocabulary: an id past it would train on a wrong loss or index past the
+    embedding (a device assert on the GPU, with TP silently zeroed), and the .bin is too big to scan at the start."""
 
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
+    def __init__(self, dataset: Any, vocab_size: int, prefixes: list[str]) -> None:
+        self.dataset, self.vocab_size, self.prefixes = dataset, vocab_size, prefixes
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         s = self.dataset[index % len(self.dataset)]
+        for ids in (s["tokens"], s["labels"]):
+            low, high = torch.aminmax(ids)
+            if low < 0 or high >= self.vocab_size:
+                raise ConfigError(f"sample {index} of {', '.join(self.prefixes)} holds token id "
+                                  f"{int(low if low < 0 else high)}, outside the data's vocabulary of "
+                                  f"{self.vocab_size} (its side-car or data.tokenizer): the .bin was written with "
+                                  f"another tokenizer or is damaged; re-run `mcorekit data preprocess`")
         return {"tokens": s["tokens"], "labels": s["labels"], "loss_mask": s["loss_mask"].float(),
                 "position_ids": s["position_ids"]}
 
