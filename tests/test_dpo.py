@@ -187,6 +187,21 @@ def test_masks_cover_exactly_the_response_tokens(tmp_path: Path, tok: Path) -> N
             assert s[side]["loss_mask"].sum() == len(chosen if side == "chosen" else rejected)
 
 
+def test_pairs_with_the_same_response_twice_are_counted_in_a_warning(tmp_path: Path, tok: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """chosen == rejected (as text, or as a chat rendering) gives log 2 and no gradient: kept, named in a warning."""
+    lines = [{"prompt": "hello", "chosen": "yes", "rejected": "yes"},
+             {"prompt": "hello", "chosen": "yes", "rejected": "no"},
+             {"prompt": [{"role": "user", "content": "hello"}], "chosen": "no",
+              "rejected": [{"role": "assistant", "content": "no"}]}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with caplog.at_level("WARNING", logger="mcorekit.train"):
+        ds = PreferenceDataset([str(tmp_path / "p.jsonl")], str(tok), 32, seed=0, packing=False, vocab_size=256)
+    assert len(ds.pairs) == 3
+    assert (f"2 of 3 pairs have the same chosen and rejected response ({tmp_path / 'p.jsonl'}:1, "
+            f"{tmp_path / 'p.jsonl'}:3)") in caplog.text
+
+
 def test_truncation_cuts_the_prompt_from_the_left_and_leaves_out_what_cannot_fit(tmp_path: Path, tok: Path) -> None:
     prompt, chosen, rejected = list(range(10, 30)), [5, 6, 7], [8, 9]  # 20 prompt tokens
     c, r = fit_pair(prompt, chosen, rejected, seq_length=12, packing=False)
@@ -326,6 +341,8 @@ def test_stored_reference_logps_are_read_back_by_pair(tmp_path: Path, datasets: 
     assert read_reference(path, "key-2", len(ds.pairs)) is None  # another data/model/start: recomputed
     assert read_reference(path, "key-1", len(ds.pairs) + 1) is None
     assert read_reference(tmp_path / "none.safetensors", "key-1", 3) is None
+    (tmp_path / "damaged.safetensors").write_bytes(path.read_bytes()[:40])  # a start killed mid-write elsewhere
+    assert read_reference(tmp_path / "damaged.safetensors", "key-1", len(ds.pairs)) is None  # was a SafetensorError
     try:
         ds.reference = values
         batch = next(pair_batches(ds, 3, 5, 0, 1, device="cpu"))

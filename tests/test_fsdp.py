@@ -5,6 +5,7 @@ the memory estimate of each strategy against hand-computed bytes for the 0.89B a
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 
 from mcorekit.config.experiment import load_experiment
 from mcorekit.config.rules import Nodes, problems
+from mcorekit.errors import ConfigError
 from mcorekit.launch.plan import GiB, estimate_memory, plan
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import PRESETS
@@ -316,6 +318,32 @@ def test_latest_finds_fsdp_checkpoints(tmp_path: Any) -> None:
     half = _iteration(tmp_path / "c", 20, None)  # DCP files without the marker: the save did not finish
     (half / ".metadata").write_text("")
     assert checkpoint.latest(tmp_path / "c") is None and checkpoint.format_of(half) is None
+
+
+GOOD_MARKER = {"format": "fsdp_dtensor", "iteration": 20, "scheduler": {}, "optimizer": {},
+               "layout": {"tp": 1, "etp": 1, "ep": 1, "pp": 1}, "num_moe_experts": None}
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('{"format": "fsdp_dt', "not valid JSON (JSONDecodeError)"),
+    ("[1]", "does not describe an fsdp_dtensor checkpoint"),
+    ('{"format": "fsdp_dtensor"}', "scheduler, optimizer, iteration, layout missing or of the wrong type"),
+    (json.dumps({**GOOD_MARKER, "iteration": "20"}), ": iteration missing or of the wrong type"),
+    (json.dumps({**GOOD_MARKER, "layout": {"tp": "1", "etp": 1, "ep": 1, "pp": 1}}), ": layout missing"),
+    (json.dumps({**GOOD_MARKER, "iteration": 30}), "records iteration 30, its folder is iter_0000020"),
+])
+def test_a_damaged_fsdp_marker_is_one_line(tmp_path: Any, text: str, needle: str) -> None:
+    """The marker's step, layout and optimizer state are read at a resume: a damaged one was a KeyError or a
+    JSONDecodeError traceback, or an iteration other than its folder's taken as the step."""
+    from mcorekit.train import checkpoint
+
+    path = _iteration(tmp_path / "a", 20, checkpoint.FSDP_JSON)
+    (path / checkpoint.FSDP_JSON).write_text(json.dumps(GOOD_MARKER))
+    assert checkpoint.fsdp_info(path)["iteration"] == 20
+    (path / checkpoint.FSDP_JSON).write_text(text)
+    with pytest.raises(ConfigError, match="resume from another iteration") as e:
+        checkpoint.fsdp_info(path)
+    assert needle in str(e.value) and str(e.value).startswith(str(path / checkpoint.FSDP_JSON)), e.value
 
 
 def test_which_weights_an_fsdp_run_loads_before_wrapping(tmp_path: Any) -> None:

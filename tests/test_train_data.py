@@ -52,6 +52,32 @@ def test_preprocess_writes_every_document_with_eod(tmp_path: Path, tok: Path) ->
     assert (tmp_path / "one.idx").read_bytes() == (tmp_path / "out" / "a.idx").read_bytes()
 
 
+def test_preprocess_encodes_as_transformers_with_added_tokens(tmp_path: Path, tok: Path) -> None:
+    """A token added in tokenizer_config.json (added_tokens_decoder) only, not in tokenizer.json: the workers' pipeline
+    is the one transformers assembled, so the data holds its id, not three <unk> pieces of '<tool>'."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(tok, tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    new_id = len(AutoTokenizer.from_pretrained(tok))
+    config.setdefault("added_tokens_decoder", {})[str(new_id)] = {
+        "content": "<tool>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+        "special": True}
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    text = f"{WORDS[0]} <tool> {WORDS[1]}"
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    for workers in (1, 2):
+        out = str(tmp_path / f"out{workers}")
+        preprocess([str(tmp_path / "a.jsonl")], str(tmp_path / "tok"), out, workers=workers, quiet=True)
+        t = AutoTokenizer.from_pretrained(tmp_path / "tok")
+        [doc] = read_documents(out)
+        assert new_id in doc.tolist()
+        assert doc.tolist() == t(text, add_special_tokens=False)["input_ids"] + [t.eos_token_id]
+        assert json.loads(Path(out + ".json").read_text())["vocab_size"] == new_id + 1
+
+
 def test_preprocess_refuses_bad_input_and_overwrite(tmp_path: Path, tok: Path) -> None:
     write_corpus(tmp_path / "a.jsonl", 5, seed=2)
     preprocess([str(tmp_path / "a.jsonl")], str(tok), str(tmp_path / "a"), workers=1, quiet=True)
@@ -256,6 +282,33 @@ def test_chat_loss_mask_covers_assistant_turns_only(tok: Path) -> None:
                            {"role": "assistant", "content": "no"}])
     learned = [w for w, m in zip(t.convert_ids_to_tokens(ex.ids), ex.mask) if m]
     assert learned == ["it", "is", "a", "question", "<|end|>", "no", "<|end|>"]
+
+
+def test_a_conversation_opening_with_an_assistant_turn_learns_the_turn_only(tok: Path) -> None:
+    """The first assistant turn's mask starts after what the template puts before it (here a default system prompt
+    and the role header), as every later turn's does; before, from the first character of the text (transformers
+    renders no empty conversation, so no generation prompt of one)."""
+    from transformers import AutoTokenizer
+
+    from hf_models import CHAT_TEMPLATE
+
+    t = AutoTokenizer.from_pretrained(tok)
+    t.chat_template = ("{% if not messages or messages[0]['role'] != 'system' %}<|system|> you are good <|end|> "
+                       "{% endif %}" + CHAT_TEMPLATE)
+    ex = tokenize_chat(t, [{"role": "assistant", "content": "it is"}, {"role": "user", "content": "yes"},
+                           {"role": "assistant", "content": "no"}])
+    learned = [w for w, m in zip(t.convert_ids_to_tokens(ex.ids), ex.mask) if m]
+    assert learned == ["it", "is", "<|end|>", "no", "<|end|>"]
+    t.chat_template = CHAT_TEMPLATE.replace("m['content']", "m['content'] | lower")  # the turn's text rewritten
+    with pytest.raises(ConfigError, match="opens with an assistant turn whose start .* drop that turn, or start"):
+        tokenize_chat(t, [{"role": "assistant", "content": "it is"}])
+
+
+def test_a_pair_with_nothing_before_its_response_is_refused(tmp_path: Path, tok: Path) -> None:
+    """No prompt tokens and no BOS: the response's first token would be the first position, never a label."""
+    (tmp_path / "s.jsonl").write_text(json.dumps({"prompt": "", "response": "yes no"}) + "\n")
+    with pytest.raises(ConfigError, match=r"s.jsonl:1: the prompt is empty .* give a prompt"):
+        SFTDataset([str(tmp_path / "s.jsonl")], str(tok), 32, seed=0, packing=False, vocab_size=256)
 
 
 def sft_file(path: Path, n: int, seed: int) -> Path:

@@ -677,9 +677,24 @@ def _fresh_optimizer_warning(path: Path, saved: str, run: str) -> None:
 
 def fsdp_info(path: Path) -> dict[str, Any]:
     """The marker of an fsdp_dtensor checkpoint: step, scheduler, the optimizer's non-tensor state, layout."""
-    info = json.loads((path / FSDP_JSON).read_text())
-    if info.get("format") != FSDP_DTENSOR:
-        raise ConfigError(f"{path / FSDP_JSON} does not describe an fsdp_dtensor checkpoint")
+    marker, fix = path / FSDP_JSON, "a damaged checkpoint, or one another tool wrote: resume from another iteration"
+    if marker.stat().st_size > 64 * 1024**2:  # step, scheduler and the optimizer's param groups: kilobytes
+        raise ConfigError(f"{marker}: {marker.stat().st_size:,} bytes, too big for an fsdp_dtensor marker; {fix}")
+    try:
+        info = json.loads(marker.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ConfigError(f"{marker}: not valid JSON ({type(e).__name__}); {fix}") from None
+    if not isinstance(info, dict) or info.get("format") != FSDP_DTENSOR:
+        raise ConfigError(f"{marker} does not describe an fsdp_dtensor checkpoint; {fix}")
+    layout, step = info.get("layout"), info.get("iteration")
+    bad = [k for k in ("scheduler", "optimizer") if not isinstance(info.get(k), dict)]
+    bad += [] if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else ["iteration"]
+    bad += [] if isinstance(layout, dict) and all(type(layout.get(k)) is int for k in ("tp", "etp", "ep", "pp")) \
+        else ["layout"]
+    if bad:
+        raise ConfigError(f"{marker}: {', '.join(bad)} missing or of the wrong type; {fix}")
+    if path.name.startswith("iter_") and path != iter_dir(path.parent, step):
+        raise ConfigError(f"{marker} records iteration {step}, its folder is {path.name}; {fix}")
     return info
 
 

@@ -127,13 +127,15 @@ class PreferenceDataset:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         bos = bos_ids(tok)
         pairs: list[tuple[Example, Example]] = []
-        lines, truncated, dropped = 0, 0, 0
+        lines, truncated, dropped, same = 0, 0, 0, []
         for path in paths:
             if not Path(path).is_file():
                 raise ConfigError(f"preference data not found: {path}")
             for n, record in records(Path(path)):
                 lines += 1
                 prompt, chosen, rejected = tokenize_preference(tok, record, f"{path}:{n}", bos)
+                if chosen == rejected:
+                    same.append(f"{path}:{n}")
                 kept = len(bos) if prompt[:len(bos)] == bos else 0  # a chat template's BOS too
                 pair = fit_pair(prompt, chosen, rejected, seq_length, packing, kept)
                 if pair is None:
@@ -148,6 +150,10 @@ class PreferenceDataset:
             log.warning("preference data: %d of %d pairs had their prompt cut from the left to fit seq_length=%d%s; "
                         "%d pairs were left out (a response too long even with one prompt token)", truncated, lines,
                         seq_length, " (both sequences of a pair in one packed row)" if packing else "", dropped)
+        if same:  # kept: the data is the user's, but they dilute the loss mean every step
+            log.warning("preference data: %d of %d pairs have the same chosen and rejected response (%s%s): their DPO "
+                        "loss is log 2 with no gradient, yet they count in the loss and accuracy means; drop them from "
+                        "the data", len(same), lines, ", ".join(same[:3]), ", ..." if len(same) > 3 else "")
         self.pairs, self.seq_length, self.seed, self.packing = pairs, seq_length, seed, packing
         self.truncated, self.dropped = truncated, dropped
         self.bins = first_fit_decreasing([c.positions + r.positions for c, r in pairs], seq_length) if packing \

@@ -58,14 +58,16 @@ class PreprocessSummary:
 # ---------------------------------------------------------------- tokenizing (in workers)
 
 
-def _encoder(tokenizer_dir: str) -> Any:
-    """texts -> token id lists, without special tokens. A fast tokenizer's tokenizer.json holds the whole
-    pipeline: load it with `tokenizers` alone (workers start in a fraction of a second instead of importing torch
-    through transformers); slow tokenizers need transformers."""
-    if (Path(tokenizer_dir) / "tokenizer.json").is_file():
+def _encoder(tokenizer_dir: str, pipeline: str | None) -> Any:
+    """texts -> token id lists, without special tokens. A fast tokenizer's whole pipeline is `pipeline`, the JSON of
+    the backend tokenizer transformers assembled (tokenizer.json with what tokenizer_config.json adds, such as its
+    added tokens: tokenizer.json alone would encode those as pieces of text): workers run it with `tokenizers` alone
+    and start in a fraction of a second instead of importing torch through transformers. Slow tokenizers need
+    transformers."""
+    if pipeline is not None:
         from tokenizers import Tokenizer
 
-        fast = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+        fast = Tokenizer.from_str(pipeline)
         encode = getattr(fast, "encode_batch_fast", fast.encode_batch)  # no offsets: far less memory per token
         return lambda texts: [e.ids for e in encode(texts, add_special_tokens=False)]
     from transformers import AutoTokenizer
@@ -74,10 +76,10 @@ def _encoder(tokenizer_dir: str) -> Any:
     return lambda texts: slow(texts, add_special_tokens=False)["input_ids"]
 
 
-def _init_worker(tokenizer_dir: str, key: str, eod: int) -> None:
+def _init_worker(tokenizer_dir: str, pipeline: str | None, key: str, eod: int) -> None:
     global _tokenizer, _key, _eod
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    _tokenizer, _key, _eod = _encoder(tokenizer_dir), key, eod
+    _tokenizer, _key, _eod = _encoder(tokenizer_dir, pipeline), key, eod
 
 
 def _text(raw: bytes, where: str) -> str | None:
@@ -126,16 +128,16 @@ def _batches(paths: list[Path], max_line_bytes: int) -> Iterator[tuple[str, int,
             yield str(path), first, batch
 
 
-def _tokenized(batches: Iterable[tuple[str, int, list[bytes]]], workers: int, tokenizer_dir: str, key: str,
-               eod: int) -> Iterator[list[np.ndarray]]:
+def _tokenized(batches: Iterable[tuple[str, int, list[bytes]]], workers: int, tokenizer_dir: str,
+               pipeline: str | None, key: str, eod: int) -> Iterator[list[np.ndarray]]:
     """Tokenized batches in input order; with several workers at most two batches each in flight."""
     if workers == 1:  # no pool: the same code in this process
-        _init_worker(tokenizer_dir, key, eod)
+        _init_worker(tokenizer_dir, pipeline, key, eod)
         yield from map(_tokenize, batches)
         return
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_dir, key, eod)) as pool:
+    with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_dir, pipeline, key, eod)) as pool:
         pending: deque[Any] = deque()
         for batch in batches:
             pending.append(pool.apply_async(_tokenize, (batch,)))
@@ -230,7 +232,9 @@ def remove_stale_temporaries(out: dict[str, Path], inputs: list[Path]) -> None:
                 leftover.unlink(missing_ok=True)
 
 
-def load_tokenizer(tokenizer_dir: str) -> Any:
+def load_tokenizer(tokenizer_dir: str) -> tuple[Any, str | None]:
+    """The HF tokenizer and the pipeline its workers run (_encoder), checked to encode as transformers does: the
+    data must hold the ids training's tokenizer (AutoTokenizer, for SFT, DPO and generation too) gives."""
     from transformers import AutoTokenizer
 
     if not Path(tokenizer_dir).is_dir():
@@ -240,14 +244,20 @@ def load_tokenizer(tokenizer_dir: str) -> Any:
                           f"pass the folder that save_pretrained wrote the tokenizer to")
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)  # never the folder's own code
-        _encoder(tokenizer_dir)  # what the workers load: fail here, not in a worker (a pool would respawn it)
+        pipeline = tok.backend_tokenizer.to_str() if tok.is_fast else None
+        encode = _encoder(tokenizer_dir, pipeline)  # what the workers load: fail here, not in a worker
     except Exception as e:  # noqa: BLE001  (transformers/tokenizers raise many types for a broken directory)
         lines = str(e).strip().splitlines()
         raise ConfigError(f"{tokenizer_dir}: not a usable HF tokenizer directory ({lines[0] if lines else type(e).__name__})"
                           ) from None
     if tok.eos_token_id is None:
         raise ConfigError(f"tokenizer {tokenizer_dir} has no eos token to end documents with; set eos_token in its config")
-    return tok
+    probe = "Hello, world! 12 + 3 = 15.\n" + " ".join(t.content for t in tok.added_tokens_decoder.values())
+    if (got := encode([probe])[0]) != (want := tok(probe, add_special_tokens=False)["input_ids"]):
+        raise ConfigError(f"{tokenizer_dir}: its tokenizers pipeline encodes {probe!r} as {got[:12]}..., transformers "
+                          f"as {want[:12]}...; the data would not hold the ids training reads: save the tokenizer "
+                          f"again with transformers' save_pretrained")
+    return tok, pipeline
 
 
 def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: str = "text", workers: int | None = None,
@@ -269,7 +279,7 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
                           f"writes corpus.bin/.idx/.json there)")
     out = output_paths(output_prefix)
     check_outputs(out, paths, Path(tokenizer_dir), force)
-    tok = load_tokenizer(tokenizer_dir)
+    tok, pipeline = load_tokenizer(tokenizer_dir)
     vocab = len(tok)
     dtype = np.dtype(np.uint16 if vocab < 65500 else np.int32)  # Megatron's DType.optimal_dtype
     try:
@@ -293,8 +303,8 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
 
         total = sum(p.stat().st_size for p in paths)
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=quiet, desc="tokenizing") as bar:
-            for batch in _tokenized(counted(_batches(paths, max_line_mb * 1024**2)), workers, tokenizer_dir, key,
-                                    tok.eos_token_id):
+            batches = counted(_batches(paths, max_line_mb * 1024**2))
+            for batch in _tokenized(batches, workers, tokenizer_dir, pipeline, key, tok.eos_token_id):
                 for doc in batch:
                     writer.add(doc)
                 tokens += sum(d.size for d in batch)

@@ -44,22 +44,35 @@ def tokenize_chat(tok: Any, messages: list[dict[str, str]]) -> Example:
         if not text.startswith(prefix):
             raise ConfigError("the tokenizer's chat template does not render conversations prefix by prefix; "
                               "loss masks cannot be placed")
-        start = 0
-        if i:
-            head = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-            problem = generation_prompt_problem(head, text)
-            if problem:
-                raise ConfigError(problem)
-            start = len(head)
-        spans.append((start, len(prefix)))
+        head = (tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i
+                else _before_first_turn(tok, m))
+        problem = generation_prompt_problem(head, text)
+        if problem:
+            raise ConfigError(problem)
+        spans.append((len(head), len(prefix)))
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)  # the template holds its own BOS
     mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
     return Example(list(enc["input_ids"]), mask)
 
 
+def _before_first_turn(tok: Any, message: dict[str, str]) -> str:
+    """What the template renders before a conversation's opening assistant turn's text (a default system prompt, the
+    role header): transformers renders no empty conversation to take it from, so the turn is rendered with a marker
+    for its content. The mask starts after it, as after the generation prompt for later turns."""
+    marker = "MCOREKITRESPONSEMARKER"
+    rendered = tok.apply_chat_template([{**message, "content": marker}], tokenize=False)
+    if marker not in rendered:
+        raise ConfigError("the conversation opens with an assistant turn whose start the tokenizer's chat template "
+                          "does not show; drop that turn, or start the conversation with a user or system turn")
+    return rendered[:rendered.index(marker)]
+
+
 def tokenize_pair(tok: Any, prompt: str, response: str, bos: list[int]) -> Example:
     """`bos` (tokenizer.bos_ids) once before the prompt, as the tokenizer's defaults put it at inference."""
     p = bos + tok(prompt, add_special_tokens=False)["input_ids"]
+    if not p:  # the response's first token would follow nothing: its label is never trained
+        raise ConfigError("the prompt is empty (no tokens, and this tokenizer puts no BOS before a text), so the "
+                          "response's first token would never be learned; give a prompt")
     r = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     return Example(list(p) + list(r), [0] * len(p) + [1] * len(r))
 
@@ -93,11 +106,14 @@ def tokenize_record(tok: Any, record: dict[str, Any], where: str, bos: list[int]
                 raise ConfigError(f"{where}: {', '.join(repr(k) for k in wrong)} must be text, got "
                                   f"{', '.join(type(record[k]).__name__ for k in wrong)}")
             break
-    if "prompt" in record and "response" in record:
-        return tokenize_pair(tok, record["prompt"], record["response"], bos)
-    if "instruction" in record and "output" in record:
-        prompt = record["instruction"] + ("\n\n" + record["input"] if record.get("input") else "")
-        return tokenize_pair(tok, prompt + "\n\n", record["output"], bos)
+    try:
+        if "prompt" in record and "response" in record:
+            return tokenize_pair(tok, record["prompt"], record["response"], bos)
+        if "instruction" in record and "output" in record:
+            prompt = record["instruction"] + ("\n\n" + record["input"] if record.get("input") else "")
+            return tokenize_pair(tok, prompt + "\n\n", record["output"], bos)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
     raise ConfigError(f"{where}: expected 'messages', 'prompt'+'response' or 'instruction'+'output' "
                       f"(got keys {sorted(record)[:8]})")
 

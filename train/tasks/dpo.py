@@ -335,15 +335,21 @@ class DirectPreferenceOptimization(Task):
 
 
 def read_reference(path: Path, key: str, pairs: int) -> np.ndarray | None:
-    """The stored [pairs, 2] log-probs when the file is there and was computed for this fingerprint."""
-    from safetensors import safe_open
+    """The stored [pairs, 2] log-probs when the file is there and was computed for this fingerprint; a file that
+    does not read (damaged, or not ours) is computed again, as a stale one is."""
+    from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
         return None
-    with safe_open(str(path), framework="numpy") as f:
-        if (f.metadata() or {}).get("fingerprint") != key:
-            return None
-        values = f.get_tensor("logps")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            if (f.metadata() or {}).get("fingerprint") != key:
+                return None
+            values = f.get_tensor("logps")
+    except (SafetensorError, OSError) as e:
+        log.warning("%s does not read (%s): the reference log-probs are computed again", path,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
     return values if values.shape == (pairs, 2) and values.dtype == np.float32 else None
 
 
