@@ -82,11 +82,23 @@ def test_a_changed_setting_stops_the_resume_in_one_line(tmp_path: Path, inputs: 
         f"(checkpoint.load={inputs}, in a run folder and checkpoint.dir of its own)")
 
 
-def test_a_file_of_another_size_or_gone_stops_it_one_rewritten_at_the_same_size_is_a_warning(
-        tmp_path: Path, inputs: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_file_of_another_size_other_bytes_or_gone_stops_it_one_copied_again_goes_on(
+        tmp_path: Path, inputs: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     data, tokenizer = tmp_path / "train.jsonl", tmp_path / "tok" / "tokenizer.json"
     stat = data.stat()
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # copied again by a job's setup: same bytes
+    with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
+        run_inputs.record_or_check(_experiment(tmp_path), inputs, resuming=True)
+    assert "rewritten" not in caplog.text  # the same bytes: nothing to say
+
+    data.write_text('{"messages": [1]}')  # reordered lines, say: the same size, other bytes
+    assert data.stat().st_size == stat.st_size
+    with pytest.raises(ConfigError, match=rf"changed since its first start: {data} changed \(other bytes at the "
+                                          rf"same size\)\. "):
+        run_inputs.record_or_check(_experiment(tmp_path), inputs, resuming=True)
+    data.write_text('{"messages": []}\n')
+    monkeypatch.setattr(run_inputs, "DIGEST_BYTES", 4)  # a file too big to digest: compared by size and time
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
     with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
         run_inputs.record_or_check(_experiment(tmp_path), inputs, resuming=True)
     assert f"rewritten since this run's first start, at the same size: {data}" in caplog.text

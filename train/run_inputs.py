@@ -4,13 +4,14 @@ A requeued job starts again from the run folder's config.yaml and re-reads its d
 reward files. If one of them changed since the first start, the resumed run would go on training another problem
 (other samples at its position in the data, another objective, another schedule) without a sign. So the first start
 records the experiment's settings that define the problem (SETTINGS; not where and how often it logs and saves, its
-layout, precision or Slurm resources, which a restart may change) and the size and modification time of each file it
-reads. A resume that finds a setting changed, a file gone or a file of another size stops with one line naming them;
-a file rewritten at the same size (copied again, touched) is a warning, and so is other software (SOFTWARE's
-versions). checkpoint.load and peft.lora.load are pinned apart (checkpoint.pinned_sources)."""
+layout, precision or Slurm resources, which a restart may change) and the size, modification time and (up to
+DIGEST_BYTES) the digest of each file it reads. A resume that finds a setting changed, a file gone, of another size or
+with other bytes stops with one line naming them; a file copied again (same bytes, or too big to digest at the same
+size) is a warning at most, and so is other software (SOFTWARE's versions). checkpoint.load and peft.lora.load are pinned apart (checkpoint.pinned_sources)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -38,6 +39,8 @@ TASKS = ("dpo", "grpo")  # a task's settings count only for runs of that task (d
 FOLDER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                 "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                 "chat_template.json")
+DIGEST_BYTES = 256 * 1024**2  # files up to this size are compared by content (a few seconds at most); larger by
+# size and time: a .bin's documents are its .idx's, which is compared by content
 PATHS = ("data.paths", "data.tokenizer", "model.hf_config")  # settings that name local files: compared absolute
 
 
@@ -161,9 +164,18 @@ def software() -> dict[str, str | None]:
     return found
 
 
-def _stat(path: Path) -> list[int]:
+def _stat(path: Path) -> list[Any]:
+    """[size, modification time, the digest of the bytes of a file up to DIGEST_BYTES, else None]: a file rewritten
+    at the same size with other bytes (reordered lines, another .idx) is a change, one copied again is none."""
     st = path.stat()
-    return [st.st_size, st.st_mtime_ns]
+    digest = None
+    if st.st_size <= DIGEST_BYTES:
+        h = hashlib.blake2b(digest_size=16)
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+        digest = h.hexdigest()
+    return [st.st_size, st.st_mtime_ns, digest]
 
 
 def _changes(then: dict[str, Any], now: dict[str, Any],
@@ -174,13 +186,16 @@ def _changes(then: dict[str, Any], now: dict[str, Any],
     changed = [f"{k} {_shown(old[k])} -> {_shown(new[k])}" for k in sorted(old.keys() & new.keys()) if old[k] != new[k]]
     rewritten, unseen = [], []
     recorded = {os.path.abspath(k): v for k, v in then["files"].items()}
-    for name, (size, mtime) in recorded.items():
+    for name, (size, mtime, *digest) in recorded.items():  # runs recorded before the digests were: none
         if name not in now["files"] and elsewhere and not Path(name).exists():
             unseen.append(name)
         elif name not in now["files"]:
             changed.append(f"{name} is gone" if not Path(name).exists() else f"{name} is no longer read")
         elif now["files"][name][0] != size:
             changed.append(f"{name} changed ({size:,} -> {now['files'][name][0]:,} bytes)")
+        elif digest and digest[0] and now["files"][name][2]:
+            if digest[0] != now["files"][name][2]:
+                changed.append(f"{name} changed (other bytes at the same size)")
         elif now["files"][name][1] != mtime:
             rewritten.append(name)
     changed += [f"{name} is read now, not at the first start" for name in now["files"] if name not in recorded]
