@@ -11,10 +11,11 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from mcorekit.config.loading import load
-from mcorekit.config.values import ENV_KEY_RE, NAME_RE, Strict, no_control, shown, slurm_time
+from mcorekit.config.values import ENV_KEY_RE, NAME_RE, Strict, no_control, path_value, shown, slurm_time, text_problem
 from mcorekit.errors import ConfigError
 from mcorekit.options import MAX_INT
 
+RUN_ROOT_ENV = "MCOREKIT_RUN_ROOT"  # where runs go when a profile names no run_root
 PROFILES = Path(__file__).resolve().parent.parent / "slurm" / "clusters"  # mcorekit.slurm's data, next to this part
 
 
@@ -23,10 +24,15 @@ class ContainerConfig(Strict):
     mounts: list[str] = Field(default_factory=list)  # src:dst[:flags]
     workdir: str | None = None
 
-    @field_validator("image", "workdir")
+    @field_validator("image")
     @classmethod
     def _plain(cls, v: str | None) -> str | None:
         return None if v is None else no_control(v, "container setting")
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str | None) -> str | None:
+        return path_value(v, "container workdir")
 
     @field_validator("mounts")
     @classmethod
@@ -91,22 +97,34 @@ class ClusterProfile(Strict):
                 raise ValueError(f"environment variable name {key!r} is not a valid shell identifier")
         return {k: no_control(str(val), f"environment value of {k}") for k, val in v.items()}
 
-    @field_validator("setup", "srun_args", "python", "run_root")
+    @field_validator("setup", "srun_args", "python")
     @classmethod
     def _lines(cls, v: Any) -> Any:
         for item in [v] if isinstance(v, str) else (v or []):
             no_control(item, "profile value")
         return v
 
+    @field_validator("run_root")
+    @classmethod
+    def _run_root(cls, v: str | None) -> str | None:
+        return path_value(v, "the run root", f"give a folder, or null for ${RUN_ROOT_ENV} or the default")
 
-RUN_ROOT_ENV = "MCOREKIT_RUN_ROOT"
+
+def _home_expanded(path: str, what: str) -> Path:
+    """Path(path).expanduser(), with a ConfigError naming `what` for ~user of a user this machine does not know."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # pathlib's "Could not determine home directory." names neither the path nor its source
+        raise ConfigError(f"{what} {shown(path)}: a path starts with ~ and a user name this machine does not know; "
+                          f"give an absolute path") from None
 
 
 def default_run_root() -> Path:
     """Where runs go when the profile names no run_root: $MCOREKIT_RUN_ROOT, else $XDG_STATE_HOME/mcorekit/runs,
     else ~/.local/state/mcorekit/runs; absolute, so `mcorekit status` finds the jobs from any directory."""
     if os.environ.get(RUN_ROOT_ENV):
-        return Path(os.environ[RUN_ROOT_ENV]).expanduser().resolve()  # relative: to where it was set, i.e. here
+        # relative: to where it was set, i.e. here
+        return _home_expanded(os.environ[RUN_ROOT_ENV], f"${RUN_ROOT_ENV}").resolve()
     state = os.environ.get("XDG_STATE_HOME")
     base = Path(state) if state and Path(state).is_absolute() else Path.home() / ".local" / "state"
     return base / "mcorekit" / "runs"
@@ -117,7 +135,7 @@ def _absolute_run_root(profile: ClusterProfile, path: Path, overrides: list[str]
     file's folder; the current directory for --set run_root=...), never from the directory of a later command."""
     if profile.run_root is None:
         return str(default_run_root())
-    root = Path(profile.run_root).expanduser()
+    root = _home_expanded(profile.run_root, "run_root")
     given_here = any(o.split("=", 1)[0].strip() == "run_root" for o in overrides)
     return str((root if root.is_absolute() else (Path.cwd() if given_here else path.parent.resolve()) / root).resolve())
 
@@ -133,7 +151,13 @@ def load_profile(name_or_path: str | Path, overrides: list[str] | None = None) -
     if not p.exists():
         raise ConfigError(f"cluster profile not found: {shown(p)} (a profile name from {PROFILES} or a YAML path)")
     profile = load(ClusterProfile, p, overrides)
-    return profile.model_copy(update={"run_root": _absolute_run_root(profile, p, overrides or [])})
+    root = _absolute_run_root(profile, p, overrides or [])
+    if problem := text_problem(root):  # from the current directory, $MCOREKIT_RUN_ROOT or $HOME: never validated
+        source = ("run_root" if profile.run_root is not None else f"${RUN_ROOT_ENV}" if os.environ.get(RUN_ROOT_ENV)
+                  else "the default under $XDG_STATE_HOME or the home folder")
+        raise ConfigError(f"the run root {shown(root)} ({source}) {problem}: it goes into the job's script and "
+                          f"files; set run_root in the cluster profile or pass --set run_root=DIR")
+    return profile.model_copy(update={"run_root": root})
 
 
 def gpu_peak_tflops(run_dir: Path) -> float:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from mcorekit.config.loading import load
-from mcorekit.config.values import NAME_RE, Strict, no_control, slurm_time
+from mcorekit.config.values import NAME_RE, Strict, no_control, path_value, slurm_time
 from mcorekit.models.parallel import Layout
 from mcorekit.options import MAX_INT
 
@@ -26,7 +26,7 @@ class ModelConfig(Strict):
     @field_validator("hf_config")
     @classmethod
     def _path(cls, v: str | None) -> str | None:
-        return None if v is None else no_control(v, "HF config path")
+        return path_value(v, "HF config path")
 
 
 # Every integer setting is strict (strict=True): pydantic's lax mode would read `true` as 1 and `2.0` as 2; and
@@ -75,7 +75,8 @@ class DataConfig(Strict):
     # dpo: .jsonl files of {prompt, chosen, rejected} preference pairs; grpo: .jsonl files of {prompt, ...} whose
     # other fields (e.g. answer) go to the reward functions
     paths: list[str] = Field(default_factory=list)
-    weights: list[Annotated[float, Field(ge=0)]] | None = None  # blend weights, one per path (indexed)
+    # blend weights, one per path (indexed); each > 0, as the job's dataset builder requires
+    weights: list[Annotated[float, Field(gt=0)]] | None = None
     # held-out data of the same kind, for the validation loss every schedule.eval_interval steps (mock data
     # validates on its own stream without it)
     valid_paths: list[str] = Field(default_factory=list)
@@ -89,8 +90,11 @@ class DataConfig(Strict):
     @field_validator("paths", "valid_paths", "tokenizer", "cache_dir")
     @classmethod
     def _paths(cls, v: Any) -> Any:
-        for item in [v] if isinstance(v, str) else (v or []):
-            no_control(item, "data path")
+        if isinstance(v, list):
+            for item in v:
+                path_value(item, "data path", "give a path, or remove the empty entry")
+        else:
+            path_value(v, "data path")
         return v
 
 
@@ -165,7 +169,7 @@ class LoraConfig(Strict):
     @field_validator("load")
     @classmethod
     def _path(cls, v: str | None) -> str | None:
-        return None if v is None else no_control(v, "adapter checkpoint path")
+        return path_value(v, "adapter checkpoint path")
 
 
 class PeftConfig(Strict):
@@ -228,7 +232,7 @@ class CheckpointConfig(Strict):
     @field_validator("dir", "load")
     @classmethod
     def _path(cls, v: str | None) -> str | None:
-        return None if v is None else no_control(v, "checkpoint path")
+        return path_value(v, "checkpoint path")
 
 
 class WandbConfig(Strict):

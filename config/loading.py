@@ -12,7 +12,7 @@ from typing import Any, Sequence, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from mcorekit.config.values import CONTROL_RE, shown
+from mcorekit.config.values import NOT_UTF8_RE, no_control, shown, text_problem
 from mcorekit.errors import ConfigError
 
 Schema = TypeVar("Schema", bound=BaseModel)
@@ -74,6 +74,10 @@ class YamlLimitError(ConfigError):
 
 class RepeatedKeyError(ConfigError):
     """A YAML mapping gives one key twice (never retried as a plain string either)."""
+
+
+class InvalidYamlError(ConfigError):
+    """A text is not valid YAML (a command-line value may then be taken as plain text: see parse_value)."""
 
 
 def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
@@ -175,6 +179,8 @@ def parse_yaml(text: str, source: str) -> Any:
     """yaml.safe_load with the limits above; `source` names the text in messages. Invalid YAML -> ConfigError."""
     if len(text) > MAX_YAML_BYTES:
         raise YamlLimitError(f"{source}: {len(text):,} characters; YAML above {MAX_YAML_BYTES:,} is refused")
+    if NOT_UTF8_RE.search(text):  # libyaml takes UTF-8 only: it would raise UnicodeEncodeError
+        raise ConfigError(f"{source}: {short_repr(text)} {text_problem(text)}; use UTF-8")
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
@@ -183,7 +189,7 @@ def parse_yaml(text: str, source: str) -> Any:
         _check_yaml_graph(node, source)
         return loader.construct_document(node)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {_yaml_problem(e)}") from None
+        raise InvalidYamlError(f"{source}: not valid YAML: {_yaml_problem(e)}") from None
     except RecursionError:
         raise YamlLimitError(f"{source}: nested too deeply") from None
     finally:
@@ -215,20 +221,27 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if data is None:
         raise ConfigError(f"{name}: is empty; expected `key: value` lines")
     if not isinstance(data, dict):
-        raise ConfigError(f"{name}: expected a mapping (`key: value` lines) at the top level, got a {type(data).__name__}")
+        kind = type(data).__name__
+        raise ConfigError(f"{name}: expected a mapping (`key: value` lines) at the top level, got "
+                          f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}")
     return data
 
 
+QUOTED_OR_FLOW = ('"', "'", "[", "{")  # how a YAML quoted string, list or mapping starts
+
+
 def parse_value(raw: str, source: str) -> Any:
-    """A command-line value parsed as YAML (2 -> int, true -> bool, [1,2] -> list); text that is not valid YAML
-    stays a string, but the size and alias limits still apply."""
+    """A command-line value parsed as YAML (2 -> int, true -> bool, [1,2] -> list); other text that is not valid
+    YAML stays a string, but the size and alias limits still apply. A value that starts as a quoted string, list
+    or mapping must be valid YAML: with a quote or bracket left open it would become a wrong string."""
     if not raw.strip():
         return raw
     try:
         return parse_yaml(raw, source)
-    except (YamlLimitError, RepeatedKeyError):
-        raise
-    except ConfigError:
+    except InvalidYamlError as e:
+        if raw.lstrip().startswith(QUOTED_OR_FLOW):
+            raise ConfigError(f"{e}; a value that starts with a quote or bracket is read as YAML: close the quote or "
+                              f"bracket in {short_repr(raw)}, or quote the whole value") from None
         return raw
 
 
@@ -237,8 +250,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[Bas
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
-        if CONTROL_RE.search(item):  # YAML would fold a raw newline into a space and hide it
-            raise ConfigError(f"override {item!r} contains a newline or control character; remove it")
+        try:
+            no_control(item, "override")  # YAML would fold a raw newline into a space and hide it
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         key, raw = item.split("=", 1)
         path = key.strip().split(".")
         node_schema: type[BaseModel] | None = schema
@@ -260,13 +275,32 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[Bas
 
 def load(schema: type[Schema], path: str | Path, overrides: list[str] | None = None) -> Schema:
     """A YAML file with overrides applied, validated against `schema`; every error as one ConfigError line."""
-    data = apply_overrides(read_yaml(path), overrides or [], schema)
+    return validate(schema, apply_overrides(read_yaml(path), overrides or [], schema), str(path), overrides or [])
+
+
+def validate(schema: type[Schema], data: Any, source: str, overrides: Sequence[str] = ()) -> Schema:
+    """schema.model_validate(data), every error as one ConfigError line naming `source` (and the overrides)."""
     try:
         return schema.model_validate(data)
     except ValidationError as e:
-        raise _format_errors(e, schema, str(path), overrides or []) from None
+        raise _format_errors(e, schema, source, overrides) from None
 
 
 def dump(model: BaseModel) -> str:
     """YAML that _Loader reads back as the same values (a string such as "1e5" quoted)."""
-    return yaml.dump(model.model_dump(mode="json"), Dumper=_Dumper, sort_keys=False)
+    data = model.model_dump(mode="json")
+    _refuse_not_utf8(data, "")
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
+
+
+def _refuse_not_utf8(value: Any, where: str) -> None:
+    """A ConfigError naming the key whose text is not UTF-8: the dumper would write it as an escape (\\uDCFF)
+    that no reader takes back, so the run's config.yaml or cluster.yaml could not be read again."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_not_utf8(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for item in value:
+            _refuse_not_utf8(item, where)
+    elif isinstance(value, str) and NOT_UTF8_RE.search(value):
+        raise ConfigError(f"{where} {value!r} {text_problem(value)}; a run's files are UTF-8: use UTF-8 names")

@@ -15,20 +15,46 @@ from pydantic import BaseModel, ConfigDict
 # \Z, not $: `$` also matches before a final newline, so "debug\n" passed a .match and split its #SBATCH line
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
-CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+# C0, DEL and C1 controls, and the line and paragraph separators: YAML folds NEL (U+0085), U+2028 and U+2029 into
+# a line break, and a terminal may act on any of them
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# Python reads bytes that are not UTF-8 (in argv, the environment, the current directory's name) as lone surrogates
+# (\udcXX): such text cannot be written to a UTF-8 file, so a config.yaml holding it could not be read back
+NOT_UTF8_RE = re.compile(r"[\ud800-\udfff]")
+
+
+def text_problem(value: str) -> str | None:
+    """What makes `value` unfit for one line of a setting, or for a UTF-8 file we write; None when nothing does."""
+    if CONTROL_RE.search(value):
+        return "contains a newline or control character"
+    if NOT_UTF8_RE.search(value):
+        return "is not UTF-8 (each \\udcXX stands for a byte that does not decode)"
+    return None
 
 
 def no_control(value: str, what: str) -> str:
-    """`value` unchanged; a ValueError naming `what` when it holds a newline or other control character."""
-    if CONTROL_RE.search(value):
-        raise ValueError(f"{what} {value!r} contains a newline or control character; remove it")
+    """`value` unchanged; a ValueError naming `what` when it holds a newline or other control character, or bytes
+    that are not UTF-8."""
+    if problem := text_problem(value):
+        raise ValueError(f"{what} {value!r} {problem}; {'remove it' if CONTROL_RE.search(value) else 'use UTF-8'}")
     return value
 
 
+def path_value(value: str | None, what: str, empty_hint: str = "give a path, or null to leave it unset") -> str | None:
+    """A path field's value: None stays None (unset); an empty or blank path is refused, since it would silently
+    mean the current directory."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise ValueError(f"{what} is empty, which would mean the current directory; {empty_hint}")
+    return no_control(value, what)
+
+
 def shown(path: str | Path) -> str:
-    """A path for a one-line message: as typed, or quoted with escapes when it holds a newline or control character."""
+    """A path for a one-line message: as typed, or quoted with escapes when it holds a newline, a control character
+    or bytes that are not UTF-8."""
     text = str(path)
-    return repr(text) if CONTROL_RE.search(text) else text
+    return repr(text) if text_problem(text) else text
 
 
 class Strict(BaseModel):

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from mcorekit.config.cluster import ClusterProfile, load_profile
 from mcorekit.config.experiment import Experiment, load_experiment
-from mcorekit.config.loading import dump, parse_value
-from mcorekit.config.values import CONTROL_RE, shown
+from mcorekit.config.loading import dump, parse_value, validate
+from mcorekit.config.values import no_control, shown, text_problem
 from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError
 from mcorekit.hub import HUB_ID_RE, is_hub_id
 from mcorekit.launch.plan import check
@@ -80,11 +80,17 @@ MODEL_DIR_FIELDS = ("model.hf_config", "data.tokenizer")  # there `org/name` wit
 
 
 def absolute(path: str, what: str, base: str | None = None) -> str:
-    """`path` absolute against `base` (default: the current directory), `~` expanded (symbolic links kept as named)."""
+    """`path` absolute against `base` (default: the current directory), `~` expanded (symbolic links kept as named).
+    The folder it is read against must be fit for the job's files: one line of UTF-8 text."""
     expanded = os.path.expanduser(path)
     if expanded.startswith("~"):
         raise ConfigError(f"{what} {shown(path)}: a path starts with ~ and a user name this machine does not know")
-    return os.path.normpath(os.path.join(base, expanded)) if base else os.path.abspath(expanded)
+    result = os.path.normpath(os.path.join(base, expanded)) if base else os.path.abspath(expanded)
+    if not text_problem(path) and (problem := text_problem(result)):
+        against = (f"the home folder {shown(os.path.expanduser('~'))}" if expanded != path else
+                   shown(base) if base else f"the current directory {shown(os.getcwd())}")
+        raise ConfigError(f"{what} {shown(path)} is read against {against}, which {problem}; give an absolute path")
+    return result
 
 
 def _each_path(exp: Experiment, change: Callable[[str, str], str], hub_id: Callable[[str], bool]) -> Experiment:
@@ -105,7 +111,7 @@ def _each_path(exp: Experiment, change: Callable[[str, str], str], hub_id: Calla
         where, _, name = reward["function"].rpartition(":")
         if where.endswith(".py") or "/" in where:  # as train/rewards.py tells a file from a module
             reward["function"] = f"{change(where, 'grpo.rewards function')}:{name}"
-    return Experiment.model_validate(data)
+    return validate(Experiment, data, "the experiment's paths made absolute")  # absolute() says the known cases first
 
 
 def absolute_paths(exp: Experiment, base: str | None = None) -> Experiment:
@@ -475,8 +481,10 @@ def parse_axes(items: list[str]) -> dict[str, list[Any]]:
     for item in items:
         if "=" not in item:
             raise ConfigError(f"sweep axis {item!r} is not of the form key.path=v1,v2,...")
-        if CONTROL_RE.search(item):
-            raise ConfigError(f"sweep axis {item!r} contains a newline or control character; remove it")
+        try:
+            no_control(item, "sweep axis")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         key, raw = item.split("=", 1)
         key = key.strip()
         if key in axes:
@@ -499,15 +507,32 @@ def parse_axes(items: list[str]) -> dict[str, list[Any]]:
 
 
 def _values(raw: str) -> list[str]:
-    """An axis's values: split on the commas outside brackets, so that a value can be a list or a mapping
-    (data.paths=[a,b],[c] is two values)."""
+    """An axis's values: split on the commas outside brackets and quoted strings, so that a value can be a list, a
+    mapping or a string holding commas (data.paths=[a,b],[c] is two values, and so is "/a,b","/c"). A quote opens a
+    string only where YAML's would: first in a value or after a bracket, comma or ': ' (it's,x is two values)."""
     values: list[str] = []
     depth = start = 0
-    for i, char in enumerate(raw):
-        depth += (char in "[{") - (char in "]}")
-        if char == "," and depth == 0:
+    quote = None  # the quote character of the string we are in
+    i = 0
+    while i < len(raw):
+        char = raw[i]
+        if quote:
+            if quote == '"' and char == "\\":
+                i += 1  # an escaped character: \" does not close the string
+            elif quote == "'" and raw[i:i + 2] == "''":
+                i += 1  # '' is a quote inside a single-quoted string
+            elif char == quote:
+                quote = None
+        elif char in "\"'" and raw[start:i].rstrip()[-1:] in ("", "[", "{", ",", ":"):
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+        elif char == "," and depth == 0:
             values.append(raw[start:i])
             start = i + 1
+        i += 1
     return values + [raw[start:]]
 
 

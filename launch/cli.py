@@ -16,23 +16,24 @@ from typing import Any
 
 from mcorekit.config.cluster import load_profile
 from mcorekit.config.loading import dump
-from mcorekit.config.values import CONTROL_RE, shown
+from mcorekit.config.values import shown, text_problem
 from mcorekit.errors import ConfigError, LaunchError
 from mcorekit.export import targets
 from mcorekit.launch import api
-from mcorekit.options import count
+from mcorekit.options import count, nonempty
 from mcorekit.launch.submit import check_writable, literal_env_warnings, submit_one
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", default="local", help="profile name from slurm/clusters/ or a YAML path (default: local)")
+    parser.add_argument("--cluster", type=nonempty, default="local",
+                        help="profile name from slurm/clusters/ or a YAML path (default: local)")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and the exact sbatch script; submit nothing")
     parser.add_argument("--set", dest="profile_overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a cluster-profile key, e.g. --set partition=batch (repeatable)")
 
 
 def _experiment_args(parser: argparse.ArgumentParser, config_required: bool = True) -> None:
-    parser.add_argument("--config", required=config_required, help="experiment YAML")
+    parser.add_argument("--config", type=nonempty, required=config_required, help="experiment YAML")
     parser.add_argument("--nodes", type=count, default=None, help="number of nodes (default: the experiment's resources.nodes)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="experiment overrides, e.g. parallel.tp=2")
 
@@ -51,7 +52,7 @@ def main_train(argv: list[str]) -> int:
     )
     _experiment_args(parser, config_required=False)
     _common(parser)
-    parser.add_argument("--resume", metavar="RUN_DIR", default=None,
+    parser.add_argument("--resume", type=nonempty, metavar="RUN_DIR", default=None,
                         help="relaunch a run folder that `mcorekit launch` made: its own config.yaml and cluster.yaml, "
                              "the same folder and checkpoints (training resumes from the latest), as the next job; "
                              "takes no --config, --cluster, --set, --nodes or overrides")
@@ -75,10 +76,11 @@ def main_train(argv: list[str]) -> int:
 
 
 def _show(p: api.Prepared) -> None:
+    config, script = dump(p.experiment), p.job().script  # first: what cannot be written or built prints nothing
     print(f"# model: {p.model.architecture}, {p.model.num_parameters() / 1e6:,.1f}M parameters")
-    print("# resolved experiment\n" + dump(p.experiment))
+    print("# resolved experiment\n" + config)
     print(f"# each task runs: {p.spec.task_command}")
-    print("# sbatch script\n" + p.job().script, end="")
+    print("# sbatch script\n" + script, end="")
 
 
 def _resume(args: argparse.Namespace, argv: list[str]) -> int:
@@ -144,8 +146,8 @@ def _check_chain_outputs(args: argparse.Namespace, ckpt: Path) -> None:
     outputs = [("--hf-out", args.hf_out), ("--export-out", args.export_out), ("--engine-out", args.engine_out)]
     named = [(flag, Path(v)) for flag, v in outputs if v is not None]
     for flag, path in named:
-        if CONTROL_RE.search(str(path)):
-            raise ConfigError(f"{flag} {shown(path)} contains a newline or control character; choose another path")
+        if problem := text_problem(str(path)):
+            raise ConfigError(f"{flag} {shown(path)} {problem}; choose another path")
         if path.exists() or path.is_symlink():
             raise ConfigError(f"{flag} {path} exists; the chain's stages do not replace outputs: choose a new path or remove it")
     from mcorekit.outputs import overlaps
@@ -177,16 +179,19 @@ def main_chain(argv: list[str]) -> int:
                                      "(afterok, --kill-on-invalid-dep=yes).")
     _experiment_args(parser)
     _common(parser)
-    parser.add_argument("--hf-out", required=True, help="where the convert stage writes the HF checkpoint")
-    parser.add_argument("--export-out", default=None, help="where the export stage writes the TensorRT-LLM checkpoint")
+    parser.add_argument("--hf-out", type=nonempty, required=True,
+                        help="where the convert stage writes the HF checkpoint")
+    parser.add_argument("--export-out", type=nonempty, default=None,
+                        help="where the export stage writes the TensorRT-LLM checkpoint")
     parser.add_argument("--export-target", choices=targets.NAMES, default="pytorch",
                         help="; ".join(f"{t.name}: {t.description}" for t in targets.TARGETS.values()))
-    parser.add_argument("--engine-out", default=None, help="with --export-target engine: also build engines (a GPU job)")
+    parser.add_argument("--engine-out", type=nonempty, default=None,
+                        help="with --export-target engine: also build engines (a GPU job)")
     args = parser.parse_args(argv)
     p = api.load(args.config, args.cluster, args.overrides, args.profile_overrides, args.nodes)
     _warn(p)
     for flag in ("hf_out", "export_out", "engine_out"):  # the stages run in another working directory
-        if getattr(args, flag) is not None and not CONTROL_RE.search(getattr(args, flag)):
+        if getattr(args, flag) is not None and not text_problem(getattr(args, flag)):
             setattr(args, flag, api.absolute(getattr(args, flag), f"--{flag.replace('_', '-')}"))
     ckpt = p.experiment.checkpoint.dir or str(p.spec.run_dir / "checkpoints")
     _check_chain_outputs(args, Path(ckpt))

@@ -8,7 +8,9 @@ is skipped with one warning naming the file and line, so one bad line never hide
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,7 +24,7 @@ from mcorekit.config.values import CONTROL_RE, shown
 from mcorekit.errors import LaunchError
 from mcorekit.launch import accounting, diagnose
 from mcorekit.launch.api import SWEEP_SUFFIX
-from mcorekit.options import count, index, positive_float
+from mcorekit.options import count, index, nonempty, positive_float
 from mcorekit.launch.submit import REGISTRY
 
 JOB_ID_RE = re.compile(r"(\d+)(?:_(\d+))?", re.ASCII)  # a job or one array task, as the registry and logs name them
@@ -67,10 +69,10 @@ def _registry(run_root: Path) -> list[dict[str, Any]]:
             bad.append((number, problem))
         else:
             entries.append(entry)
-    if bad:
-        lines = ", ".join(str(n) for n, _ in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    if bad:  # each line with its own reason
+        lines = ", ".join(f"{n} ({why})" for n, why in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         print(f"mcorekit: warning: {shown(path)}: skipped malformed line{'s' if len(bad) > 1 else ''} {lines} "
-              f"({bad[0][1]}) and read the rest", file=sys.stderr)
+              f"and read the rest", file=sys.stderr)
     return entries
 
 
@@ -190,7 +192,7 @@ def status_rows(root: Path, last: int) -> list[dict[str, Any]]:
         ids = [k for k in records if k == e["job_id"] or k.startswith(e["job_id"] + "_")] or [e["job_id"]]
         for jid in ids:
             rec = accounting.record_for(records, jid)
-            texts = [p.read_text(errors="replace") for p in diagnose.log_files(Path(e["run_dir"]), jid)]
+            texts = [_tail(p) for p in diagnose.log_files(Path(e["run_dir"]), jid)]
             step = diagnose.last_step(texts)
             why = reused(rec, slurm)
             if why:  # another job's state, exit code and times are not this run's: none of them is shown
@@ -206,6 +208,22 @@ def status_rows(root: Path, last: int) -> list[dict[str, Any]]:
                          "last_step": step, "diagnosis": why, "run_dir": e["run_dir"],
                          "dependency": e.get("dependency")})
     return rows
+
+
+# status reads this much of the end of each log: what it shows (the last step, why the job ended) is there, and a
+# long job's logs (every rank's) would otherwise be read whole for each row
+LOG_TAIL_BYTES = 256 * 1024
+
+
+def _tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:
+    """The last `size` bytes of a log as text, from its first whole line."""
+    with open(path, "rb") as f:
+        start = max(f.seek(0, os.SEEK_END) - size, 0)
+        f.seek(start)
+        data = f.read(size)
+    if start > 0:  # cut inside a line (or a character): that line starts before what is read
+        data = data.partition(b"\n")[2]
+    return data.decode("utf-8", errors="replace")
 
 
 def _registry_quiet(root: Path) -> list[dict[str, Any]]:
@@ -245,16 +263,22 @@ def status(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- logs
 
 
+PRINT_CHUNK = 1 << 20  # logs prints a log in pieces of this many bytes: never the whole file in memory
+
+
 def _print_new(path: Path, pos: int) -> int:
     """Print what was appended to path since byte pos; the new position."""
     if not path.exists():
         return pos
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character split between pieces stays whole
     with open(path, "rb") as f:
         f.seek(pos)
-        chunk = f.read()
-    sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+        while chunk := f.read(PRINT_CHUNK):
+            sys.stdout.write(decoder.decode(chunk))
+            pos += len(chunk)
+    sys.stdout.write(decoder.decode(b"", final=True))
     sys.stdout.flush()
-    return pos + len(chunk)
+    return pos
 
 
 def _slurm_record(job: str, names: dict[str, set[str]]) -> accounting.JobRecord | None:
@@ -443,9 +467,10 @@ def main(command: str, argv: list[str]) -> int:
         "cancel": "Cancel jobs of this project (scancel); every id must be in the project's job registry, or "
                   "nothing is cancelled.",
     }[command])
-    parser.add_argument("--cluster", default="local", help="profile whose run_root holds the job registry (default: "
-                        "local; a profile without run_root uses $MCOREKIT_RUN_ROOT or ~/.local/state/mcorekit/runs)")
-    parser.add_argument("--runs", default=None, help="run root to read instead of the profile's")
+    parser.add_argument("--cluster", type=nonempty, default="local",
+                        help="profile whose run_root holds the job registry (default: local; a profile without "
+                             "run_root uses $MCOREKIT_RUN_ROOT or ~/.local/state/mcorekit/runs)")
+    parser.add_argument("--runs", type=nonempty, default=None, help="run root to read instead of the profile's")
     if command == "status":
         parser.add_argument("--last", type=count, default=20, help="how many recent jobs to show (>= 1)")
         parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table "

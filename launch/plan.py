@@ -244,16 +244,17 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 def main(argv: list[str]) -> int:
     from mcorekit.config.cluster import load_profile
-    from mcorekit.options import count, index, positive_float
+    from mcorekit.options import count, index, nonempty, positive_float
 
     parser = argparse.ArgumentParser(allow_abbrev=False,
         prog="mcorekit launch plan",
         description="Propose TP/PP/EP layouts (with the distributed optimizer, or Megatron-FSDP where that fits with "
         "fewer model-parallel ranks) that are valid for the model and fit in GPU memory, by the launcher's estimate.")
-    parser.add_argument("--model", required=True, help="a preset name (e.g. llama-3b), an HF model directory / config.json, or a Hub "
-                        "model ID (org/name)")
+    parser.add_argument("--model", type=nonempty, required=True,
+                        help="a preset name (e.g. llama-3b), an HF model directory / config.json, or a Hub model ID "
+                             "(org/name)")
     parser.add_argument("--gpus", type=count, required=True, help="total GPUs")
-    parser.add_argument("--cluster", default=None,
+    parser.add_argument("--cluster", type=nonempty, default=None,
                         help="a cluster profile (name or YAML path) for GPUs per node and memory per GPU")
     parser.add_argument("--gpus-per-node", type=count, default=None,
                         help="GPUs per node, the limit for TP (default: the profile's, else 8)")

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from mcorekit.config.cluster import ClusterProfile
 from mcorekit.config.rules import time_limit_problem
-from mcorekit.config.values import ENV_KEY_RE, NAME_RE, no_control, parse_time_minutes, shown
+from mcorekit.config.values import ENV_KEY_RE, NAME_RE, no_control, parse_time_minutes, shown, text_problem
 from mcorekit.errors import ConfigError, LaunchError, MCoreKitError
 
 # Environment every Megatron job gets; a profile's env can override any of them.
@@ -72,9 +72,13 @@ class JobSpec:
         if not NAME_RE.match(self.name):
             raise ConfigError(f"job name {self.name!r} must be letters, digits, '.', '_' or '-' (max 64)")
         _checked(str(self.run_dir), "run directory")
-        if "%" in str(self.run_dir):  # Slurm expands %j, %A, %x... in --output/--error: the logs would go elsewhere
-            raise ConfigError(f"run directory {shown(self.run_dir)} contains '%', which Slurm expands in log file "
-                              f"names (%j is the job id); choose a run_root without '%'")
+        # Slurm expands %j, %A, %x... in --output/--error, and a backslash there turns that off: the logs would go
+        # elsewhere than the run folder
+        for char, name in (("%", "'%'"), ("\\", "a backslash")):
+            if char in str(self.run_dir):
+                raise ConfigError(f"run directory {shown(self.run_dir)} contains {name}, which Slurm's log file names "
+                                  f"treat specially (%j is the job id; a backslash turns that off); choose a run_root "
+                                  f"without '%' or backslashes")
         if self.task_command is not None:
             _checked(self.task_command, "task command")
         for what, value, low in (("nodes", self.nodes, 1), ("array size", self.array_size, 1),
@@ -122,7 +126,11 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
         srun_args.append(f"--container-image={profile.container.image}")
         if profile.container.mounts:
             srun_args.append(f"--container-mounts={','.join(profile.container.mounts)}")
-        srun_args.append(f"--container-workdir={profile.container.workdir or str(Path.cwd())}")
+        workdir = profile.container.workdir or str(Path.cwd())
+        if problem := text_problem(workdir):  # the current directory's name, which no schema checked
+            raise ConfigError(f"the container's workdir is the current directory {shown(workdir)}, which {problem}; "
+                              f"set container.workdir in the cluster profile, or launch from another directory")
+        srun_args.append(f"--container-workdir={workdir}")
     srun_args += profile.srun_args
 
     limit = spec.time or profile.time_limit

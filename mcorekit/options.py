@@ -1,5 +1,5 @@
-"""argparse `type=` checks for every command's numeric options: a value out of range is a usage error (exit 2)
-at parse time, before anything is read, written or submitted."""
+"""argparse `type=` checks for every command's numeric options (a value out of range) and path or name options
+(an empty value): a usage error (exit 2) at parse time, before anything is read, written or submitted."""
 
 from __future__ import annotations
 
@@ -44,3 +44,10 @@ def positive_float(text: str) -> float:
 
 count = positive_int = int_at_least(1)  # nodes, GPUs, parallel sizes, workers: at least one
 index = int_at_least(0)  # ranks and task numbers start at 0
+
+
+def nonempty(text: str) -> str:
+    """A file, folder or profile name: an empty one would silently mean the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (it would mean the current directory); give a path or a name")
+    return text

@@ -13,10 +13,11 @@ import re
 import subprocess
 import sys
 import time
+import tracemalloc
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import cloudpickle
 import pytest
@@ -26,7 +27,7 @@ from mcorekit.cli import main
 from mcorekit.config.experiment import Experiment
 from mcorekit.config.loading import MAX_YAML_BYTES, YamlLimitError, apply_overrides
 from mcorekit.errors import ConfigError, LaunchError
-from mcorekit.launch import api, jobs_cli
+from mcorekit.launch import accounting, api, jobs_cli
 from mcorekit.launch.submit import REGISTRY, record
 
 # Payloads defined here travel by value: the job's Python need not import this test module.
@@ -280,8 +281,11 @@ def test_paths_pathlib_cannot_resolve_are_one_line(tmp_path: Path, monkeypatch: 
     one_error(run_main("status", "--runs", tmp_path / "a"), "Symlink loop from", str(tmp_path / "a"))
     one_error(run_main("launch", "--resume", tmp_path / "a"), "Symlink loop from")
     monkeypatch.setenv("MCOREKIT_RUN_ROOT", "~no-such-user-here/runs")
-    one_error(run_main("launch", "--config", TINY, "--dry-run"),
-              "a path starts with ~ and a user name this machine does not know")
+    one_error(run_main("launch", "--config", TINY, "--dry-run"),  # named: pathlib's message names no path
+              "$MCOREKIT_RUN_ROOT ~no-such-user-here/runs: a path starts with ~ and a user name this machine does "
+              "not know; give an absolute path")
+    one_error(run_main("launch", "--config", TINY, "--dry-run", "--set", "run_root=~no-such-user-here/runs"),
+              "run_root ~no-such-user-here/runs: a path starts with ~ and a user name")
 
 
 @pytest.mark.parametrize("argv,error", [
@@ -414,6 +418,70 @@ def test_a_torn_registry_line_is_skipped_and_never_swallows_the_next_entry(tmp_p
     assert [e["job_id"] for e in entries] == ["5", "7"]
     assert capsys.readouterr().err.strip() == (f"mcorekit: warning: {registry}: skipped malformed line 2 "
                                                f"(not JSON (JSONDecodeError)) and read the rest")
+
+
+def test_each_skipped_registry_line_is_given_its_own_reason(tmp_path: Path, capsys) -> None:
+    """The warning gave the first bad line's reason for all of them."""
+    registry = write(tmp_path / REGISTRY, b'{"job_id": "5", "name": "a", "run_dir": "/r"}\n{"job_id": "6", "na\n'
+                     b'\xff\n[1, 2]\n{"job_id": "1;x", "name": "x", "run_dir": "/r"}\n')
+    assert [e["job_id"] for e in jobs_cli._registry(tmp_path)] == ["5"]
+    assert capsys.readouterr().err.strip() == (
+        f"mcorekit: warning: {registry}: skipped malformed lines 2 (not JSON (JSONDecodeError)), 3 (not JSON "
+        f"(UnicodeDecodeError)), 4 (a JSON list, not an object), 5 (job_id '1;x' is not a Slurm job id) and read "
+        f"the rest")
+    write(tmp_path / REGISTRY, b"[]\n" * 7)
+    jobs_cli._registry(tmp_path)
+    assert capsys.readouterr().err.strip() == (
+        f"mcorekit: warning: {registry}: skipped malformed lines "
+        + ", ".join(f"{n} (a JSON list, not an object)" for n in range(1, 6)) + " and 2 more and read the rest")
+
+
+def sparse_log(path: Path, size: int, end: bytes) -> Path:
+    """A log of `size` bytes of zeros (a hole: no disk used), then `end`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(size)
+        f.seek(size)
+        f.write(end)
+    return path
+
+
+def peak_memory(call: Callable[[], object]) -> tuple[object, int]:
+    """call()'s result and the most memory Python held for it at once, in bytes."""
+    tracemalloc.start()
+    try:
+        result = call()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_status_reads_only_the_end_of_each_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank's log was read whole for each row: status's memory grew with a long job's logs."""
+    sparse_log(tmp_path / "run" / "logs" / "7_0_log.err", 64 << 20,
+               b"\nstep 41/50\nTraceback (most recent call last):\n  File \"x\", line 1\nRuntimeError: CUDA out of "
+               b"memory\n")
+    record(tmp_path, job_id="7", name="x", kind="train", run_dir=str(tmp_path / "run"))
+    monkeypatch.setattr(accounting, "sacct", lambda ids: {
+        j: accounting.JobRecord(j, "x", "FAILED", "1:0", "00:01:00", 0) for j in ids})
+    rows, peak = peak_memory(lambda: jobs_cli.status_rows(tmp_path, 10))
+    assert [(r["last_step"], r["diagnosis"].split(":")[0]) for r in rows] == [(41, "CUDA out of memory")]
+    assert peak < 8 << 20, f"{peak:,} bytes"
+
+
+def test_logs_prints_a_log_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mcorekit logs` read the whole log into memory before printing it."""
+    big = sparse_log(tmp_path / "big.out", 64 << 20, b"done\n")
+    with open(os.devnull, "w") as sink, redirect_stdout(sink):
+        pos, peak = peak_memory(lambda: jobs_cli._print_new(big, 0))
+    assert pos == big.stat().st_size and peak < 8 << 20, f"{peak:,} bytes"
+    # what is printed is the same, a character split between two pieces included
+    data = "step 1 \u00e9\u20ac\U0001f600 ok\n".encode() + b"\xff bad byte\n"
+    sparse_log(tmp_path / "run" / "logs" / "7_0_log.out", 0, data)
+    record(tmp_path, job_id="7", name="x", kind="train", run_dir=str(tmp_path / "run"))
+    monkeypatch.setattr(jobs_cli, "PRINT_CHUNK", 3)
+    r = run_main("logs", "7", "--runs", tmp_path)
+    assert (r.code, r.out, r.err) == (0, data.decode("utf-8", errors="replace"), "")
 
 
 def test_cancel_id_lists_are_parsed_whole(tmp_path: Path) -> None:
@@ -588,8 +656,9 @@ def test_malformed_registry_lines_are_skipped_with_one_warning(ours: Ours, forei
     registry = write(runs / REGISTRY, good + b'{"job_id": "1", "na\n' + b"\x00\xff\xfe binary\n" + b"[1, 2]\n"
                      + b'{"job_id": "1;rm -rf ~", "name": "x", "run_dir": "/r"}\n' + b'{"job_id": "' + foreign.encode() + b'_')
     before = snapshot(runs)
-    warning = (f"mcorekit: warning: {registry}: skipped malformed lines {n + 1}, {n + 2}, {n + 3}, {n + 4}, {n + 5} "
-               f"(not JSON (JSONDecodeError)) and read the rest")
+    warning = (f"mcorekit: warning: {registry}: skipped malformed lines {n + 1} (not JSON (JSONDecodeError)), "
+               f"{n + 2} (not JSON (UnicodeDecodeError)), {n + 3} (a JSON list, not an object), {n + 4} (job_id "
+               f"'1;rm -rf ~' is not a Slurm job id), {n + 5} (not JSON (JSONDecodeError)) and read the rest")
     status = run_cli("status", "--runs", runs)
     assert status.code == 0 and status.err.strip() == warning, status.err
     assert all(f" {a}_{i} " in status.out for i in range(4)), status.out
