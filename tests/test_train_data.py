@@ -98,10 +98,13 @@ def test_cli_preprocess(tmp_path: Path, tok: Path) -> None:
     import sys
 
     write_corpus(tmp_path / "a.jsonl", 20, seed=3, key="body")
+    with open(tmp_path / "a.jsonl", "a") as f:
+        f.write(json.dumps({"body": ""}) + "\n")  # a document of the eod token alone: counted, not hidden
     cmd = [sys.executable, "-m", "mcorekit.cli", "data", "preprocess", str(tmp_path / "a.jsonl"), "--tokenizer", str(tok),
            "--output-prefix", str(tmp_path / "a"), "--key", "body", "--quiet"]
     r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0 and "20 documents" in r.stdout, r.stderr
+    assert r.returncode == 0 and "21 documents" in r.stdout, r.stderr
+    assert "; 1 of the documents empty (an eod token alone)" in r.stdout
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith("mcorekit: error: output exists"), r.stderr
 

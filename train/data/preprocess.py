@@ -49,10 +49,12 @@ class PreprocessSummary:
     tokens: int
     seconds: float
     workers: int
+    empty: int = 0  # documents of an empty text: the eod token alone
 
     def line(self, prefix: str) -> str:
+        empty = f"; {self.empty} of the documents empty (an eod token alone)" if self.empty else ""
         return (f"{prefix}: {self.documents} documents, {self.tokens} tokens in {self.seconds:.1f} s "
-                f"({self.tokens / max(self.seconds, 1e-9) / 1e3:.0f}k tokens/s, {self.workers} workers)")
+                f"({self.tokens / max(self.seconds, 1e-9) / 1e3:.0f}k tokens/s, {self.workers} workers){empty}")
 
 
 # ---------------------------------------------------------------- tokenizing (in workers)
@@ -290,7 +292,7 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
     tmp = {ext: p.with_name(f"{p.name}.tmp-{os.getpid()}") for ext, p in out.items()}
     workers = workers or os.cpu_count() or 1
     start = time.perf_counter()
-    docs = tokens = 0
+    docs = tokens = empty = 0
     writer = None
     try:
         writer = IndexedWriter(tmp[".bin"], dtype)
@@ -308,6 +310,7 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
                 for doc in batch:
                     writer.add(doc)
                 tokens += sum(d.size for d in batch)
+                empty += sum(d.size == 1 for d in batch)
                 docs += len(batch)
                 bar.update(min(read[0], total) - bar.n)
                 bar.set_postfix(tokens=tokens, refresh=False)
@@ -328,7 +331,7 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
     except BaseException:
         _discard(writer, tmp.values())
         raise
-    return PreprocessSummary(docs, tokens, time.perf_counter() - start, workers)
+    return PreprocessSummary(docs, tokens, time.perf_counter() - start, workers, empty)
 
 
 def _discard(writer: IndexedWriter | None, paths: Iterable[Path]) -> None:
