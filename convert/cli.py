@@ -20,10 +20,15 @@ from mcorekit.options import positive_float, positive_int
 # torch (through convert.pipeline) is imported inside each command, once its arguments parse: --help stays fast.
 FORMATS = {"torch_dist": "Megatron-Core's distributed format, loads at any layout",
            "torch": "Megatron-LM's legacy per-rank files for the layout given"}
+MAX_SHARD_GB = 1024**2  # a PiB: any larger shard size means "one shard"; a float beyond it may not fit an int
 
 
-
-
+def shard_gb(text: str) -> float:
+    """--max-shard-gb: a number > 0 and at most MAX_SHARD_GB."""
+    value = positive_float(text)
+    if value > MAX_SHARD_GB:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_SHARD_GB:,} (GB), got {text[:20]}")
+    return value
 
 
 def _hf_to_mcore(argv: list[str]) -> int:
@@ -76,7 +81,7 @@ def _mcore_to_hf(argv: list[str]) -> int:
     p.add_argument("out_dir", help="output HF directory (written aside and renamed when complete)")
     p.add_argument("--hf-config", default=None, help="HF directory, config.json or Hub ID (default: the one stored at import)")
     p.add_argument("--dtype", choices=list(dtypes.NAMES), default=None, help="default: the HF config's dtype")
-    p.add_argument("--max-shard-gb", type=positive_float, default=5.0, help="largest output shard, in GB (> 0)")
+    p.add_argument("--max-shard-gb", type=shard_gb, default=5.0, help="largest output shard, in GB (> 0)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT_DIR if an earlier mcorekit command wrote it (never an input or an unknown folder)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -26,6 +26,7 @@ from mcorekit.outputs import start_writeback
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+MAX_TENSORS = 2**22  # in all shards together: DeepSeek-V3's 256 experts x 61 layers make ~100k (with fp8 scales)
 MAX_DIM = 2**63 - 1  # torch's sizes are int64
 WRITER_THREADS = 2  # HFWriter's background writers (see there)
 WRITEBACK_MIN_BYTES = 1024**2  # smaller tensors go through the page cache, left to the shard's fsync: a direct
@@ -120,6 +121,9 @@ class HFReader:
             if twice:
                 raise ConversionError(f"{self.path}: tensor {twice[0]!r} is in both {self.entries[twice[0]].shard} and {shard}")
             self.entries.update(found)
+            if len(self.entries) > MAX_TENSORS:  # each header is bounded, their number only by the index
+                raise ConversionError(f"{self.path}: its shards list more than {MAX_TENSORS:,} tensors, more than any "
+                                      f"model has; a damaged checkpoint")
             missing = sorted(k for k, v in weight_map.items() if v == shard and k not in found)
             if missing:
                 raise ConversionError(f"{self.path / shard}: the index lists {missing[:3]} but the shard lacks them")
@@ -165,6 +169,9 @@ class HFReader:
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
             spans = {}
+            meta = header.get("__metadata__", {})
+            if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+                raise ValueError("__metadata__ is not an object of strings, as safetensors requires")
             for name, info in header.items():
                 if name != "__metadata__":
                     dtype, shape, begin, end = parse_entry(name, info, size - 8 - n)

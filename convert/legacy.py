@@ -26,7 +26,8 @@ from typing import Any, Callable
 import torch
 
 from mcorekit.convert import torch_dist
-from mcorekit.convert.files import write_failure
+from mcorekit.convert.files import model_file, write_failure
+from mcorekit.convert.verify import same_bits
 from mcorekit.errors import ConversionError
 from mcorekit.models import gpt_weights as gw
 from mcorekit.models.mapping import (GATED_COLUMN, GLOBAL, LAYER, MTP, MTP_LAYER, MTP_MODULE_LAYER, REPLICATED, ROW,
@@ -80,11 +81,12 @@ def stages(spec: ModelSpec, pp: int, vpp: int | None) -> dict[tuple[int, int], l
     return {(p, c): [c * (spec.num_layers // v) + p * per + i for i in range(per)] for p in range(pp) for c in range(v)}
 
 
-def check_layout(spec: ModelSpec, ctx: Ctx, layout: Layout) -> None:
-    """Every rule the layout breaks for this model (models/parallel.py's, for Megatron-Core), and this format's
-    own limit on expert TP, as one ConversionError (the CLI already refused sizes < 1)."""
+def check_layout(spec: ModelSpec, ctx: Ctx, layout: Layout, legacy: bool = True) -> None:
+    """Every rule the layout breaks for this model (models/parallel.py's, for Megatron-Core), and with `legacy`
+    this format's own limit on expert TP, as one ConversionError (the CLI already refused sizes < 1). torch_dist
+    checkpoints are resharded at load, to any expert TP Megatron-Core runs."""
     problems = layout_problems(spec, layout, MEGATRON, ctx.padded_vocab)
-    if spec.is_moe and layout.etp not in (1, layout.tp):
+    if legacy and spec.is_moe and layout.etp not in (1, layout.tp):
         problems.append(f"ETP={layout.etp}: the legacy format supports expert TP of 1 or equal to TP={layout.tp}")
     if problems:
         raise ConversionError("layout does not fit the model: " + "; ".join(problems))
@@ -197,7 +199,10 @@ class LegacyReader:
         dirs = sorted(d for d in iter_dir.glob("mp_rank_*") if d.is_dir())
         if not dirs:
             raise ConversionError(f"{iter_dir}: no mp_rank_* directories")
-        states = {d.name: load_rank_file(d / "model_optim_rng.pt") for d in dirs}
+        # read inside iter_dir only: a rank directory linked elsewhere (another checkpoint) would be an input that
+        # --force could replace
+        states = {d.name: load_rank_file(model_file(iter_dir, f"{d.name}/model_optim_rng.pt", str(iter_dir)))
+                  for d in dirs}
         self.ranks: dict[tuple[int, int, int], dict[int, dict[str, Any]]] = {}
         for name, state in states.items():
             t, p, e = self._parse(name, states)
@@ -314,7 +319,9 @@ class LegacyReader:
                     if stacked not in sizes:
                         t = self.read(stacked, (layer,))
                         sizes[stacked] = _Sized((L,) + tuple(t.shape), _Properties(t.dtype))
-            elif not (key == gw.OUTPUT and self.spec.tie_word_embeddings) and key not in sizes:
+            elif key == gw.OUTPUT and self.spec.tie_word_embeddings and self._embedding_copy():
+                continue  # Megatron's copy of a tied embedding (last stage, PP > 1): nothing of its own is lost
+            elif key not in sizes:  # a head of its own under a tied config is then reported as unexpected
                 t = self.read(key)
                 sizes[key] = _Sized(tuple(t.shape), _Properties(t.dtype))
         self.mtp_layers = len(mtp_ids)  # how many multi-token-prediction layers the files hold
@@ -322,6 +329,13 @@ class LegacyReader:
             if key.startswith(MTP):
                 sizes[key] = _Sized((self.mtp_layers, *sized.size[1:], *sized.slice), sized.properties)
         return sizes
+
+    def _embedding_copy(self) -> bool:
+        """Whether the stored output layer is a bit-identical copy of the embedding (what Megatron keeps on the
+        last stage of a tied model), which a tied config may drop."""
+        split = self.entries[gw.EMBEDDING].split
+        head = unshard(split, self._parts(self.pp - 1, 0, self.vpp - 1, gw.OUTPUT, split))
+        return same_bits(head, self.read(gw.EMBEDDING))
 
     def tensor_keys(self) -> dict[str, _Sized]:
         return dict(self._sizes)

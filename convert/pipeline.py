@@ -14,7 +14,7 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 from tqdm import tqdm
@@ -126,8 +126,8 @@ def dtype_problem(dtype: torch.dtype) -> str | None:
 # ---------------------------------------------------------------- HF -> Megatron
 
 
-def _listed(ids: set[int]) -> str:
-    shown = sorted(ids)
+def _listed(ids: Collection[int]) -> str:
+    shown = ids if isinstance(ids, range) else sorted(ids)  # a range may be a config's billion layers
     return "none" if not shown else ", ".join(map(str, shown[:8])) + (f", ... ({len(shown)} in all)" if len(shown) > 8 else "")
 
 
@@ -340,7 +340,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, fmt: str = "torch_dist"
         spec = with_hf_mtp(reader, spec_for(reader.config, reader.path / "config.json"))
         ctx = Ctx(spec, padded_vocab_size(spec.vocab_size, vocab_divisible_by))
         layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)
-        legacy.check_layout(spec, ctx, layout)  # torch_dist has no layout, but it must load at this one
+        legacy.check_layout(spec, ctx, layout, legacy=fmt == "torch")  # torch_dist has none, but must load at it
         amap = weight_map(spec)
         planned, total = plan_from_hf(reader, spec, amap, ctx, dtypes.to_torch(dtype) if dtype else None)
         summary = Summary()
@@ -406,9 +406,13 @@ MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", MTP)
 
 
 def config_mismatches(spec: ModelSpec, amap: WeightMap, sizes: dict[str, tuple[int, ...]],
-                      shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """Where the HF config and the stored tensors disagree: model dimensions first, then each tensor."""
+                      shapes: dict[str, tuple[int, ...]], layer_ids: dict[str, set[int]]) -> list[str]:
+    """Where the HF config and the stored tensors disagree: model dimensions first, then each tensor. `layer_ids`:
+    the layers each tensor stored one key per layer has (its stacked size is the config's, so they tell)."""
     out = []
+    held = layer_ids.get(gw.PROJ)
+    if held is not None and len(held) != spec.num_layers:
+        out.append(f"num_hidden_layers {spec.num_layers} in the config, {len(held)} in the checkpoint")
 
     def compare(field: str, value: int, key: str, dim: int) -> None:
         size = sizes.get(key, ())
@@ -427,6 +431,31 @@ def config_mismatches(spec: ModelSpec, amap: WeightMap, sizes: dict[str, tuple[i
         want = lead + shapes[m.mcore]
         if sizes[m.mcore] != want:
             out.append(f"{m.mcore} is {sizes[m.mcore]} in the checkpoint, the config implies {want}")
+        held, layers = layer_ids.get(m.mcore), m.stacked_layers(spec)
+        if held is not None and not (len(held) == len(layers) and all(i in layers for i in held)):
+            out.append(f"{m.mcore} is stored for layers {_listed(held)}, the config implies layers {_listed(layers)}")
+    return out
+
+
+# What the tensor shapes do not show: q/k/v are regrouped by heads, and other heads x head_dim give the same shapes
+HEAD_LAYOUT = {"num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
+               "kv_channels": "head_dim"}
+MLA_HEAD_LAYOUT = {"num_attention_heads": "num_attention_heads", "qk_head_dim": "qk_nope_head_dim",
+                   "qk_pos_emb_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim"}
+
+
+def recorded_mismatches(spec: ModelSpec, ckpt_root: Path) -> list[str]:
+    """Where the config's head layout differs from the one the checkpoint was converted with (its mcorekit.json,
+    when it has one)."""
+    if not (ckpt_root / SIDECAR).is_file():
+        return []
+    recorded = read_json(model_file(ckpt_root, SIDECAR, str(ckpt_root))).get("model")
+    if not isinstance(recorded, dict):
+        return []
+    out = []
+    for field, name in (MLA_HEAD_LAYOUT if spec.is_mla else HEAD_LAYOUT).items():
+        if field in recorded and recorded[field] != getattr(spec, field):
+            out.append(f"{name} {getattr(spec, field)} in the config, {recorded[field]} in the checkpoint ({SIDECAR})")
     return out
 
 
@@ -485,7 +514,8 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
     rows = sizes[gw.EMBEDDING][:1]
     ctx = Ctx(spec, rows[0] if rows else 0)
     shapes = expected_shapes(amap, ctx)
-    problems = config_mismatches(spec, amap, sizes, shapes)
+    layer_ids = source.layers if isinstance(source, torch_dist.LayerStackedView) else {}
+    problems = config_mismatches(spec, amap, sizes, shapes, layer_ids) + recorded_mismatches(spec, ckpt_root)
     if problems:
         raise ConversionError(f"{iter_dir}: the checkpoint and {config_file} disagree: {'; '.join(problems[:6])}"
                               f"{' ...' if len(problems) > 6 else ''}; pass the --hf-config it was converted from")
@@ -502,7 +532,9 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
     if carried_mtp:
         check_carried_mtp(ckpt_root / MTP_DIR, spec, declared)
     given_file = hf_config is not None and not Path(hf_config).is_dir()
-    inputs = (root, iter_dir, config_file) if given_file else (root, iter_dir, assets)
+    inputs = [root, iter_dir, config_file if given_file else assets]
+    if carried_mtp:  # read too (it may be a link to a folder elsewhere)
+        inputs.append(ckpt_root / MTP_DIR)
     with (staged_output(Path(out_dir), force, inputs=inputs, command="mcorekit convert mcore-to-hf") as tmp,
           HFWriter(tmp, max_shard_bytes) as writer):
         bar = _progress(total, "mcore -> hf", quiet)

@@ -373,13 +373,15 @@ class TorchDistReader:
         meta_json = self.path / "metadata.json"
         if not meta_json.is_file():
             raise ConversionError(f"{self.path}: no metadata.json; not a Megatron torch_dist checkpoint directory (iter_N/)")
-        backend = read_json(meta_json)
+        # both read inside the directory, as the .distcp files are: one linked elsewhere would be an input that
+        # --force could replace
+        backend = read_json(model_file(self.path, "metadata.json", str(self.path)))
         if backend.get("sharded_backend") != "torch_dist":
             raise ConversionError(f"{meta_json}: backend {backend.get('sharded_backend')!r}, expected torch_dist")
         meta_file = self.path / ".metadata"
         if not meta_file.is_file():
             raise ConversionError(f"{meta_file}: missing; the checkpoint is incomplete")
-        self.metadata: Metadata = load_metadata(meta_file)
+        self.metadata: Metadata = load_metadata(model_file(self.path, ".metadata", str(self.path)))
         try:
             problem = metadata_problem(self.metadata, self.path)
         except (AttributeError, TypeError) as e:  # a Metadata instance built with odd attributes
@@ -577,8 +579,8 @@ class LayerStackedView:
     def __init__(self, reader: TorchDistReader, num_layers: int) -> None:
         self.reader = reader
         self.stacked: dict[str, TensorStorageMetadata] = {}
-        self.layers: dict[str, set[int]] = {}
-        per_layer = {}
+        self.layers: dict[str, set[int]] = {}  # the layers each per-layer name is stored for
+        per_layer: dict[str, tuple[str, TensorStorageMetadata]] = {}
         for key, md in reader.tensor_keys().items():
             m = self._KEY.fullmatch(key)
             if m is None:
@@ -586,10 +588,16 @@ class LayerStackedView:
                 continue
             name = f"{m.group(1)}.layers.{m.group(3)}"
             self.layers.setdefault(name, set()).add(int(m.group(2)))
-            per_layer[name] = md
+            first, seen = per_layer.setdefault(name, (key, md))
+            # one stacked entry stands for every layer, so the checks made on it hold for each only if they agree
+            if (md.properties.dtype, md.size) != (seen.properties.dtype, seen.size):
+                raise ConversionError(
+                    f"{reader.path}: {first} is {seen.properties.dtype} {tuple(seen.size)}, but {key} is "
+                    f"{md.properties.dtype} {tuple(md.size)}; the layers of one tensor are stored alike, so the "
+                    f"checkpoint is damaged (re-save or re-convert it)")
         mtp = {i for name, ids in self.layers.items() if name.startswith(MTP) for i in ids}
         self.mtp_layers = len(mtp)  # how many multi-token-prediction layers the checkpoint holds
-        for name, md in per_layer.items():
+        for name, (_, md) in per_layer.items():
             count = self.mtp_layers if name.startswith(MTP) else num_layers
             self.stacked[name] = TensorStorageMetadata(md.properties, torch.Size((count, *md.size)), [])
 

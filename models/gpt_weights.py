@@ -93,10 +93,11 @@ def attention(spec: ModelSpec, *, norm: str, q: str, k: str, v: str, o: str, q_n
     return maps, te
 
 
-def on_layers(part: Part, layers: list[int]) -> Part:
-    """The part for some layers only (the dense or the MoE layers of a model that has both)."""
+def on_layers(part: Part, layers: range) -> Part:
+    """The part for some layers only (the dense or the MoE layers of a model that has both); a range, so that the
+    map of a config claiming a billion layers is small until its counts are checked against the weights."""
     maps, te = part
-    return [replace(m, layers=tuple(layers)) for m in maps], [replace(t, layers=tuple(layers)) for t in te]
+    return [replace(m, layers=layers) for m in maps], [replace(t, layers=layers) for t in te]
 
 
 def mla_attention(spec: ModelSpec, *, norm: str, o: str, kv_a: str, kv_norm: str, kv_b: str, q: str | None = None,
@@ -221,7 +222,7 @@ def mtp(spec: ModelSpec, layer: Part, *, enorm: str, hnorm: str, eh_proj: str, f
     layer i is HF layer num_layers + i (DeepSeek's checkpoints number them after the decoder)."""
     if not spec.mtp_layers:
         return [], []
-    H, layers, offset = spec.hidden_size, tuple(range(spec.mtp_layers)), spec.num_layers
+    H, layers, offset = spec.hidden_size, range(spec.mtp_layers), spec.num_layers
     maps, te = layer
     moved = [replace(m, mcore=m.mcore.replace("decoder.layers.", MTP_LAYER, 1), layers=layers, hf_layer_offset=offset)
              for m in maps]

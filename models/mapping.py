@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from string import Formatter
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from mcorekit.models.spec import ModelSpec
 
@@ -150,7 +150,7 @@ class Mapping:
     scope: str = LAYER  # GLOBAL: not stacked; LAYER: [layers, ...]; EXPERT: [layers, experts, ...]
     split: str = REPLICATED
     shape: tuple[int, ...] = ()
-    layers: tuple[int, ...] | None = None  # the layers that have it (dense or MoE layers of a mixed model); None: all
+    layers: Sequence[int] | None = None  # the layers that have it (dense or MoE layers of a mixed model); None: all
     keep_dtype: bool = False  # written back to HF in its stored dtype, not the config's (DeepSeek's fp32 router)
     hf_experts: bool = False  # EXPERT scope: one HF tensor holds every expert on its dim 0 (GPT-OSS), no {expert}
     hf_layer_offset: int = 0  # HF {layer} = index + offset (MTP layer i is HF layer num_layers + i in DeepSeek's)
@@ -167,11 +167,15 @@ class Mapping:
         layer = None if layer is None else layer + self.hf_layer_offset
         return [n.format(layer=layer, expert=expert) for n in self.hf]
 
+    def stacked_layers(self, spec: ModelSpec) -> Sequence[int]:
+        """The layers (MTP layers for an MTP entry) that have it, in order."""
+        return range(self.stack(spec)) if self.layers is None else self.layers
+
     def slices(self, spec: ModelSpec) -> list[tuple[int, ...]]:
         """The leading index of every slice: () when GLOBAL, (layer,) for LAYER, (layer, expert) for EXPERT."""
         if self.scope == GLOBAL:
             return [()]
-        layers = range(self.stack(spec)) if self.layers is None else self.layers
+        layers = self.stacked_layers(spec)
         if self.scope == LAYER:
             return [(layer,) for layer in layers]
         return [(layer, e) for layer in layers for e in range(spec.num_experts or 0)]
@@ -297,7 +301,7 @@ class TEModule:
 
     name: str  # e.g. "decoder.layers.self_attention.linear_qkv" or "decoder.final_layernorm"
     scope: str = LAYER
-    layers: tuple[int, ...] | None = None  # the layers that have it; None: all
+    layers: Sequence[int] | None = None  # the layers that have it; None: all
 
     @property
     def is_mtp(self) -> bool:

@@ -46,9 +46,9 @@ def layout_problems(spec: ModelSpec, layout: Layout, runtime: str = MEGATRON, pa
     are placed), as messages; empty when it fits.
 
     runtime MEGATRON: Megatron-Core's splits (a converted checkpoint loaded at this layout, legacy rank files):
-    TP divides the heads and query groups (and `padded_vocab` when given), PP*VPP the layers, EP the experts,
-    ETP the expert FFN. runtime TENSORRT_LLM: TensorRT-LLM's mapping (export): KV heads are split or duplicated,
-    no virtual stages, experts placed inside the TP group (moe_tp * moe_ep = tp)."""
+    TP divides the heads and query groups (and `padded_vocab` when given) and the dense layers' FFN, PP*VPP the
+    layers, EP the experts, ETP the expert FFN. runtime TENSORRT_LLM: TensorRT-LLM's mapping (export): KV heads are
+    split or duplicated, no virtual stages, experts placed inside the TP group (moe_tp * moe_ep = tp)."""
     sizes = {"TP": layout.tp, "PP": layout.pp, "EP": layout.ep, "ETP": layout.etp, "VPP": layout.vpp or 1}
     small = [f"{k}={v}" for k, v in sizes.items() if type(v) is not int or v < 1]
     if small:
@@ -77,11 +77,12 @@ def layout_problems(spec: ModelSpec, layout: Layout, runtime: str = MEGATRON, pa
     shared = spec.moe_shared_expert_ffn_hidden_size if spec.is_moe else None
     if shared and shared % tp:
         out.append(f"TP={tp} does not divide the shared expert's FFN size {shared}")
+    if spec.dense_layers() and spec.ffn_hidden_size % tp:  # dense MLPs split over TP, an MoE model's first layers' too
+        out.append(f"TP={tp} does not divide {'ffn_hidden_size' if megatron else 'intermediate_size'}="
+                   f"{spec.ffn_hidden_size}{' (the dense layers of the MoE model)' if spec.is_moe else ''}")
     if not spec.is_moe:
         if ep > 1 or etp > 1:
             out.append(f"{', '.join(f'{k}={v}' for k, v in (('EP', ep), ('ETP', etp)) if v > 1)} given for a dense model")
-        if spec.ffn_hidden_size % tp:
-            out.append(f"TP={tp} does not divide {'ffn_hidden_size' if megatron else 'intermediate_size'}={spec.ffn_hidden_size}")
         return out
     expert_ffn = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
     if megatron:

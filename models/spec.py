@@ -76,12 +76,13 @@ class ModelSpec:
     def is_mla(self) -> bool:
         return bool(self.kv_lora_rank)
 
-    def moe_layers(self) -> list[int]:
-        """The layers with experts (every layer of an MoE model but the first moe_first_k_dense)."""
-        return list(range(self.moe_first_k_dense, self.num_layers)) if self.is_moe else []
+    def moe_layers(self) -> range:
+        """The layers with experts (every layer of an MoE model but the first moe_first_k_dense). Ranges, not lists:
+        a config may claim a billion layers, which is found out by comparing it with the weights."""
+        return range(self.moe_first_k_dense, self.num_layers) if self.is_moe else range(0)
 
-    def dense_layers(self) -> list[int]:
-        return list(range(self.moe_first_k_dense if self.is_moe else self.num_layers))
+    def dense_layers(self) -> range:
+        return range(self.moe_first_k_dense if self.is_moe else self.num_layers)
 
     @property
     def per_layer_keys(self) -> bool:

@@ -416,10 +416,12 @@ def test_a_vocabulary_divisor_beyond_any_padding_is_refused(base, tmp_path: Path
                  tmp_path / "out", [base["llama"]], "--vocab-divisible-by 1000000000: must be from 1 to 65,536")
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "big"])
-def test_bad_shard_size_is_a_usage_error(base, tmp_path: Path, value: str) -> None:
+@pytest.mark.parametrize("value, needle", [(v, "") for v in ("0", "-1", "nan", "inf", "big")] + [
+    ("1e300", "must be <= 1,048,576 (GB), got 1e300"),  # finite, but its bytes overflowed int(): a traceback
+    ("1048577", "must be <= 1,048,576 (GB), got 1048577")])
+def test_bad_shard_size_is_a_usage_error(base, tmp_path: Path, value: str, needle: str) -> None:
     expect_error(["mcore-to-hf", str(base["ckpt"]), str(tmp_path / "out"), "--max-shard-gb", value], tmp_path / "out",
-                 [base["ckpt"]], "argument --max-shard-gb", usage=True)
+                 [base["ckpt"]], f"argument --max-shard-gb: {needle}", usage=True)
 
 
 @pytest.mark.parametrize("model, args, needle", [
@@ -430,12 +432,26 @@ def test_bad_shard_size_is_a_usage_error(base, tmp_path: Path, value: str) -> No
     ("llama", ["--vpp", "2"], "VPP=2 needs PP >= 2"),
     ("llama", ["--ep", "2"], "given for a dense model"),
     ("mixtral", ["--ep", "3"], "EP=3 does not divide num_experts=4"),
-    ("mixtral", ["--etp", "2"], "expert TP of 1 or equal to TP=1"),
+    ("mixtral", ["--etp", "3"], "ETP=3 does not divide the expert FFN size 128"),
 ])
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
 def test_layout_that_does_not_fit_the_model(base, tmp_path: Path, model: str, args: list[str], needle: str, fmt: str) -> None:
     expect_error(["hf-to-mcore", str(base[model]), str(tmp_path / "out"), "--format", fmt, *args], tmp_path / "out",
                  [base[model]], needle)
+
+
+def test_expert_tp_other_than_tp_is_a_legacy_limit_only(base, tmp_path: Path) -> None:
+    """Megatron-Core reshards torch_dist at load, to any expert TP it runs (parallel.etp); only the legacy files,
+    written for one layout, need ETP 1 or TP. torch_dist was refused with the legacy rule."""
+    expect_error(["hf-to-mcore", str(base["mixtral"]), str(tmp_path / "out"), "--format", "torch", "--etp", "2"],
+                 tmp_path / "out", [base["mixtral"]],
+                 "ETP=2: the legacy format supports expert TP of 1 or equal to TP=1")
+    rc, err = convert("hf-to-mcore", str(base["mixtral"]), str(tmp_path / "td"), "--etp", "2")
+    assert rc == 0, err
+    rc, err = convert("mcore-to-hf", str(tmp_path / "td"), str(tmp_path / "back"))
+    assert rc == 0, err
+    rc, out, err = verify_cli(base["mixtral"], tmp_path / "back")
+    assert rc == 0, out + err
 
 
 # ---------------------------------------------------------------- data loss: --force never deletes an input
@@ -583,6 +599,11 @@ HF_CORRUPTIONS = {
     "dtype-unknown": (_first_shard_header(lambda h: first_tensor(h).update(dtype="Q7")), "unsupported dtype 'Q7'"),
     "shape-vs-offsets": (_first_shard_header(lambda h: first_tensor(h).update(shape=[250, 65])), "data_offsets span"),
     "shape-not-ints": (_first_shard_header(lambda h: first_tensor(h).update(shape=["250", 64])), "not a list of non-negative integers"),
+    # safetensors refuses a __metadata__ that is not an object of strings
+    "metadata-not-object": (_first_shard_header(lambda h: h.update(__metadata__=[1, 2])),
+                            "__metadata__ is not an object of strings"),
+    "metadata-value-not-str": (_first_shard_header(lambda h: h.update(__metadata__={"format": 1})),
+                               "__metadata__ is not an object of strings"),
 }
 
 

@@ -41,6 +41,7 @@ ATTN = f"{L}.self_attn"
 MLP = f"{L}.mlp"
 EXPERT = f"{MLP}.experts.{{expert}}"
 SHARED = f"{MLP}.shared_experts"
+MAX_MTP_LAYERS = 64  # DeepSeek-V3 has 1; the map lists each, so a config claiming a billion would exhaust memory
 SIZES = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size",
          "n_routed_experts", "num_experts_per_tok")
 
@@ -99,6 +100,10 @@ def problems(config: dict[str, Any]) -> list[str]:
                    f"convert a bf16 checkpoint (DeepSeek's fp8_cast_bf16.py)")
     if is_v2(config):  # V2's rope multiplies interleaved pairs as complex numbers: no switch
         return out + v2_routing_problems(config)
+    mtp = config.get("num_nextn_predict_layers")
+    if mtp is not None and (type(mtp) is not int or not 0 <= mtp <= MAX_MTP_LAYERS):
+        out.append(f"num_nextn_predict_layers={mtp!r} must be an integer from 0 to {MAX_MTP_LAYERS} (the "
+                   f"multi-token-prediction layers; DeepSeek-V3 has 1)")
     if config.get("rope_interleave", True) is not True:
         out.append("rope_interleave=false is not supported (Megatron-Core's MLA rope takes DeepSeek's interleaved "
                    "layout only)")
