@@ -18,6 +18,9 @@ KNOWN_FAILURES = [
 ]
 STEP_RE = re.compile(r"\bstep (\d+)(?:/\d+)?\b")
 OWN_ERROR_RE = re.compile(r"^mcorekit: error: .*$", re.M)  # what mcorekit itself said before it exited 2
+# a training job that stopped at resources.max_restarts on its time limit (runtime/requeue.stop_and_exit): FAILED,
+# exit 1, with no traceback to show
+RESTART_CAP_RE = re.compile(r"^mcorekit\.train: error: (stopped at its restart cap .*)$", re.M)
 
 
 def log_files(run_dir: Path, job_id: str) -> list[Path]:
@@ -27,10 +30,14 @@ def log_files(run_dir: Path, job_id: str) -> list[Path]:
 
 def diagnose(texts: list[str]) -> str | None:
     """The job's own `mcorekit: error: ...` line when it printed one (the payload's RuntimeError that follows says
-    only that it exited 2), else the first known failure, else the last Python exception."""
+    only that it exited 2), else its stop at the restart cap, else the first known failure, else the last Python
+    exception."""
     for text in texts:
         if m := OWN_ERROR_RE.search(text):
             return m.group(0).strip()
+    for text in texts:
+        if m := RESTART_CAP_RE.search(text):
+            return m.group(1).strip()
     joined = "\n".join(texts)
     for pattern, cause, remedy in KNOWN_FAILURES:
         if pattern.search(joined):

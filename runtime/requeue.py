@@ -67,7 +67,9 @@ def restart_count() -> int:
 @dataclass
 class RestartGuard:
     """Refuses to loop: caps the job's own requeues and stops a restart that finds no progress since the previous
-    start, when that start requeued the job itself (restarts.json marks it: `requeued_at_step`).
+    start, when that start requeued the job itself (restarts.json marks it: `requeued_at_step`). A start before a
+    step this job had reached (started from, or requeued itself at) is refused too: its newer checkpoints look gone
+    (NFS showing the folder missing a moment), and its first saves would overwrite or prune them.
 
     A restart Slurm made (node failure, preemption, an admin's `scontrol requeue`) counts toward neither: the job did
     not ask for it, so it spends none of resources.max_restarts (SLURM_RESTART_COUNT counts it, hence not that), and
@@ -76,6 +78,7 @@ class RestartGuard:
 
     run_dir: Path
     max_restarts: int
+    checkpoints: Path | None = None  # where the run's checkpoints go (default run_dir/checkpoints): for the message
 
     @property
     def path(self) -> Path:
@@ -90,6 +93,17 @@ class RestartGuard:
             raise MCoreKitError(
                 f"restart {restarts}: the job has requeued itself {own} times, more than resources.max_restarts="
                 f"{self.max_restarts}; not resuming (raise resources.max_restarts or resources.time)"
+            )
+        reached = self._reached(history)
+        if reached is not None and start_step < reached:
+            folder = self.checkpoints or self.run_dir / "checkpoints"
+            found = f"step {start_step}" if start_step else "step 0 (no checkpoint of its own found)"
+            raise MCoreKitError(
+                f"restart {restarts}: job {os.environ.get('SLURM_JOB_ID')} had reached step {reached} ({self.path}) "
+                f"but would start from {found} in {folder}: the newer checkpoints look missing (a file system that "
+                f"shows another view, such as NFS, or removed by hand); not resuming, its saves would overwrite them: "
+                f"check the file system or restore iter_{reached:07d} there, then `mcorekit launch --resume "
+                f"{self.run_dir}`; or start a new run"
             )
         last = history[-1] if history else None
         if (restarts > 0 and last and "requeued_at_step" in last and last["start_step"] == start_step
@@ -124,6 +138,15 @@ class RestartGuard:
             history.append({"restart": restarts, "start_step": step, "job_id": job})  # check() was not called
         history[-1]["requeued_at_step"] = step
         write_atomic(self.path, json.dumps(history, indent=1))
+
+    @staticmethod
+    def _reached(history: list[dict[str, Any]]) -> int | None:
+        """The furthest step this job (SLURM_JOB_ID) started from or requeued itself at (each a checkpoint it had
+        then); None for a job without a start recorded (its first, or one outside Slurm)."""
+        job = os.environ.get("SLURM_JOB_ID")
+        steps = [s for h in history if job is not None and h.get("job_id") == job
+                 for s in (h["start_step"], h.get("requeued_at_step")) if type(s) is int]
+        return max(steps) if steps else None
 
     @staticmethod
     def _own_requeues(history: list[dict[str, Any]]) -> int:
@@ -163,11 +186,12 @@ def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int) -
                       e, step, guard.run_dir)
         _exit(1)
     if own >= guard.max_restarts:
-        if rank == 0:
-            log.error("time limit near at step %d: checkpoint saved; not requeueing: the job has requeued itself %d "
-                      "times, resources.max_restarts=%d (restarts Slurm made are not counted); `mcorekit launch "
-                      "--resume %s` continues from this checkpoint (raise resources.time or max_restarts for fewer, "
-                      "longer jobs)", step, own, guard.max_restarts, guard.run_dir)
+        if rank == 0:  # one error line that `mcorekit status` recognises (launch/diagnose.py: RESTART_CAP_RE)
+            print(f"mcorekit.train: error: stopped at its restart cap (resources.max_restarts={guard.max_restarts}): "
+                  f"time limit near at step {step}, checkpoint saved; not requeueing: the job has requeued itself "
+                  f"{own} times (restarts Slurm made are not counted); `mcorekit launch --resume {guard.run_dir}` "
+                  f"continues from this checkpoint (raise resources.time or max_restarts for fewer, longer jobs)",
+                  file=sys.stderr, flush=True)
         _exit(1)
     failed = None
     if rank == 0:

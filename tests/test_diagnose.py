@@ -24,6 +24,10 @@ ValueError: bad shard
     ("mcorekit: error: /nonexistent: no config.json; give an HF model folder\n" + TRACEBACK.replace(
         "ValueError: bad shard", "RuntimeError: mcorekit convert hf-to-mcore /nonexistent out exited with 2"),
      "mcorekit: error: /nonexistent: no config.json; give an HF model folder"),
+    # a training job that stopped at its restart cap: FAILED, exit 1, no traceback (its diagnosis was empty)
+    ("step 90/1000 | loss 2.1\nmcorekit.train: error: stopped at its restart cap (resources.max_restarts=2): time "
+     "limit near at step 97, checkpoint saved; not requeueing: the job has requeued itself 2 times\n",
+     "stopped at its restart cap (resources.max_restarts=2): time limit near at step 97, checkpoint saved"),
 ])
 def test_diagnosis(log: str, expected: str | None) -> None:
     found = diagnose([log])

@@ -153,3 +153,43 @@ def test_a_restart_slurm_made_is_no_loop_even_without_progress(tmp_path, monkeyp
     history = json.loads((tmp_path / "restarts.json").read_text())
     assert [(h["restart"], h["start_step"], h.get("requeued_at_step")) for h in history] == [
         (0, 0, None), (1, 0, 40), (2, 40, None)]
+
+
+def test_a_start_before_a_step_the_job_had_reached_is_refused(tmp_path, monkeypatch) -> None:
+    """Rank 0 finding no checkpoint (NFS showing the folder missing a moment) restarted the job from step 0 with a
+    warning; its first save then deleted and overwrote newer checkpoints. A start below the furthest step this job
+    started from or requeued itself at (restarts.json) is one error line, naming the folder and both steps, and is
+    not recorded; a restart Slurm made at that step, and a new job (`launch --resume`), go on."""
+    import json
+
+    from mcorekit.errors import MCoreKitError
+    from mcorekit.runtime.requeue import RestartGuard
+
+    guard = RestartGuard(tmp_path, 5, tmp_path / "ckpts")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    guard.check(0)
+    guard.record_requeue(40)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    guard.check(40)
+    guard.record_requeue(80)
+    before = (tmp_path / "restarts.json").read_text()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    for start, found in ((0, "step 0 (no checkpoint of its own found)"), (40, "step 40")):
+        with pytest.raises(MCoreKitError) as refused:
+            guard.check(start)
+        assert str(refused.value) == (
+            f"restart 2: job 77 had reached step 80 ({tmp_path / 'restarts.json'}) but would start from {found} in "
+            f"{tmp_path / 'ckpts'}: the newer checkpoints look missing (a file system that shows another view, such "
+            f"as NFS, or removed by hand); not resuming, its saves would overwrite them: check the file system or "
+            f"restore iter_0000080 there, then `mcorekit launch --resume {tmp_path}`; or start a new run")
+    assert (tmp_path / "restarts.json").read_text() == before
+    guard.check(80)  # the checkpoint is seen again
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    guard.check(80)  # a restart Slurm made (preemption before a save): the same step is no regression
+    monkeypatch.setenv("SLURM_JOB_ID", "78")  # `mcorekit launch --resume` after restoring an older checkpoint
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    guard.check(40)
+    history = json.loads((tmp_path / "restarts.json").read_text())
+    assert [(h["job_id"], h["restart"], h["start_step"]) for h in history] == [
+        ("77", 0, 0), ("77", 1, 40), ("77", 2, 80), ("77", 3, 80), ("78", 0, 40)]

@@ -21,8 +21,10 @@ is unpickled but DCP's own .metadata. Across formats (see format_of):
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
 import os
 import shutil
 import threading
@@ -33,7 +35,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-from mcorekit.errors import ConfigError, MCoreKitError, first_line
+from mcorekit.errors import ConfigError, MCoreKitError, first_line, one_line
 from mcorekit.outputs import without_crc32, write_atomic
 from mcorekit.runtime.ranks import any_rank, rank_zero_choice
 from mcorekit.train.checkpoint_writer import background_writes, results_queue, save_strategy, stage_per_tensor
@@ -134,12 +136,15 @@ def unwrap(model: Any) -> Any:
 class Saver:
     """Saves iter_N/ checkpoints; with async_save the write happens on a background thread while training continues
     (WriterThread), and the tracker is updated only once every rank's part is on disk (one save in flight).
-    Saves the loop waits for (the end-of-run save, the save before a requeue) are written at once (see write)."""
+    Saves the loop waits for (the end-of-run save, the save before a requeue) are written at once (see write).
+    `signal_lead_s`: how long before the time limit Slurm signals the job (the cluster profile's signal_seconds; None
+    outside `mcorekit launch`), against which each save's time is checked (lead_check)."""
 
-    def __init__(self, root: Path, keep_last: int, async_save: bool) -> None:
-        self.root, self.keep_last = root, keep_last
+    def __init__(self, root: Path, keep_last: int, async_save: bool, signal_lead_s: int | None = None) -> None:
+        self.root, self.keep_last, self.signal_lead_s = root, keep_last, signal_lead_s
         self.queue = background_writes() if async_save else None
         self.strategy: Any = None  # built at the first save (the process groups exist by then)
+        self.lead_warned = False
 
     def save(self, step: int, chunks: list[Any], optimizer: Any, scheduler: Any, wait: bool = False) -> Path:
         from megatron.core import dist_checkpointing
@@ -149,12 +154,9 @@ class Saver:
         started = time.perf_counter()
         waited = started - waited
         path = iter_dir(self.root, step)
-        if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)  # a half-written one from an interrupted save
-            path.mkdir(parents=True)
-            if (info := lora_info(chunks)) is not None:
-                (path / LORA_JSON).write_text(json.dumps(info, indent=2) + "\n")
-        dist.barrier()
+        # rank 0 alone prepares the folder; the broadcast is the barrier, and carries its failure to every rank (a
+        # rank 0 that raised alone left the others waiting for NCCL's timeout)
+        rank_zero_choice(lambda: self.new_folder(path, step, lora_info(chunks)))
         sync_params(chunks)
         if is_fsdp(chunks):  # Megatron-FSDP: fsdp_dtensor through torch.distributed.checkpoint, synchronous
             _save_fsdp(path, step, chunks, optimizer, scheduler)
@@ -210,25 +212,68 @@ class Saver:
             self.wait()
             self.queue.close()
 
+    def new_folder(self, path: Path, step: int, lora: dict[str, Any] | None) -> None:
+        """Rank 0: an empty `path` for the save of `step` (a half-written one from an interrupted save removed), with
+        lora.json for a LoRA run. A folder that cannot be emptied or made is one error line."""
+        try:
+            if path.exists() or path.is_symlink():
+                shutil.rmtree(path)  # not ignore_errors: a leftover metadata.json would pass for a complete save
+            path.mkdir(parents=True)
+            if lora is not None:
+                (path / LORA_JSON).write_text(json.dumps(lora, indent=2) + "\n")
+        except OSError as e:
+            raise MCoreKitError(f"cannot prepare {path} for the checkpoint of step {step}: {one_line(e)}; check the "
+                                f"file system under {self.root} (space, permissions, a file in the way), then resume "
+                                f"the run") from None
+
     def _finalize(self, path: Path, step: int, started: float, waited: float, background: bool) -> None:
-        """`seconds` from the save's start to its end; `waited_for_previous_s` before it, for the previous
-        background write to end (a save the loop waits for, such as the end-of-run save, holds it that long too)."""
-        if dist.get_rank() == 0:
+        """Every rank, once the save is complete: rank 0 makes it the latest (finish); a failure there is one error
+        line on every rank (the broadcast is also the barrier every rank waits at for rank 0)."""
+        rank_zero_choice(lambda: self.finish(path, step, started, waited, background))
+
+    def finish(self, path: Path, step: int, started: float, waited: float, background: bool) -> None:
+        """Rank 0: the save's line, then the checkpoint made durable (durable: what Megatron-Core wrote last and the
+        folder), the tracker moved to it and made durable, and only then the older checkpoints pruned: with
+        keep_last=1 a crash in between must still leave one complete checkpoint. `seconds` from the save's start to
+        its end; `waited_for_previous_s` before it, for the previous background write to end (a save the loop
+        waits for, such as the end-of-run save, holds it that long too)."""
+        try:
             seconds, size = time.perf_counter() - started, _bytes_on_disk(path)
             _report({"event": "saved", "step": step, "async": background, "seconds": round(seconds, 2),
                      "gb": round(size / 1e9, 3), "gb_per_s": round(size / 1e9 / seconds, 3),
                      "waited_for_previous_s": round(waited, 2), "end": time.time()})
+            durable(path)
             tmp = self.root / (TRACKER + ".tmp")
             with open(tmp, "w") as f:  # on disk before it replaces the tracker: a crash leaves the old or the new
                 f.write(str(step))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.root / TRACKER)  # only now is this the latest checkpoint
-            if (path / LORA_JSON).is_file():
-                log.warning("saved LoRA checkpoint %s: %.2f MB (adapters, their optimizer state, scheduler, step)",
-                            path, size / 1e6)
-            prune(self.root, path, self.keep_last)
-        dist.barrier()
+            fsync_path(self.root)  # the rename itself, before prune renames the older ones away
+        except OSError as e:
+            raise MCoreKitError(f"checkpoint {path} was written but could not be made the latest: {one_line(e)}; "
+                                f"check the file system under {self.root} (its {TRACKER} names the previous "
+                                f"checkpoint, which a resume takes)") from None
+        if (path / LORA_JSON).is_file():
+            log.warning("saved LoRA checkpoint %s: %.2f MB (adapters, their optimizer state, scheduler, step)",
+                        path, size / 1e6)
+        self.lead_check(step, seconds, background)
+        prune(self.root, path, self.keep_last)
+
+    def lead_check(self, step: int, seconds: float, background: bool) -> None:
+        """Once per process: a save that took more than half the signal lead. The save before a requeue is written
+        at once (with async_save too), after the rest of the step the signal came in, and `scontrol requeue` follows:
+        all of it must end before the time limit, or the job is killed and its restart resumes from an older
+        checkpoint (RestartGuard then stops a loop)."""
+        lead = self.signal_lead_s
+        if lead is None or self.lead_warned or seconds <= lead / 2:
+            return
+        self.lead_warned = True
+        log.warning("the %scheckpoint save of step %d took %.1f s, more than half of the %d s the job gets between "
+                    "Slurm's time-limit signal and the time limit (the cluster profile's signal_seconds): the save "
+                    "before a requeue may not end in time; raise signal_seconds to %d or more (in the run folder's "
+                    "cluster.yaml for `mcorekit launch --resume`, or `--set signal_seconds=N` at launch)",
+                    "background " if background else "", step, seconds, lead, 2 * math.ceil(seconds) + 30)
 
 
 def prune(root: Path, latest: Path, keep_last: int) -> threading.Thread | None:
@@ -256,6 +301,33 @@ def prune(root: Path, latest: Path, keep_last: int) -> threading.Thread | None:
                               name="mcorekit-prune-checkpoints")
     thread.start()
     return thread
+
+
+# what a save writes last into its folder without an fsync of its own (Megatron-Core fsyncs its .distcp files and
+# .metadata, not metadata.json, the marker of a complete torch_dist checkpoint); .metadata again costs nothing
+WRITTEN_LAST = ("common.pt", ".metadata", "metadata.json", FSDP_JSON, LORA_JSON)
+
+
+def durable(path: Path) -> None:
+    """A finished save's last files (WRITTEN_LAST, those present) and its folder's entries on disk: fsynced before
+    the tracker names it and older checkpoints are pruned."""
+    for name in WRITTEN_LAST:
+        if (path / name).is_file():
+            fsync_path(path / name)
+    fsync_path(path)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a folder (its entries: files created or renamed in it). A file system that cannot sync a
+    folder (EINVAL: some network file systems) is left to its own guarantees."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if not (path.is_dir() and e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _bytes_on_disk(path: Path) -> int:
@@ -738,11 +810,18 @@ def _save_fsdp(path: Path, step: int, chunks: list[Any], optimizer: Any, schedul
     preprocess_state_dict_for_uneven_dtensor(state)  # each uneven shard's offsets in the global tensor
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)))
     dist.barrier()
-    if dist.get_rank() == 0:
+
+    def marker() -> None:  # rank 0's; its failure reaches every rank (rank_zero_choice), none waits for a timeout
         info = {"format": FSDP_DTENSOR, "iteration": step, "scheduler": to_json(scheduler.state_dict()),
                 "optimizer": to_json(rest), "layout": _layout(),
                 "num_moe_experts": unwrap(chunks[0]).config.num_moe_experts}
-        write_atomic(path / FSDP_JSON, json.dumps(info, indent=1) + "\n")
+        try:
+            write_atomic(path / FSDP_JSON, json.dumps(info, indent=1) + "\n")
+        except OSError as e:
+            raise MCoreKitError(f"checkpoint {path}: its {FSDP_JSON} could not be written: {one_line(e)}; check the "
+                                f"file system under {path.parent}, then resume the run") from None
+
+    rank_zero_choice(marker)
 
 
 def _load_fsdp(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) -> int:

@@ -13,9 +13,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from mcorekit.config.cluster import gpu_peak_tflops
+from mcorekit.config.cluster import gpu_peak_tflops, load_profile
 from mcorekit.config.experiment import Experiment, layout_of
-from mcorekit.errors import MCoreKitError
+from mcorekit.errors import MCoreKitError, first_line
 from mcorekit.runtime.ranks import any_rank, collective_device
 from mcorekit.runtime.requeue import RestartGuard, StopSignal, stop_and_exit
 from mcorekit.train import checkpoint
@@ -46,10 +46,10 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float | None = None, on_s
     announce(t, exp)
     task = task_for(exp, t.spec, run_dir)
     stop = StopSignal()
-    saver = checkpoint.Saver(root, exp.checkpoint.keep_last, exp.checkpoint.async_save)
+    saver = checkpoint.Saver(root, exp.checkpoint.keep_last, exp.checkpoint.async_save, signal_lead_s(run_dir))
     step, saved = _resume(t, saver.root, exp)  # saved: this run's own checkpoint holds `step`
     startup.mark("resume")
-    refused, guard = None, RestartGuard(run_dir, exp.resources.max_restarts)
+    refused, guard = None, RestartGuard(run_dir, exp.resources.max_restarts, saver.root)
     if dist.get_rank() == 0:
         try:
             guard.check(step)
@@ -66,10 +66,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float | None = None, on_s
     losses: list[float] = []
     while step < s.train_iters:
         if stop.requested():  # USR2 before the time limit (requeue), or TERM (scancel, preemption): save together
-            if saved:  # a signal right after a save or a resume: that checkpoint is this step's; never rewrite it
-                saver.wait()
-            else:
-                saver.save(step, t.model, t.optimizer, t.scheduler, wait=True)
+            save_before_stop(saver, step, t, saved, dist.get_rank())
             stop_and_exit(stop, guard, dist.get_rank(), step)
         saver.poll()
         seed_step(t, step)  # LoRA's dropout after a resume as without one
@@ -80,7 +77,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float | None = None, on_s
         log.step(step, metrics)
         if len(losses) == 1:  # this process's first step: where its start-up time went
             startup.report(run_dir)
-        if valid is not None and (step % s.eval_interval == 0 or step == s.train_iters):
+        if valid is not None and validation_due(step, s.eval_interval, s.train_iters, stop, dist.get_rank()):
             log.validation(step, lambda: evaluate(t, task, valid))
         if step == s.train_iters:
             stop_compile_workers()  # beside the final save, not after it
@@ -92,6 +89,45 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float | None = None, on_s
     stop.work_done()
     log.close()
     return losses
+
+
+def signal_lead_s(run_dir: Path) -> int | None:
+    """How long before the time limit Slurm signals the job: the run folder's cluster profile's signal_seconds (the
+    profile `mcorekit launch` submitted it with); None without one (a run outside the launcher asks for no signal)."""
+    profile = run_dir / "cluster.yaml"
+    return load_profile(profile).signal_seconds if profile.is_file() else None
+
+
+def validation_due(step: int, interval: int, train_iters: int, stop: StopSignal, rank: int) -> bool:
+    """Validation at its interval and after the last step, unless a stop is pending (any rank's signal: every rank
+    skips it together): the signal's lead time is for the save, which comes first."""
+    if step % interval and step != train_iters:
+        return False
+    if stop.requested():
+        if rank == 0:
+            log.warning("step %d: validation skipped, a stop signal is pending (the checkpoint is saved first)", step)
+        return False
+    return True
+
+
+def save_before_stop(saver: checkpoint.Saver, step: int, t: Trainer, saved: bool, rank: int) -> None:
+    """The save a stop signal asks for, on every rank. A background write still in flight is waited for: with
+    `saved` it holds this step (a signal right after a save or a resume: that checkpoint is never rewritten). If that
+    write failed (raised on every rank: Megatron-Core broadcasts the failure), this step is saved once more, written
+    at once, before giving up: a failure of that save ends the job."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mcorekit.train.checkpoint_reader import dcp_cause
+
+    try:
+        saver.wait()
+    except CheckpointException as e:
+        if rank == 0:
+            log.warning("step %d: the background checkpoint save failed (%s); saving step %d now instead", step,
+                        first_line(dcp_cause(e)), step)
+        saved = False
+    if not saved:
+        saver.save(step, t.model, t.optimizer, t.scheduler, wait=True)
 
 
 def announce(t: Trainer, exp: Experiment) -> None:
