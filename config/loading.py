@@ -232,17 +232,27 @@ QUOTED_OR_FLOW = ('"', "'", "[", "{")  # how a YAML quoted string, list or mappi
 
 def parse_value(raw: str, source: str) -> Any:
     """A command-line value parsed as YAML (2 -> int, true -> bool, [1,2] -> list); other text that is not valid
-    YAML stays a string, but the size and alias limits still apply. A value that starts as a quoted string, list
-    or mapping must be valid YAML: with a quote or bracket left open it would become a wrong string."""
+    YAML stays a string, but the size and alias limits still apply. A quoted string that is not valid YAML, or a
+    list or mapping never closed, is an error: as plain text it would be a wrong string."""
     if not raw.strip():
         return raw
     try:
         return parse_yaml(raw, source)
     except InvalidYamlError as e:
-        if raw.lstrip().startswith(QUOTED_OR_FLOW):
+        if _left_open(raw):
             raise ConfigError(f"{e}; a value that starts with a quote or bracket is read as YAML: close the quote or "
                               f"bracket in {short_repr(raw)}, or quote the whole value") from None
         return raw
+
+
+def _left_open(raw: str) -> bool:
+    """Whether `raw`, not valid YAML, starts a quoted string (`"/my dir`, `"/a"b`) or a list or mapping it never
+    closes (`[a, b`): taken as plain text it would be a wrong value. A list closed before more text (`[ablation] lr
+    3e-4`, a run's name) stays text."""
+    text = raw.strip()
+    if text.startswith(('"', "'")):
+        return True
+    return text.startswith(("[", "{")) and text.count("[") + text.count("{") > text.count("]") + text.count("}")
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[BaseModel]) -> dict[str, Any]:

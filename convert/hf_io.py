@@ -169,7 +169,8 @@ class HFReader:
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
             spans = {}
-            meta = header.get("__metadata__", {})
+            meta = header.get("__metadata__")
+            meta = {} if meta is None else meta  # null: as the safetensors library reads it, no metadata
             if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
                 raise ValueError("__metadata__ is not an object of strings, as safetensors requires")
             for name, info in header.items():

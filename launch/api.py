@@ -523,7 +523,8 @@ def _values(raw: str) -> list[str]:
                 i += 1  # '' is a quote inside a single-quoted string
             elif char == quote:
                 quote = None
-        elif char in "\"'" and raw[start:i].rstrip()[-1:] in ("", "[", "{", ",", ":"):
+        elif char in "\"'" and (raw[start:i].rstrip()[-1:] in ("", "[", "{", ",")
+                                  or raw[start:i].endswith((": ", ":\t"))):
             quote = char
         elif char in "[{":
             depth += 1

@@ -155,6 +155,10 @@ def test_an_unclosed_quote_or_bracket_is_refused(value: str) -> None:
 def test_other_text_that_is_not_yaml_stays_a_string() -> None:
     exp = load_experiment(TINY, ["checkpoint.dir=/tmp/it's", 'data.cache_dir="/tmp/a b"'])
     assert (exp.checkpoint.dir, exp.data.cache_dir) == ("/tmp/it's", "/tmp/a b")
+    # brackets closed before more text: a run's name, as before (they were refused for a while)
+    for name in ("[ablation] lr 3e-4", "{date}_run", "[a, b] [c]"):
+        exp = load_experiment(TINY, ["logging.wandb.project=p", f"logging.wandb.name={name}"])
+        assert exp.logging.wandb is not None and exp.logging.wandb.name == name
 
 
 @pytest.mark.parametrize("raw,values", [
@@ -165,6 +169,8 @@ def test_other_text_that_is_not_yaml_stays_a_string() -> None:
     ('{k: "x,y"},{k: z}', ['{k: "x,y"}', "{k: z}"]),
     ("[a,b],[c]", ["[a,b]", "[c]"]),  # as before: the commas inside brackets
     ("1e-4,3e-4", ["1e-4", "3e-4"]),
+    ("a:'b,c", ["a:'b", "c"]),  # a plain scalar: YAML opens a quote after ': ', not after ':' alone
+    ("{k: 'x,y'},z", ["{k: 'x,y'}", "z"]),
     ("it's,x", ["it's", "x"]),  # a quote inside a word opens no string, as in YAML
     ('"/tmp/a,b","/tmp/c', ['"/tmp/a,b"', '"/tmp/c']),  # left open: parse_value refuses it
 ])

@@ -615,6 +615,14 @@ def test_malformed_hf_input(base, tmp_path: Path, case: str) -> None:
     expect_error(["hf-to-mcore", str(hf), str(tmp_path / "out")], tmp_path / "out", [hf], needle)
 
 
+def test_a_null_metadata_header_is_no_metadata(base, tmp_path: Path) -> None:
+    """"__metadata__": null, which the safetensors library reads as none, converts (it was refused for a while)."""
+    hf = copy(base["llama"], tmp_path / "hf")
+    _first_shard_header(lambda h: h.update(__metadata__=None))(hf)
+    rc, err = convert("hf-to-mcore", str(hf), str(tmp_path / "out"))
+    assert rc == 0, err
+
+
 def _distcp(ckpt: Path) -> Path:
     return next((ckpt / "release").glob("*.distcp"))
 

@@ -98,6 +98,13 @@ def test_a_file_of_another_size_other_bytes_or_gone_stops_it_one_copied_again_go
         run_inputs.record_or_check(_experiment(tmp_path), inputs, resuming=True)
     data.write_text('{"messages": []}\n')
     monkeypatch.setattr(run_inputs, "DIGEST_BYTES", 4)  # a file too big to digest: compared by size and time
+    assert run_inputs._stat(data, [10**9])[2] is None
+    monkeypatch.undo()
+    assert run_inputs._stat(data, [4])[2] is None  # nor past the total to digest at one start
+    assert run_inputs._stat(data, [10**9])[2] is not None
+    (tmp_path / "corpus.bin").write_bytes(b"tokens")  # indexed data: its .idx is digested, never the .bin
+    assert run_inputs._stat(tmp_path / "corpus.bin", [10**9])[2] is None
+    monkeypatch.setattr(run_inputs, "DIGEST_BYTES", 4)
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
     with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
         run_inputs.record_or_check(_experiment(tmp_path), inputs, resuming=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -256,6 +257,29 @@ def test_a_damaged_index_cache_is_built_again(two_corpora: list[str], tmp_path: 
     assert f"{document}: removed from the dataset index cache" in caplog.text
 
 
+def test_the_index_cache_is_built_by_one_run_at_a_time(two_corpora: list[str], tmp_path: Path) -> None:
+    """A shared data.cache_dir: while another run's rank 0 holds the folder (checking and building there), a start
+    waits instead of taking that run's half-written files for damaged ones and removing them."""
+    import fcntl
+    import threading
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    built: list[Any] = []
+    with open(cache / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (cache / "other-run-shuffle_index.npy").write_bytes(b"\x93NUMPY")  # being written by the holder
+        waiting = threading.Thread(target=lambda: built.append(
+            build_gpt_dataset(two_corpora[:1], None, 32, 100, 1, cache, None, 256)))
+        waiting.start()
+        waiting.join(timeout=3)
+        assert waiting.is_alive() and not built  # blocked on the lock, the other run's file untouched
+        assert (cache / "other-run-shuffle_index.npy").exists()
+        (cache / "other-run-shuffle_index.npy").unlink()  # the holder's build ends
+    waiting.join(timeout=60)
+    assert len(built) == 1 and len(built[0]) >= 100
+
+
 def test_a_token_outside_the_vocabulary_is_one_line(two_corpora: list[str], tmp_path: Path) -> None:
     """A .bin written with another tokenizer: an id past the vocabulary would train on a wrong loss (Megatron's
     cross entropy takes it) or index past the embedding. The sample holding it is refused, naming the data."""
@@ -307,11 +331,16 @@ def test_a_conversation_opening_with_an_assistant_turn_learns_the_turn_only(tok:
         tokenize_chat(t, [{"role": "assistant", "content": "it is"}])
 
 
-def test_a_pair_with_nothing_before_its_response_is_refused(tmp_path: Path, tok: Path) -> None:
-    """No prompt tokens and no BOS: the response's first token would be the first position, never a label."""
-    (tmp_path / "s.jsonl").write_text(json.dumps({"prompt": "", "response": "yes no"}) + "\n")
-    with pytest.raises(ConfigError, match=r"s.jsonl:1: the prompt is empty .* give a prompt"):
-        SFTDataset([str(tmp_path / "s.jsonl")], str(tok), 32, seed=0, packing=False, vocab_size=256)
+def test_a_pair_with_nothing_before_its_response_is_counted(tmp_path: Path, tok: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """No prompt tokens and no BOS: the response's first token is the first position, never a label. Such data is
+    common (continued pretraining as SFT, a tokenizer without BOS), so it trains, and a warning counts it."""
+    (tmp_path / "s.jsonl").write_text(json.dumps({"prompt": "", "response": "yes no"}) + "\n"
+                                      + json.dumps({"prompt": "hello", "response": "yes"}) + "\n")
+    with caplog.at_level("WARNING", logger="mcorekit.train"):
+        ds = SFTDataset([str(tmp_path / "s.jsonl")], str(tok), 32, seed=0, packing=False, vocab_size=256)
+    assert len(ds.examples) == 2
+    assert "1 of 2 SFT examples have nothing before their response" in caplog.text
 
 
 def sft_file(path: Path, n: int, seed: int) -> Path:

@@ -261,19 +261,20 @@ class Saver:
         prune(self.root, path, self.keep_last)
 
     def lead_check(self, step: int, seconds: float, background: bool) -> None:
-        """Once per process: a save that took more than half the signal lead. The save before a requeue is written
-        at once (with async_save too), after the rest of the step the signal came in, and `scontrol requeue` follows:
-        all of it must end before the time limit, or the job is killed and its restart resumes from an older
-        checkpoint (RestartGuard then stops a loop)."""
+        """Once per process: a save written at once that took more than half the signal lead. The save before a
+        requeue is written at once (with async_save too), after the rest of the step the signal came in, and
+        `scontrol requeue` follows: all of it must end before the time limit, or the job is killed and its restart
+        resumes from an older checkpoint (RestartGuard then stops a loop)."""
         lead = self.signal_lead_s
-        if lead is None or self.lead_warned or seconds <= lead / 2:
+        # a background save's time runs to the step boundary that finds it done: not the time of a save written at once
+        if lead is None or background or self.lead_warned or seconds <= lead / 2:
             return
         self.lead_warned = True
-        log.warning("the %scheckpoint save of step %d took %.1f s, more than half of the %d s the job gets between "
+        log.warning("the checkpoint save of step %d took %.1f s, more than half of the %d s the job gets between "
                     "Slurm's time-limit signal and the time limit (the cluster profile's signal_seconds): the save "
                     "before a requeue may not end in time; raise signal_seconds to %d or more (in the run folder's "
                     "cluster.yaml for `mcorekit launch --resume`, or `--set signal_seconds=N` at launch)",
-                    "background " if background else "", step, seconds, lead, 2 * math.ceil(seconds) + 30)
+                    step, seconds, lead, 2 * math.ceil(seconds) + 30)
 
 
 def prune(root: Path, latest: Path, keep_last: int) -> threading.Thread | None:

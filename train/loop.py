@@ -105,7 +105,8 @@ def validation_due(step: int, interval: int, train_iters: int, stop: StopSignal,
         return False
     if stop.requested():
         if rank == 0:
-            log.warning("step %d: validation skipped, a stop signal is pending (the checkpoint is saved first)", step)
+            log.warning("step %d: validation skipped, a stop signal is pending and the checkpoint is saved first (a "
+                        "restart validates at the next interval, not at this step)", step)
         return False
     return True
 

@@ -4,10 +4,11 @@ A requeued job starts again from the run folder's config.yaml and re-reads its d
 reward files. If one of them changed since the first start, the resumed run would go on training another problem
 (other samples at its position in the data, another objective, another schedule) without a sign. So the first start
 records the experiment's settings that define the problem (SETTINGS; not where and how often it logs and saves, its
-layout, precision or Slurm resources, which a restart may change) and the size, modification time and (up to
+layout, precision or Slurm resources, which a restart may change) and the size, modification time and (within
 DIGEST_BYTES) the digest of each file it reads. A resume that finds a setting changed, a file gone, of another size or
-with other bytes stops with one line naming them; a file copied again (same bytes, or too big to digest at the same
-size) is a warning at most, and so is other software (SOFTWARE's versions). checkpoint.load and peft.lora.load are pinned apart (checkpoint.pinned_sources)."""
+with other bytes stops with one line naming them; a file copied again (same bytes, or not digested, at the same size)
+is a warning at most, and so is other software (SOFTWARE's versions). checkpoint.load and peft.lora.load are pinned
+apart (checkpoint.pinned_sources)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,11 @@ TASKS = ("dpo", "grpo")  # a task's settings count only for runs of that task (d
 FOLDER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                 "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                 "chat_template.json")
-DIGEST_BYTES = 256 * 1024**2  # files up to this size are compared by content (a few seconds at most); larger by
-# size and time: a .bin's documents are its .idx's, which is compared by content
+# Files up to DIGEST_BYTES are compared by content, DIGEST_TOTAL_BYTES in all (rank 0 reads them while the other
+# ranks wait, at every start, under NCCL's timeout); larger ones, and the indexed data's .bin files (their documents
+# are their .idx's, compared by content), by size and time
+DIGEST_BYTES = 256 * 1024**2
+DIGEST_TOTAL_BYTES = 2 * 1024**3
 PATHS = ("data.paths", "data.tokenizer", "model.hf_config")  # settings that name local files: compared absolute
 
 
@@ -125,7 +129,8 @@ def check(exp: Any, root: Path, elsewhere: bool = False) -> bool:
 
 
 def _now(exp: Any, elsewhere: bool = False) -> dict[str, Any]:
-    return {"settings": settings(exp), "files": {str(p): _stat(p) for p in files(exp)},
+    budget = [DIGEST_TOTAL_BYTES]
+    return {"settings": settings(exp), "files": {str(p): _stat(p, budget) for p in files(exp)},
             "hub": hub_revisions(exp, elsewhere), "software": software()}
 
 
@@ -164,12 +169,14 @@ def software() -> dict[str, str | None]:
     return found
 
 
-def _stat(path: Path) -> list[Any]:
-    """[size, modification time, the digest of the bytes of a file up to DIGEST_BYTES, else None]: a file rewritten
-    at the same size with other bytes (reordered lines, another .idx) is a change, one copied again is none."""
+def _stat(path: Path, budget: list[int]) -> list[Any]:
+    """[size, modification time, the digest of the file's bytes or None (see DIGEST_BYTES; `budget`: the bytes left
+    to digest)]: a file rewritten at the same size with other bytes (reordered lines, another .idx) is a change, one
+    copied again is none."""
     st = path.stat()
     digest = None
-    if st.st_size <= DIGEST_BYTES:
+    if path.suffix != ".bin" and st.st_size <= min(DIGEST_BYTES, budget[0]):
+        budget[0] -= st.st_size
         h = hashlib.blake2b(digest_size=16)
         with open(path, "rb") as f:
             while block := f.read(1 << 24):

@@ -4,13 +4,15 @@ index caches shared between runs."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -75,11 +77,13 @@ HEAD = struct.Struct("<9sQBQQ")
 CHUNK = 1 << 22  # elements per step of the array checks: bounded memory for an index of any size
 
 
-def check_index(prefix: str) -> None:
+def check_index(prefix: str, digest: Any = None) -> None:
     """The .idx is whole and describes its .bin: every sequence's length non-negative and its bytes right after the
     previous one's, the last ending where the .bin does, the document index rising from 0 to the sequence count. A
     truncated, foreign or crafted pair fails here with its file named, not in Megatron's reader at whatever step
-    first reads the bad document (a traceback hours into a run, the other ranks waiting)."""
+    first reads the bad document (a traceback hours into a run, the other ranks waiting). `digest` (a hashlib
+    object), when given, takes what the index holds in the same pass: the header, the lengths and the document index
+    (the offsets follow from the lengths, as checked)."""
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
     fix = "re-run `mcorekit data preprocess` for this prefix"
     size = idx.stat().st_size
@@ -103,8 +107,11 @@ def check_index(prefix: str) -> None:
     offsets = np.memmap(idx, np.int64, "r", HEAD.size + sequences * 4, (sequences,))
     starts = np.memmap(idx, np.int64, "r", HEAD.size + sequences * 12, (documents,))
     item = np.dtype(TOKEN_DTYPES[code]).itemsize
+    update = digest.update if digest is not None else lambda _: None
+    update(head)
     end = 0  # where the next sequence must start
     for i in range(0, sequences, CHUNK):
+        update(lengths[i:i + CHUNK].tobytes())
         length, offset = lengths[i:i + CHUNK].astype(np.int64), offsets[i:i + CHUNK]
         expected = end + np.concatenate(([0], np.cumsum(length[:-1] * item)))
         if (length < 0).any() or (offset != expected).any():
@@ -119,6 +126,7 @@ def check_index(prefix: str) -> None:
     previous = 0
     for i in range(0, documents, CHUNK):
         part = starts[i:i + CHUNK]
+        update(part.tobytes())
         if (np.diff(part, prepend=previous) < 0).any() or (i == 0 and part[0] != 0):
             raise ConfigError(f"{idx}: its document index does not rise from 0 (corrupt or crafted); {fix}")
         previous = int(part[-1])
@@ -127,32 +135,25 @@ def check_index(prefix: str) -> None:
                           f"(corrupt or crafted); {fix}")
 
 
-def index_digest(prefixes: list[str]) -> str:
-    """A digest of the .idx files (every document's length and place): Megatron-Core keys its index cache on the
-    paths, not on what they hold, so data preprocessed again under the same prefix would get stale indices (samples
-    cut at the old documents' ends, or reading past the new ones)."""
-    h = hashlib.blake2b(digest_size=16)
-    for p in prefixes:
-        with open(p + ".idx", "rb") as f:
-            while block := f.read(1 << 24):
-                h.update(block)
-    return h.hexdigest()
-
-
-def check_prefixes(prefixes: list[str], weights: list[float] | None) -> None:
+def check_prefixes(prefixes: list[str], weights: list[float] | None) -> str:
+    """Each prefix's pair checked (check_index); the digest of their indexes, for the cache key: Megatron-Core keys
+    its index cache on the paths, not on what they hold, so data preprocessed again under the same prefix would get
+    stale indices (samples cut at the old documents' ends, or reading past the new ones)."""
     missing = [p + ext for p in prefixes for ext in (".bin", ".idx") if not Path(p + ext).is_file()]
     if missing:
         raise ConfigError(f"indexed data not found: {', '.join(missing)}; "
                           f"data.paths are prefixes (without .bin/.idx) made by `mcorekit data preprocess`")
     if weights is not None and (len(weights) != len(prefixes) or any(w <= 0 for w in weights)):
         raise ConfigError(f"data.weights needs one positive weight per path ({len(prefixes)} paths, got {weights})")
+    digest = hashlib.blake2b(digest_size=16)
     for p in prefixes:
-        check_index(p)
+        check_index(p, digest)
+    return digest.hexdigest()
 
 
 def build_gpt_dataset(prefixes: list[str], weights: list[float] | None, seq_length: int, num_samples: int, seed: int,
                       cache_dir: Path, tokenizer_dir: str | None, model_vocab: int) -> Any:
-    check_prefixes(prefixes, weights)
+    digest = check_prefixes(prefixes, weights)
     ids = [token_ids(p, tokenizer_dir) for p in prefixes]
     if len({(i.eod, i.vocab_size) for i in ids}) > 1:
         raise ConfigError(f"data.paths were tokenized with different tokenizers ({ids}); blend data of one tokenizer")
@@ -162,16 +163,31 @@ def build_gpt_dataset(prefixes: list[str], weights: list[float] | None, seq_leng
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # the rank that writes the cache
-        drop_damaged_cache(cache_dir)
-    tokens = TokenIds(ids[0].eod, ids[0].vocab_size, index_digest(prefixes))
+    tokens = TokenIds(ids[0].eod, ids[0].vocab_size, digest)
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=(list(prefixes), list(weights) if weights else None),
         split="100,0,0", path_to_cache=str(cache_dir), tokenizer=tokens, reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False, mmap_bin_files=True)
     built_on_all = lambda: True  # noqa: E731  (the builder coordinates ranks itself when distributed is up)
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], built_on_all, config).build()
+    writes = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # the rank that writes it
+    with cache_lock(cache_dir) if writes else contextlib.nullcontext():
+        if writes:
+            drop_damaged_cache(cache_dir)
+        train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], built_on_all, config).build()
     return IndexedSamples(train, tokens.vocab_size, prefixes)
+
+
+@contextlib.contextmanager
+def cache_lock(cache_dir: Path) -> Iterator[None]:
+    """The index cache's folder to this process while it checks and builds there: data.cache_dir may be shared by
+    runs starting together (a sweep), whose files half-written would look damaged. Where the file system has no
+    locks, nothing is held (as before)."""
+    with open(cache_dir / ".lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:  # ENOLCK, EOPNOTSUPP: a file system without locks
+            pass
+        yield
 
 
 def drop_damaged_cache(cache_dir: Path) -> None:

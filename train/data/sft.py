@@ -70,9 +70,6 @@ def _before_first_turn(tok: Any, message: dict[str, str]) -> str:
 def tokenize_pair(tok: Any, prompt: str, response: str, bos: list[int]) -> Example:
     """`bos` (tokenizer.bos_ids) once before the prompt, as the tokenizer's defaults put it at inference."""
     p = bos + tok(prompt, add_special_tokens=False)["input_ids"]
-    if not p:  # the response's first token would follow nothing: its label is never trained
-        raise ConfigError("the prompt is empty (no tokens, and this tokenizer puts no BOS before a text), so the "
-                          "response's first token would never be learned; give a prompt")
     r = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     return Example(list(p) + list(r), [0] * len(p) + [1] * len(r))
 
@@ -106,14 +103,11 @@ def tokenize_record(tok: Any, record: dict[str, Any], where: str, bos: list[int]
                 raise ConfigError(f"{where}: {', '.join(repr(k) for k in wrong)} must be text, got "
                                   f"{', '.join(type(record[k]).__name__ for k in wrong)}")
             break
-    try:
-        if "prompt" in record and "response" in record:
-            return tokenize_pair(tok, record["prompt"], record["response"], bos)
-        if "instruction" in record and "output" in record:
-            prompt = record["instruction"] + ("\n\n" + record["input"] if record.get("input") else "")
-            return tokenize_pair(tok, prompt + "\n\n", record["output"], bos)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+    if "prompt" in record and "response" in record:
+        return tokenize_pair(tok, record["prompt"], record["response"], bos)
+    if "instruction" in record and "output" in record:
+        prompt = record["instruction"] + ("\n\n" + record["input"] if record.get("input") else "")
+        return tokenize_pair(tok, prompt + "\n\n", record["output"], bos)
     raise ConfigError(f"{where}: expected 'messages', 'prompt'+'response' or 'instruction'+'output' "
                       f"(got keys {sorted(record)[:8]})")
 
@@ -127,11 +121,12 @@ class SFTDataset:
         tok = load_tokenizer(tokenizer_dir, vocab_size)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         bos = bos_ids(tok)
-        examples, read, truncated, nothing, cut_off = [], 0, 0, 0, 0
+        examples, read, truncated, nothing, cut_off, headless = [], 0, 0, 0, 0, 0
         roles: set[str] = set()
         for path in paths:
             for n, record in _read(Path(path)):
                 ex, read = tokenize_record(tok, record, f"{path}:{n}", bos), read + 1
+                headless += bool(ex.mask[:1] == [1])  # nothing before the response: its first token has no label
                 if not sum(ex.mask[1:]):  # no assistant turn to learn from (roles other than "assistant"?)
                     nothing += 1
                     roles |= {m.get("role") for m in record.get("messages") or [] if isinstance(m, dict)}
@@ -146,6 +141,10 @@ class SFTDataset:
             log.warning("%d of %d SFT examples have no response to learn and were skipped%s", nothing, read,
                         f" (roles seen: {', '.join(sorted(map(str, roles)))}; the loss is on 'assistant' turns)"
                         if roles else "")
+        if headless:
+            log.warning("%d of %d SFT examples have nothing before their response (an empty prompt, and this "
+                        "tokenizer puts no BOS before a text): the first token of each response is never learned",
+                        headless, read)
         if truncated:
             log.warning("%d of %d SFT examples were longer than seq_length=%d and were truncated (%d of them kept no "
                         "response and were skipped)", truncated, read, seq_length, cut_off)
