@@ -14,12 +14,15 @@ import argparse
 import sys
 
 from mcorekit.cli import HelpFormatter, dispatch
+from mcorekit.errors import ConversionError
 from mcorekit.models import dtypes
 from mcorekit.options import positive_float, positive_int
 
 # torch (through convert.pipeline) is imported inside each command, once its arguments parse: --help stays fast.
 FORMATS = {"torch_dist": "Megatron-Core's distributed format, loads at any layout",
            "torch": "Megatron-LM's legacy per-rank files for the layout given"}
+# hf-to-mcore's options for converting a model, which --lora (an adapter) has no use for
+MODEL_ONLY = ("format", "tp", "pp", "ep", "etp", "vpp", "vocab_divisible_by")
 MAX_SHARD_GB = 1024**2  # a PiB: any larger shard size means "one shard"; a float beyond it may not fit an int
 
 
@@ -57,6 +60,12 @@ def _hf_to_mcore(argv: list[str]) -> int:
                    help="convert this HF PEFT LoRA adapter of the HF_DIR model instead of the model: OUT_DIR becomes a "
                    "Megatron LoRA checkpoint to continue training from (peft.lora.load)")
     a = p.parse_args(argv)
+    given = [f"--{dest.replace('_', '-')} {getattr(a, dest)}" for dest in MODEL_ONLY
+             if getattr(a, dest) != p.get_default(dest)]
+    if a.lora and given:  # they would be ignored: an adapter checkpoint is torch_dist, which loads at any layout
+        raise ConversionError(f"{' '.join(given)}: --lora writes the adapter as a torch_dist checkpoint, which loads "
+                              f"at any layout; drop {'it' if len(given) == 1 else 'them'} (they apply to converting a "
+                              f"model)")
     from mcorekit.hub import model_dir
 
     a.hf_dir = str(model_dir(a.hf_dir, "model", "HF_DIR"))  # an org/name Hub ID: its snapshot in the HF cache

@@ -15,8 +15,11 @@ through the weight's own mapping (models/mapping.py QKV, GatedFC1, Direct), so t
 exactly the converter's split of the fused weight. PEFT names are `base_model.model.<HF module>.lora_A.weight`.
 Every transform is a re-arrangement: PEFT -> Megatron -> PEFT is bit-exact.
 
-A PEFT adapter that covers only some of a fused group (PEFT's default: the q and v modules) imports with zero blocks
-for the rest: zero A and B give zero output and zero gradients, so they stay zero in training. rsLoRA, DoRA,
+A PEFT adapter imports the modules its adapter_config.json covers, resolved as PEFT resolves them (target_modules,
+exclude_modules, layers_to_transform, layers_pattern): each needs its A and B, and no other tensor may be there. What
+it leaves out of a Megatron weight it adapts (some of a fused group, PEFT's default being the q and v modules; the
+layers layers_to_transform skips) imports as zero blocks: zero A and B give zero output and zero gradients, so they
+stay zero in training. rsLoRA, DoRA,
 per-module ranks or alphas, bias training, modules_to_save, fan_in_fan_out, activated LoRA and PEFT's other variants
 (UNSUPPORTED) have no Megatron counterpart and are refused.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,7 +300,18 @@ def mcore_to_hf_merged(ckpt: str | Path, out_dir: str | Path, base: str | None =
         if a is None:
             return weights
         pairs = to_peft(a, *src.layer(a, index[0]), src.ctx)
-        return [(w.float() + (lb.float() @ la.float()) * s).to(w.dtype) for w, (la, lb) in zip(weights, pairs)]
+        out = []
+        for name, w, (la, lb) in zip(m.hf_names_at(index), weights, pairs):
+            exact = w.float() + (lb.float() @ la.float()) * s
+            merged = exact.to(w.dtype)
+            if not torch.isfinite(merged).all():  # NaN adapters, or a sum beyond the range of the weight's dtype
+                why = (f"exceeds the range of {w.dtype} (up to {exact.abs().max().item():.3g}): the adapter is not "
+                       f"of this base, or its alpha is wrong" if torch.isfinite(exact).all() else
+                       "is not finite: the adapter (or the base) holds NaN or infinite values")
+                raise ConversionError(f"merging {src.iter_dir} into {name}: W + alpha/r * B @ A {why}; nothing was "
+                                      f"written")
+            out.append(merged)
+        return out
 
     return pipeline.mcore_to_hf(base_path, out_dir, hf_config=hf_config or str(src.config_file), dtype=dtype,
                                 max_shard_bytes=max_shard_bytes, force=force, quiet=quiet, edit=merge)
@@ -349,10 +364,104 @@ def peft_config_problems(config: dict[str, Any], max_rank: int) -> list[str]:
 BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
 
 
+ALL_LINEAR = "all-linear"  # PEFT's target_modules for every linear layer but the head
+
+
+def target_problems(config: dict[str, Any]) -> list[str]:
+    """adapter_config.json's fields that pick the adapted modules, where PEFT could not read them either."""
+    out = []
+    targets = config.get("target_modules")
+    if not targets or not (isinstance(targets, str) or _names(targets)):
+        out.append(f"target_modules={targets!r} is neither a list of module names nor a regex (PEFT needs it to know "
+                   f"which modules the adapter covers)")
+    exclude = config.get("exclude_modules")
+    if exclude is not None and not (isinstance(exclude, str) or _names(exclude)):
+        out.append(f"exclude_modules={exclude!r} is neither a list of module names nor a regex")
+    layers = config.get("layers_to_transform")
+    if not (layers is None or _index(layers) or isinstance(layers, list) and all(_index(i) for i in layers)):
+        out.append(f"layers_to_transform={layers!r} is neither a layer index nor a list of them")
+    pattern = config.get("layers_pattern")
+    if pattern is not None and not (isinstance(pattern, str) or _names(pattern)):
+        out.append(f"layers_pattern={pattern!r} is neither a name nor a list of names")
+    regexes = [("target_modules", targets), ("exclude_modules", exclude)]
+    regexes += [("layers_pattern", p) for p in ([pattern] if isinstance(pattern, str) else pattern or [])]
+    for field, value in regexes:
+        if isinstance(value, str):
+            try:
+                re.compile(value)
+            except re.error as e:
+                out.append(f"{field}={value!r} is not a valid regular expression ({e})")
+    return out
+
+
+def _names(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _index(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def peft_covers(config: dict[str, Any], module: str) -> bool:
+    """Whether PEFT adapts HF module `module` under adapter_config.json `config` (its fields checked by
+    target_problems), decided as peft 0.21's check_target_module_exists decides it: exclude_modules first; a string
+    target_modules is a regex the whole name must match; a list names a module whole, or by its last parts, and then
+    only on the layers layers_to_transform picks (their index found after layers_pattern, else after any name)."""
+    exclude = config.get("exclude_modules")
+    if exclude and (re.fullmatch(exclude, module) if isinstance(exclude, str) else _named(module, exclude)):
+        return False
+    targets = config["target_modules"]
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    if module in targets:  # a whole name: PEFT takes it whatever layers_to_transform says
+        return True
+    if not _named(module, targets):
+        return False
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    patterns = config.get("layers_pattern") or []
+    # the first number after a pattern, or after any name: the layer's, not an expert's further on
+    regexes = [rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\." for p in ([patterns] if isinstance(patterns, str) else patterns)]
+    match = next(filter(None, (re.match(r, module) for r in regexes or [r".*?\.[^.]*\.(?P<idx>\d+)\."])), None)
+    if match is None:
+        return False
+    return int(match["idx"]) == layers if isinstance(layers, int) else int(match["idx"]) in layers
+
+
+def _named(module: str, names: list[str]) -> bool:
+    return module in names or any(module.endswith(f".{n}") for n in names)
+
+
+def selection(config: dict[str, Any]) -> str:
+    """The fields that pick the adapted modules, as the config gives them (for messages)."""
+    fields = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
+    return ", ".join(f"{k}={config[k]!r}" for k in fields if config.get(k) not in (None, [], ""))
+
+
+def model_modules(spec: ModelSpec, amap: WeightMap) -> set[str]:
+    """The modules holding the model's HF weights, by name: those PEFT could adapt (not the MTP layers, which
+    transformers does not build)."""
+    return {n.rsplit(".", 1)[0] for m in amap.mappings if not m.is_mtp for index in m.slices(spec)
+            for n in m.hf_names_at(index)}
+
+
+def covered_modules(config: dict[str, Any], spec: ModelSpec, amap: WeightMap, adaptable: set[str]) -> set[str]:
+    """The model's modules that the adapter covers, as PEFT resolves its config against the model."""
+    modules = model_modules(spec, amap)
+    targets = config["target_modules"]
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:  # PEFT: every linear layer but the head
+        linear = adaptable | {m for m in amap.linear_hf_modules(spec) if m in modules}
+        config = {**config, "target_modules": sorted(linear)}
+    return {m for m in modules if peft_covers(config, m)}
+
+
 def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
                   force: bool = False) -> pipeline.Summary:
     """An HF PEFT adapter of the HF_DIR model -> a Megatron LoRA checkpoint (`release`) to continue training from
-    (peft.lora.load). Its tensors must be exactly PEFT's LoRA tensors of this model's attention/MLP projections."""
+    (peft.lora.load). The modules it adapts are those its config covers, resolved as PEFT resolves them: each must
+    have its A and B, and no other tensor may be there. A module the config leaves out (a q/k/v or gate/up member it
+    does not name, a layer layers_to_transform skips) gets zero A and B: no output and no gradient, as without one."""
     start = time.monotonic()
     hf, adapter = Path(hf_dir), Path(adapter_dir)
     config_file = model_file(hf, "config.json", str(hf))
@@ -362,21 +471,30 @@ def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pa
     peft_config, tensors = read_peft(adapter)
     ctx = Ctx(spec, padded_vocab_size(spec.vocab_size, 128))
     every = adapted(spec, amap, list(TARGET_WEIGHTS))
-    used: set[str] = set()
+    adaptable = {m for a in every for layer in a.layers(spec) for m in a.hf_modules(layer)}
+    field_problems = target_problems(peft_config)
+    covered = set() if field_problems else covered_modules(peft_config, spec, amap, adaptable)
     found_targets = []
     for a in every:
-        names = [peft_key(m, w) for layer in a.layers(spec) for m in a.hf_modules(layer) for w in "AB"]
-        if any(n in tensors for n in names) and a.target not in found_targets:
+        if any(m in covered for layer in a.layers(spec) for m in a.hf_modules(layer)) and a.target not in found_targets:
             found_targets.append(a.target)
     items = [a for a in every if a.target in found_targets]
     # the config first (a non-LoRA adapter has no LoRA tensors either), its rank bounded by the weights it adapts
-    if problems := peft_config_problems(peft_config, rank_bound(items or every)):
+    if problems := peft_config_problems(peft_config, rank_bound(items or every)) + field_problems:
         raise ConversionError(f"{adapter / ADAPTER_CONFIG}: " + "; ".join(problems))
     rank, alpha = int(peft_config["r"]), float(peft_config["lora_alpha"])
+    picked = selection(peft_config)
+    if others := sorted(covered - adaptable):
+        more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+        raise ConversionError(f"{adapter / ADAPTER_CONFIG}: {picked} covers {others[0]}{more}, which Megatron LoRA "
+                              f"does not adapt (only the attention and MLP projections, not the routed experts, norms, "
+                              f"embeddings or the head)")
     if not items:
-        raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: no LoRA tensor of the {spec.architecture} model's "
-                              f"attention or MLP projections (keys like {peft_key(every[0].hf_modules(0)[0], 'A')})")
+        raise ConversionError(f"{adapter / ADAPTER_CONFIG}: {picked} covers none of the {spec.architecture} model's "
+                              f"attention or MLP projections (modules like {sorted(adaptable)[0]})")
     out_dtype = dtypes.to_torch(dtype) if dtype else None
+    zero_dtype = next((t.dtype for t in tensors.values()), torch.float32)
+    used: set[str] = set()
     stacked: dict[str, dict[int, torch.Tensor]] = {}  # Megatron key -> layer -> its tensor
     for a in items:
         ka, kb = a.keys
@@ -385,13 +503,16 @@ def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pa
             for module, want_b in zip(a.hf_modules(layer), _hf_b_shapes(a, rank, ctx)):
                 na, nb = peft_key(module, "A"), peft_key(module, "B")
                 want_a = (rank, a.shape.in_features)
+                if module not in covered:  # PEFT leaves it as it is: a zero block (no output, no gradient)
+                    pairs.append((torch.zeros(want_a, dtype=zero_dtype), torch.zeros(want_b, dtype=zero_dtype)))
+                    continue
                 if (na in tensors) != (nb in tensors):
                     raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: {na if na in tensors else nb} has no "
                                           f"lora_{'B' if na in tensors else 'A'} partner")
-                if na not in tensors:  # a module PEFT did not adapt: a zero block (no output, no gradient)
-                    dt = next(iter(tensors.values())).dtype
-                    pairs.append((torch.zeros(want_a, dtype=dt), torch.zeros(want_b, dtype=dt)))
-                    continue
+                if na not in tensors:
+                    raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: no lora_A/lora_B for {module}, which "
+                                          f"{ADAPTER_CONFIG}'s {picked} covers; the adapter is incomplete, or not of "
+                                          f"this model ({config_file}: {spec.num_layers} layers)")
                 for name, want in ((na, want_a), (nb, want_b)):
                     t = tensors[name]
                     if tuple(t.shape) != want:
@@ -399,12 +520,21 @@ def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pa
                                               f"r={rank} on {config_file} implies {want}")
                     if problem := pipeline.dtype_problem(t.dtype):
                         raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: {name} {problem}")
+                    if not torch.isfinite(t).all():
+                        raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: {name} holds NaN or infinite values, "
+                                              f"which no trained adapter has; the file is damaged: save the adapter "
+                                              f"again")
                     used.add(name)
                 pairs.append((tensors[na], tensors[nb]))
             la, lb = from_peft(a, pairs, ctx)
             stacked.setdefault(ka, {})[layer] = la if out_dtype is None else la.to(out_dtype)
             stacked.setdefault(kb, {})[layer] = lb if out_dtype is None else lb.to(out_dtype)
     if unused := sorted(set(tensors) - used):
+        outside = [n for n in unused if _peft_module(n) in adaptable]
+        if outside:
+            raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: {outside[0]} adapts {_peft_module(outside[0])}, "
+                                  f"which {ADAPTER_CONFIG}'s {picked} does not cover (PEFT would not load it); fix "
+                                  f"the config or the tensors, nothing was written")
         raise ConversionError(f"{adapter / ADAPTER_WEIGHTS}: {len(unused)} tensors are not LoRA weights of the "
                               f"{spec.architecture} model's attention/MLP projections (e.g. {unused[:3]}); nothing "
                               f"was written")
@@ -422,6 +552,15 @@ def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pa
         (tmp / "hf").mkdir()
         copy_assets(hf, tmp / "hf")
     return pipeline.Summary(len(planned), total, time.monotonic() - start)
+
+
+def _peft_module(key: str) -> str | None:
+    """The HF module of a PEFT LoRA tensor name (`base_model.model.<module>.lora_A.weight`), else None."""
+    for which in ("A", "B"):
+        suffix = f".lora_{which}.weight"
+        if key.startswith(PEFT_PREFIX) and key.endswith(suffix):
+            return key[len(PEFT_PREFIX):-len(suffix)]
+    return None
 
 
 def _hf_b_shapes(a: Adapted, rank: int, ctx: Ctx) -> list[tuple[int, ...]]:

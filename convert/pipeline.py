@@ -31,7 +31,7 @@ from mcorekit.models.megatron import padded_vocab_size
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec
 from mcorekit.outputs import staged_output
-from mcorekit.train.checkpoint import RELEASE, TRACKER  # Megatron-LM's checkpoint directory layout
+from mcorekit.train.checkpoint import LORA_JSON, RELEASE, TRACKER  # Megatron-LM's checkpoint directory layout
 
 SIDECAR = "mcorekit.json"
 # Buffers some HF checkpoints carry that are recomputed, never loaded.
@@ -482,6 +482,14 @@ def with_checkpoint_mtp(spec: ModelSpec, found: int, iter_dir: Path, config_file
     return replace(spec, mtp_layers=found)
 
 
+def refuse_lora_checkpoint(ckpt: Path, iter_dir: Path, then: str) -> None:
+    """A LoRA run's checkpoint holds adapters, not a model: say how to make it one (`then`: what to do after)."""
+    if (iter_dir / LORA_JSON).is_file():
+        raise ConversionError(f"{ckpt} is a LoRA adapter checkpoint ({iter_dir / LORA_JSON}), not a model: merge it "
+                              f"into its base with `mcorekit convert mcore-to-hf {ckpt} OUT --merge --base BASE_CKPT`"
+                              f"{then}")
+
+
 def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = None, dtype: str | None = None,
                 max_shard_bytes: int = 5 * 1024**3, force: bool = False, quiet: bool = False,
                 edit: Callable[[Mapping, tuple[int, ...], list[torch.Tensor]], list[torch.Tensor]] | None = None) -> Summary:
@@ -489,6 +497,7 @@ def mcore_to_hf(ckpt: str | Path, out_dir: str | Path, hf_config: str | None = N
     start = time.monotonic()
     root = Path(ckpt)
     iter_dir = find_iteration_dir(root)
+    refuse_lora_checkpoint(root, iter_dir, " (or write it as a PEFT adapter with --lora)")
     ckpt_root = root if iter_dir != root else root.parent
     config, config_file, assets = hf_config_for(ckpt_root, hf_config)
     if dtype is not None and dtype not in dtypes.NAMES:

@@ -48,9 +48,10 @@ LAYER_NAMES = {
 
 
 def check(spec: ModelSpec, layout: Layout) -> None:
-    """What this target needs beyond the layout: a TensorRT-LLM architecture for the family, and a writer for
-    every tensor of its map (checked before anything is written)."""
+    """What this target needs beyond the layout: a TensorRT-LLM architecture for the family, a rope scaling it
+    writes, and a writer for every tensor of its map (checked before anything is written)."""
     trtllm_names(spec)
+    rotary_scaling(spec)
     amap = registry.weight_map(spec)
     known = set(LAYER_NAMES) | {gw.EMBEDDING, gw.OUTPUT, gw.FINAL_NORM, gw.QKV_WEIGHT, gw.QKV_BIAS, gw.FC1, gw.SHARED_FC1,
                                 gw.ROUTER, gw.EXPERT_FC1, gw.EXPERT_FC2}
@@ -71,12 +72,21 @@ def trtllm_names(spec: ModelSpec) -> registry.TensorRTLLM:
     return names
 
 
+def rotary_scaling(spec: ModelSpec) -> dict[str, Any] | None:
+    """config.json's rotary_scaling: none for plain rope (HF's "default" type included), llama3's with its fields."""
+    rs = spec.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ExportError(f"the engine target writes llama3 rope scaling only, not {kind!r} ({spec.architecture}); "
+                          f"use --target pytorch")
+    return {"type": "llama3", **{k: v for k, v in rs.items() if k not in ("rope_type", "type")}}
+
+
 def trtllm_config(spec: ModelSpec, dtype: str, layout: Layout, quant_algo: str | None) -> dict[str, Any]:
     names = trtllm_names(spec)
     tp, pp, ep = layout.tp, layout.pp, layout.ep
-    rope_scaling = None
-    if spec.rope_scaling:
-        rope_scaling = {"type": "llama3", **{k: v for k, v in spec.rope_scaling.items() if k not in ("rope_type", "type")}}
     cfg: dict[str, Any] = {
         "architecture": names.architecture,
         "dtype": dtype,
@@ -93,7 +103,7 @@ def trtllm_config(spec: ModelSpec, dtype: str, layout: Layout, quant_algo: str |
         "hidden_act": "silu",
         "norm_epsilon": spec.norm_epsilon,
         "rotary_base": spec.rope_theta,
-        "rotary_scaling": rope_scaling,
+        "rotary_scaling": rotary_scaling(spec),
         "qk_layernorm": spec.qk_layernorm,
         "bias": False,
         "attn_bias": spec.qkv_bias,
@@ -145,27 +155,30 @@ def write(reader: HFReader, spec: ModelSpec, out: Path, layout: Layout, dtype: s
     moe_tp = tp // moe_ep
     total = 0
 
-    def get(name: str) -> torch.Tensor:
-        return reader.get(name).to(torch_dtype)
+    def get(name: str, cast: bool = True) -> torch.Tensor:
+        """HF tensor `name` in --dtype, or as stored (`cast=False`: a linear's weight, which FP8 rounds only once)."""
+        return reader.get(name).to(torch_dtype) if cast else reader.get(name)
 
-    def split(name: str, m: Mapping, parts: int, rank: int) -> torch.Tensor:
+    def split(name: str, m: Mapping, parts: int, rank: int, cast: bool = True) -> torch.Tensor:
         """HF tensor `name` of entry m, this rank's part of it (split on the dim the entry's TP split implies)."""
-        return _chunk(get(name), parts, rank, HF_SPLIT_DIM[m.split])
+        return _chunk(get(name, cast), parts, rank, HF_SPLIT_DIM[m.split])
 
     for p in range(pp):
         for t in range(tp):
             w: dict[str, torch.Tensor] = {}
 
-            def linear(prefix: str, weight: torch.Tensor, hf_names: list[str]) -> None:
-                """Store a (possibly fused) linear, FP8-quantized with the modules' shared scales when asked."""
+            def linear(prefix: str, parts: list[torch.Tensor], hf_names: list[str]) -> None:
+                """Store a (possibly fused) linear from this rank's parts of its HF weights as stored: FP8 quantizes
+                them with the modules' shared scales, rounding the source once (as the pytorch target does); else
+                they are cast to the dtype."""
                 module = hf_names[0].removesuffix(".weight")
                 if scales and module in scales:
                     w_scale, a_scale = scales[module]
-                    w[f"{prefix}.weight"] = fp8.quantize(weight, w_scale)
+                    w[f"{prefix}.weight"] = fp8.quantize(torch.cat([x.float() for x in parts]), w_scale)
                     w[f"{prefix}.weights_scaling_factor"] = w_scale.reshape(1).clone()
                     w[f"{prefix}.activation_scaling_factor"] = a_scale.reshape(1).clone()
                 else:
-                    w[f"{prefix}.weight"] = weight
+                    w[f"{prefix}.weight"] = torch.cat([x.to(torch_dtype) for x in parts])
 
             if p == 0:
                 w["transformer.vocab_embedding.weight"] = get(amap.hf(gw.EMBEDDING)[0])
@@ -178,27 +191,26 @@ def write(reader: HFReader, spec: ModelSpec, out: Path, layout: Layout, dtype: s
                     names = m.hf_names(layer)
                     if m.mcore in (gw.QKV_WEIGHT, gw.QKV_BIAS):
                         q, k, v = names
-                        fused = torch.cat([_chunk(get(q), tp, t, 0), _kv_for_rank(get(k), spec, tp, t),
-                                           _kv_for_rank(get(v), spec, tp, t)])
+                        qkv = [_chunk(get(q, cast=False), tp, t, 0), _kv_for_rank(get(k, cast=False), spec, tp, t),
+                               _kv_for_rank(get(v, cast=False), spec, tp, t)]
                         if m.mcore == gw.QKV_WEIGHT:
-                            linear(f"{tl}.attention.qkv", fused, names)
+                            linear(f"{tl}.attention.qkv", qkv, names)
                         else:
-                            w[f"{tl}.attention.qkv.bias"] = fused
+                            w[f"{tl}.attention.qkv.bias"] = torch.cat([x.to(torch_dtype) for x in qkv])
                     elif m.mcore == gw.FC1:
                         gate, up = names
-                        linear(f"{tl}.mlp.fc", split(gate, m, tp, t), [gate])
-                        linear(f"{tl}.mlp.gate", split(up, m, tp, t), [up])
+                        linear(f"{tl}.mlp.fc", [split(gate, m, tp, t, cast=False)], [gate])
+                        linear(f"{tl}.mlp.gate", [split(up, m, tp, t, cast=False)], [up])
                     elif m.mcore == gw.SHARED_FC1:
                         gate, up = names
-                        linear(f"{tl}.mlp.shared_expert.fc", torch.cat([split(up, m, tp, t), split(gate, m, tp, t)]), [up])
+                        linear(f"{tl}.mlp.shared_expert.fc",
+                               [split(up, m, tp, t, cast=False), split(gate, m, tp, t, cast=False)], [up])
                     elif m.mcore == gw.ROUTER:
                         w[f"{tl}.mlp.router.weight"] = reader.get(names[0]).float()
+                    elif m.split == REPLICATED:
+                        w[f"{tl}.{LAYER_NAMES[m.mcore]}.weight"] = split(names[0], m, tp, t)
                     else:
-                        part = split(names[0], m, tp, t)
-                        if m.split == REPLICATED:
-                            w[f"{tl}.{LAYER_NAMES[m.mcore]}.weight"] = part
-                        else:
-                            linear(f"{tl}.{LAYER_NAMES[m.mcore]}", part, names)
+                        linear(f"{tl}.{LAYER_NAMES[m.mcore]}", [split(names[0], m, tp, t, cast=False)], names)
                 if spec.is_moe:
                     fc1, fc2 = entries[gw.EXPERT_FC1], entries[gw.EXPERT_FC2]
                     local = spec.num_experts // moe_ep

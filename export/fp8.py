@@ -16,11 +16,14 @@ from typing import Any, Iterable
 import torch
 
 from mcorekit.convert.hf_io import HFReader
+from mcorekit.convert.pipeline import hf_slice_shapes
 from mcorekit.errors import ExportError, first_line
 from mcorekit.models import registry
+from mcorekit.models.mapping import HF_SPLIT_DIM, QKV, REPLICATED, Ctx, VocabRows
 from mcorekit.models.spec import ModelSpec
 
 E4M3_MAX = 448.0
+ALIGN = 16  # torch._scaled_mm and TensorRT-LLM's FP8 GEMMs need both dims of a weight to be multiples of 16
 
 
 def linear_modules(reader: HFReader, spec: ModelSpec) -> list[str]:
@@ -28,6 +31,31 @@ def linear_modules(reader: HFReader, spec: ModelSpec) -> list[str]:
     (not norms, routers or gates, embeddings or the head), where the checkpoint has them."""
     present = set(reader.names())
     return [m for m in registry.weight_map(spec).linear_hf_modules(spec) if f"{m}.weight" in present]
+
+
+def shape_problem(spec: ModelSpec, tp: int) -> str | None:
+    """The first weight FP8 would quantize whose per-rank shape (split over `tp` as TensorRT-LLM splits it; K and V
+    rows are one head when there are fewer KV heads than ranks) is not a multiple of ALIGN in both dims."""
+    amap = registry.weight_map(spec)
+    ctx = Ctx(spec, spec.vocab_size)
+    for m in amap.mappings:
+        if m.split == REPLICATED or isinstance(m, VocabRows) or not m.slices(spec):
+            continue  # what linear_hf_modules leaves out: never quantized
+        names = m.hf_names_at(m.slices(spec)[0])
+        for i, (name, shape) in enumerate(zip(names, hf_slice_shapes(m, m.mcore_shape(ctx), ctx))):
+            if not name.endswith(".weight") or len(shape) != 2:
+                continue
+            local = list(shape)
+            dim = HF_SPLIT_DIM[m.split]
+            if isinstance(m, QKV) and i > 0 and spec.num_query_groups < tp:
+                local[0] = spec.kv_channels
+            else:
+                local[dim] //= tp
+            if any(n % ALIGN for n in local):
+                return (f"FP8 needs every quantized weight to be a multiple of {ALIGN} in both dims on each rank (FP8 "
+                        f"GEMMs require it), but {name} is {local[0]}x{local[1]} per rank at TP={tp} (of "
+                        f"{shape[0]}x{shape[1]}); export this model without --fp8 (bf16/fp16)")
+    return None
 
 
 def weight_scale(*weights: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ ModelOpt-style per-tensor FP8 checkpoint (`weight` in float8_e4m3fn, `weight_sca
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -48,6 +49,11 @@ def write(reader: HFReader, spec: ModelSpec, out: Path, layout: Layout, dtype: s
     copy_assets(reader.path, out)
     config = dict(reader.config)
     config["dtype"] = dtypes.NAMES[dtype]
+    stale = config.pop("quantization_config", None)
+    if stale is not None and not scales:  # a loader would read these bf16/fp16 weights as quantized
+        method = stale.get("quant_method") if isinstance(stale, dict) else None
+        print(f"mcorekit: warning: the source config.json has a quantization_config (quant_method {method!r}) but "
+              f"these weights are {dtypes.NAMES[dtype]}: it is left out of the exported config.json", file=sys.stderr)
     if scales:
         quant = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": list(EXCLUDED)}
         (out / "hf_quant_config.json").write_text(json.dumps(

@@ -15,8 +15,8 @@ from typing import Any
 from safetensors import SafetensorError
 
 from mcorekit.convert.hf_io import HFReader
-from mcorekit.convert.pipeline import (Summary, find_iteration_dir, hf_config_for, mcore_to_hf, plan_from_hf, spec_for,
-                                       with_hf_mtp)
+from mcorekit.convert.pipeline import (Summary, find_iteration_dir, hf_config_for, mcore_to_hf, plan_from_hf,
+                                       refuse_lora_checkpoint, spec_for, with_hf_mtp)
 from mcorekit.errors import ExportError, OutputError
 from mcorekit.export import fp8, targets
 from mcorekit.models import dtypes, registry
@@ -37,6 +37,7 @@ def is_hf_dir(path: Path) -> bool:
 def megatron_config(src: Path, hf_config: str | None) -> tuple[dict[str, Any], Path | None]:
     """The HF config (and the folder with its tokenizer) that a Megatron checkpoint is converted with."""
     iter_dir = find_iteration_dir(src)
+    refuse_lora_checkpoint(src, iter_dir, ", then export OUT")
     config, *_, tokenizer_dir = hf_config_for(src if iter_dir != src else src.parent, hf_config)
     return config, tokenizer_dir
 
@@ -77,6 +78,8 @@ def export(src: str | Path, out: str | Path, target: str, tp: int = 1, pp: int =
         if spec.is_moe:
             raise ExportError("FP8 export of MoE models is not supported yet (expert activations need per-expert "
                               "calibration); export MoE models in bf16/fp16")
+        if problem := fp8.shape_problem(spec, layout.tp):
+            raise ExportError(problem)
         if not calib:
             raise ExportError("FP8 needs activation scales and this checkpoint carries none: pass --calib FILE "
                               "(JSON lines with input_ids or text) for a calibration pass")

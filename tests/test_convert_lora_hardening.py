@@ -5,9 +5,12 @@ common.pt is refused before any loader could unpickle it. CPU; the tiny bf16 Lla
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 from io import BytesIO
@@ -18,7 +21,9 @@ import megatron.core.safe_globals  # noqa: F401  # imported before te_recipe's T
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
+from mcorekit import cli
 from mcorekit.convert import lora, pipeline, torch_dist
 from mcorekit.convert.logits import checked_checkpoint
 from mcorekit.errors import MCoreKitError
@@ -225,3 +230,89 @@ def test_verify_logits_refuses_a_crafted_common_pt(tmp_path: Path) -> None:
     with pytest.raises(MCoreKitError, match=rf"^checkpoint {ck / 'release'}: common.pt asks to run posix.system "):
         checked_checkpoint(ck)
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- options an adapter has no use for
+
+
+@pytest.mark.parametrize(("options", "given"), [
+    ("--format torch", "--format torch"), ("--tp 3", "--tp 3"), ("--pp 2", "--pp 2"), ("--ep 5", "--ep 5"),
+    ("--etp 2", "--etp 2"), ("--vpp 7", "--vpp 7"), ("--vocab-divisible-by 64", "--vocab-divisible-by 64"),
+    ("--format torch --tp 3 --vpp 7 --ep 5", "--format torch --tp 3 --ep 5 --vpp 7"),
+], ids=["format", "tp", "pp", "ep", "etp", "vpp", "vocab", "several"])
+def test_lora_import_refuses_options_of_a_model_conversion(made: dict[str, Path], tmp_path: Path, options: str,
+                                                           given: str) -> None:
+    """Before: ignored, exit 0, a torch_dist checkpoint written whatever --format and the sizes said."""
+    out = tmp_path / "out"
+    line = (f"{given}: --lora writes the adapter as a torch_dist checkpoint, which loads at any layout; drop "
+            f"{'them' if ' --' in given else 'it'} (they apply to converting a model)")
+    refused(["hf-to-mcore", str(made["llama"]), str(out), "--lora", str(made["adapter"]), *options.split()], out,
+            [made["llama"], made["adapter"]], line)
+
+
+# ---------------------------------------------------------------- non-finite adapters and merges
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_peft_adapter_is_refused(made: dict[str, Path], tmp_path: Path, value: float) -> None:
+    adapter = copy(made["adapter"], tmp_path / "adapter")
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    tensors[name][3, 1] = value
+    save_file(tensors, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    refused(["hf-to-mcore", str(made["llama"]), str(out), "--lora", str(adapter)], out, [adapter, made["llama"]],
+            f"{adapter / 'adapter_model.safetensors'}: {name} holds NaN or infinite values, which no trained adapter "
+            f"has; the file is damaged: save the adapter again")
+
+
+def lora_ck_with(made: dict[str, Path], dst: Path, value: float) -> Path:
+    """The adapter checkpoint with `value` in layer 1's qkv lora_b (its first row: q_proj's), written again as
+    peft_to_mcore writes it (the import itself now refuses a non-finite adapter)."""
+    ck = copy(made["lora_ck"], dst)
+    reader = torch_dist.TorchDistReader(ck / "release")
+    tensors = {k: reader.read(k) for k in reader.tensor_keys()}
+    tensors["decoder.layers.self_attention.linear_qkv.adapter.lora_b"][1, 0, 0] = value
+    info = (ck / "release/lora.json").read_text()
+    shutil.rmtree(ck / "release")
+    planned = [lora._planned(k, dict(enumerate(t)), t.shape[0]) for k, t in tensors.items()]
+    torch_dist.write(ck / "release", planned, {"common_state/shard_0_1": torch_dist.common_state()})
+    (ck / "release/lora.json").write_text(info)
+    return ck
+
+
+@pytest.mark.parametrize("case", ["nan", "fp16-overflow"])
+def test_merge_refuses_non_finite_weights(made: dict[str, Path], tmp_path: Path, case: str) -> None:
+    """Before: NaN (or, into an fp16 base, a sum beyond 65504: inf) merged weights, exit 0. A is random and B zero
+    but for the planted value, so the merged q_proj of layer 1 is the first weight it spoils."""
+    if case == "nan":
+        ck, base = lora_ck_with(made, tmp_path / "lora_ck", float("nan")), made["ck"]
+        why = "is not finite: the adapter (or the base) holds NaN or infinite values; nothing was written"
+    else:
+        ck, base = lora_ck_with(made, tmp_path / "lora_ck", 1e6), tmp_path / "base16"
+        pipeline.hf_to_mcore(made["llama"], base, dtype="fp16", quiet=True)
+        why = "exceeds the range of torch.float16 (up to "
+    out = tmp_path / "out"
+    before = [tree_digest(p) for p in (ck, base)]
+    rc, err = convert("mcore-to-hf", str(ck), str(out), "--merge", "--base", str(base))
+    assert_one_error(rc, err, f"mcorekit: error: merging {ck / 'release'} into model.layers.1.self_attn.q_proj.weight: "
+                              f"W + alpha/r * B @ A {why}")
+    assert_nothing_at(out)
+    assert [tree_digest(p) for p in (ck, base)] == before
+    rc, err = convert("mcore-to-hf", str(made["lora_ck"]), str(tmp_path / "good"), "--merge", "--base", str(base))
+    assert rc == 0, err  # the checkpoint it was made from merges
+
+
+# ---------------------------------------------------------------- a LoRA checkpoint where a model is expected
+
+
+def test_lora_checkpoint_given_as_a_model_says_to_merge_it(made: dict[str, Path], tmp_path: Path) -> None:
+    """Before: "checkpoint and config.json disagree: missing [...], unexpected [...adapter.lora_a...]"."""
+    ck, out = made["lora_ck"], tmp_path / "out"
+    merge = (f"{ck} is a LoRA adapter checkpoint ({ck / 'release/lora.json'}), not a model: merge it into its base "
+             f"with `mcorekit convert mcore-to-hf {ck} OUT --merge --base BASE_CKPT`")
+    refused(["mcore-to-hf", str(ck), str(out)], out, [ck], f"{merge} (or write it as a PEFT adapter with --lora)")
+    with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(io.StringIO()):
+        rc = cli.main(["export", "trtllm", str(ck), str(out), "--target", "pytorch", "--quiet"])
+    assert rc == 2 and err.getvalue() == f"mcorekit: error: {merge}, then export OUT\n", err.getvalue()
+    assert_nothing_at(out)

@@ -279,3 +279,139 @@ def test_adapter_input_from_te_norm_output(te_return_bias: bool) -> None:
     assert bias is None and bias2 is None and torch.allclose(returned, recomputed, rtol=1e-12, atol=1e-12)
     layer.adapter.enabled = False
     assert torch.equal(layer(x)[0], lora._fused_norm(layer, x) @ layer.weight.t())  # adapters off: the base layer
+
+
+# ---------------------------------------------------------------- the adapter's config against its tensors
+
+
+def _llama_modules(llama: Path) -> list[str]:
+    spec = pipeline.spec_for(json.loads((llama / "config.json").read_text()))
+    return sorted(lora.model_modules(spec, pipeline.weight_map(spec)))
+
+
+@pytest.mark.parametrize("fields", [
+    {"target_modules": ["q_proj", "v_proj"]},
+    {"target_modules": ["q_proj", "nonexistent"]},
+    {"target_modules": ["model.layers.1.self_attn.q_proj", "o_proj"]},
+    {"target_modules": r".*\.mlp\..*"},
+    {"target_modules": r"model\.layers\.0\.self_attn\.(q|k)_proj"},
+    {"target_modules": ["q_proj", "down_proj"], "layers_to_transform": [1]},
+    {"target_modules": ["q_proj", "down_proj"], "layers_to_transform": 0},
+    {"target_modules": ["q_proj", "model.layers.0.mlp.down_proj"], "layers_to_transform": [1]},
+    {"target_modules": ["q_proj"], "layers_to_transform": [0], "layers_pattern": "layers"},
+    {"target_modules": ["q_proj"], "layers_to_transform": [0], "layers_pattern": ["foo", "layers"]},
+    {"target_modules": ["q_proj"], "layers_to_transform": [0], "layers_pattern": "foo"},
+    {"target_modules": ["q_proj", "k_proj"], "exclude_modules": ["model.layers.0.self_attn.k_proj"]},
+    {"target_modules": ["q_proj", "k_proj"], "exclude_modules": r".*\.0\.self_attn\.q_proj"},
+    {"target_modules": ["lm_head", "embed_tokens", "input_layernorm"]},
+], ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_the_modules_an_adapter_covers_are_those_peft_adapts(llama: Path, fields: dict) -> None:
+    """PEFT's own check_target_module_exists, module by module: target_modules as a list (whole names or suffixes)
+    or a regex (full match), layers_to_transform with or without layers_pattern, exclude_modules."""
+    import peft
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, **fields)
+    modules = _llama_modules(llama)
+    assert "lm_head" in modules and "model.layers.1.input_layernorm" in modules
+    assert lora.target_problems(fields) == []
+    want = [m for m in modules if bool(check_target_module_exists(config, m))]
+    assert [m for m in modules if lora.peft_covers(fields, m)] == want
+
+
+@pytest.mark.parametrize("fields", [
+    {"layers_to_transform": [1]},
+    {"target_modules": r"model\.layers\.\d+\.self_attn\.(q|v)_proj"},
+    {"exclude_modules": ["model.layers.0.self_attn.k_proj"]},
+], ids=["layers_to_transform", "regex", "exclude_modules"])
+def test_adapters_peft_writes_with_a_selection_convert_bitwise(llama: Path, tmp_path: Path, fields: dict) -> None:
+    """What PEFT adapts under each selection comes back bit-exact; what it does not (a layer it skips, a k it leaves
+    out) comes back as zeros only."""
+    import peft
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+    config = peft.LoraConfig(r=4, lora_alpha=8, **{"target_modules": ["q_proj", "k_proj", "v_proj"], **fields})
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    model.save_pretrained(tmp_path / "peft")
+    lora.peft_to_mcore(llama, tmp_path / "peft", tmp_path / "m")
+    lora.mcore_to_peft(tmp_path / "m", tmp_path / "back")
+    want = load_file(str(tmp_path / "peft/adapter_model.safetensors"))
+    got = load_file(str(tmp_path / "back/adapter_model.safetensors"))
+    assert want and all(torch.equal(got[k], want[k]) for k in want)
+    extra = set(got) - set(want)
+    assert extra and all(not got[k].any() for k in extra)
+
+
+def _edited(adapter: Path, out: Path, drop: str = "", **fields: object) -> Path:
+    """A copy of a PEFT adapter without the tensors whose names hold `drop`, its config's fields replaced."""
+    import shutil
+
+    shutil.copytree(adapter, out)
+    tensors = {k: v for k, v in load_file(str(out / "adapter_model.safetensors")).items() if not drop or drop not in k}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, **fields}))
+    return out
+
+
+COVERS = "adapter_config.json's target_modules=['q_proj', 'v_proj']"
+
+
+@pytest.mark.parametrize(("drop", "fields", "where", "line"), [
+    ("layers.1.self_attn.q_proj.", {}, "adapter_model.safetensors",
+     f"no lora_A/lora_B for model.layers.1.self_attn.q_proj, which {COVERS} covers; the adapter is incomplete, or not "
+     f"of this model"),
+    ("layers.1.self_attn.q_proj.lora_B", {}, "adapter_model.safetensors",
+     "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight has no lora_B partner"),
+    ("", {"layers_to_transform": [0]}, "adapter_model.safetensors",
+     "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight adapts model.layers.1.self_attn.q_proj, which "
+     "adapter_config.json's target_modules=['q_proj', 'v_proj'], layers_to_transform=[0] does not cover (PEFT would "
+     "not load it)"),
+    ("", {"target_modules": r".*\.v_proj"}, "adapter_model.safetensors",
+     "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight adapts model.layers.0.self_attn.q_proj, which "
+     "adapter_config.json's target_modules='.*\\\\.v_proj' does not cover"),
+    ("", {"target_modules": ["lm_head"]}, "adapter_config.json",
+     "target_modules=['lm_head'] covers lm_head, which Megatron LoRA does not adapt"),
+    ("", {"target_modules": ["q_proj", "v_proj", "input_layernorm"]}, "adapter_config.json",
+     "target_modules=['q_proj', 'v_proj', 'input_layernorm'] covers model.layers.0.input_layernorm (and 1 more), "
+     "which Megatron LoRA does not adapt"),
+    ("", {"target_modules": ["nonexistent"]}, "adapter_config.json",
+     "target_modules=['nonexistent'] covers none of the llama model's attention or MLP projections"),
+    ("", {"layers_to_transform": [5], "layers_pattern": "foo"}, "adapter_config.json",
+     "target_modules=['q_proj', 'v_proj'], layers_to_transform=[5], layers_pattern='foo' covers none of the llama "
+     "model's attention or MLP projections"),
+    ("", {"target_modules": None}, "adapter_config.json",
+     "target_modules=None is neither a list of module names nor a regex"),
+    ("", {"target_modules": "q_proj("}, "adapter_config.json",
+     "target_modules='q_proj(' is not a valid regular expression"),
+    ("", {"layers_to_transform": ["0"]}, "adapter_config.json",
+     "layers_to_transform=['0'] is neither a layer index nor a list of them"),
+], ids=["covered-module-missing", "covered-half-missing", "layer-not-covered", "module-not-covered", "lm_head", "norm",
+        "nothing-covered", "no-layer-covered", "no-targets", "bad-regex", "bad-layers"])
+def test_adapter_tensors_must_be_what_its_config_covers(llama: Path, tmp_path: Path, drop: str, fields: dict,
+                                                        where: str, line: str) -> None:
+    """Before: targets came from the tensors alone; a covered module without tensors became zeros, tensors the config
+    does not cover were converted, and a config covering nothing or the head passed."""
+    targets = {"target_modules": ["q_proj", "v_proj"]}  # in this order (PEFT writes them from a set)
+    theirs = _edited(peft_adapter(llama, tmp_path / "peft", ["q_proj", "v_proj"]), tmp_path / "edited", drop,
+                     **{**targets, **fields})
+    proc = run_cli("hf-to-mcore", str(llama), str(tmp_path / "m"), "--lora", str(theirs))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"mcorekit: error: {theirs / where}: {line}"), proc.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_adapter_of_a_model_with_fewer_layers_is_refused(llama: Path, tmp_path: Path) -> None:
+    """A 2-layer model's adapter onto a 4-layer base of the same shapes: its layers 2 and 3 were zeros."""
+    deeper = tmp_path / "hf4"
+    transformers.AutoModelForCausalLM.from_config(type(CONFIGS["llama"](False))(**COMMON)).save_pretrained(deeper)
+    theirs = peft_adapter(llama, tmp_path / "peft", ALL)
+    proc = run_cli("hf-to-mcore", str(deeper), str(tmp_path / "m"), "--lora", str(theirs))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "no lora_A/lora_B for model.layers.2.self_attn.q_proj" in proc.stderr, proc.stderr
+    assert f"not of this model ({deeper / 'config.json'}: 4 layers)" in proc.stderr, proc.stderr
+    assert not (tmp_path / "m").exists()

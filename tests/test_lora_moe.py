@@ -114,6 +114,9 @@ def with_mlp_adapters(adapter: Path) -> Path:
             tensors[f"{name}.lora_A.weight"] = torch.randn(a, generator=g)
             tensors[f"{name}.lora_B.weight"] = torch.randn(b, generator=g)
     save_file(tensors, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((adapter / "adapter_config.json").read_text())  # and the modules they adapt, as PEFT names them
+    config["target_modules"] = r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.(shared_experts\.)?(gate|up|down)_proj)"
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
     return adapter
 
 
