@@ -365,6 +365,9 @@ BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
 
 
 ALL_LINEAR = "all-linear"  # PEFT's target_modules for every linear layer but the head
+# what PEFT 0.21 adapts when target_modules is null (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), for the
+# families that have a default; for the others PEFT refuses a null target_modules too
+PEFT_DEFAULT_TARGETS = {t: ["q_proj", "v_proj"] for t in ("llama", "qwen2", "qwen3", "mixtral")}
 
 
 def target_problems(config: dict[str, Any]) -> list[str]:
@@ -373,7 +376,12 @@ def target_problems(config: dict[str, Any]) -> list[str]:
     targets = config.get("target_modules")
     if not targets or not (isinstance(targets, str) or _names(targets)):
         out.append(f"target_modules={targets!r} is neither a list of module names nor a regex (PEFT needs it to know "
-                   f"which modules the adapter covers)")
+                   f"which modules the adapter covers; it has a default for {', '.join(PEFT_DEFAULT_TARGETS)} only)")
+    if isinstance(targets, str) and (config.get("layers_to_transform") is not None or config.get("layers_pattern")):
+        out.append("target_modules is a regex, which PEFT takes with neither layers_to_transform nor layers_pattern "
+                   "(its LoraConfig refuses them together)")
+    if config.get("layers_pattern") and config.get("layers_to_transform") is None:
+        out.append("layers_pattern without layers_to_transform, which PEFT's LoraConfig refuses")
     exclude = config.get("exclude_modules")
     if exclude is not None and not (isinstance(exclude, str) or _names(exclude)):
         out.append(f"exclude_modules={exclude!r} is neither a list of module names nor a regex")
@@ -469,6 +477,8 @@ def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pa
     spec = pipeline.spec_for(config, config_file)
     amap = pipeline.weight_map(spec)
     peft_config, tensors = read_peft(adapter)
+    if peft_config.get("target_modules") is None and config.get("model_type") in PEFT_DEFAULT_TARGETS:
+        peft_config = {**peft_config, "target_modules": PEFT_DEFAULT_TARGETS[config["model_type"]]}
     ctx = Ctx(spec, padded_vocab_size(spec.vocab_size, 128))
     every = adapted(spec, amap, list(TARGET_WEIGHTS))
     adaptable = {m for a in every for layer in a.layers(spec) for m in a.hf_modules(layer)}

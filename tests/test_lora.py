@@ -384,14 +384,14 @@ COVERS = "adapter_config.json's target_modules=['q_proj', 'v_proj']"
     ("", {"layers_to_transform": [5], "layers_pattern": "foo"}, "adapter_config.json",
      "target_modules=['q_proj', 'v_proj'], layers_to_transform=[5], layers_pattern='foo' covers none of the llama "
      "model's attention or MLP projections"),
-    ("", {"target_modules": None}, "adapter_config.json",
-     "target_modules=None is neither a list of module names nor a regex"),
+    ("", {"target_modules": r".*\.(q|v)_proj", "layers_to_transform": [0]}, "adapter_config.json",
+     "target_modules is a regex, which PEFT takes with neither layers_to_transform nor layers_pattern"),
     ("", {"target_modules": "q_proj("}, "adapter_config.json",
      "target_modules='q_proj(' is not a valid regular expression"),
     ("", {"layers_to_transform": ["0"]}, "adapter_config.json",
      "layers_to_transform=['0'] is neither a layer index nor a list of them"),
 ], ids=["covered-module-missing", "covered-half-missing", "layer-not-covered", "module-not-covered", "lm_head", "norm",
-        "nothing-covered", "no-layer-covered", "no-targets", "bad-regex", "bad-layers"])
+        "nothing-covered", "no-layer-covered", "regex-and-layers", "bad-regex", "bad-layers"])
 def test_adapter_tensors_must_be_what_its_config_covers(llama: Path, tmp_path: Path, drop: str, fields: dict,
                                                         where: str, line: str) -> None:
     """Before: targets came from the tensors alone; a covered module without tensors became zeros, tensors the config
@@ -403,6 +403,22 @@ def test_adapter_tensors_must_be_what_its_config_covers(llama: Path, tmp_path: P
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"mcorekit: error: {theirs / where}: {line}"), proc.stderr
     assert not (tmp_path / "m").exists()
+
+
+def test_a_null_target_modules_is_peft_default_for_the_family(llama: Path, tmp_path: Path) -> None:
+    """PEFT loads a config without target_modules with its default for the model type (q_proj and v_proj for
+    Llama): such an adapter imports as the same adapter with the list written out."""
+    theirs = peft_adapter(llama, tmp_path / "peft", ["q_proj", "v_proj"])
+    listed = _edited(theirs, tmp_path / "listed", "", target_modules=["q_proj", "v_proj"])
+    null = _edited(theirs, tmp_path / "null", "", target_modules=None)
+    for name, adapter in (("a", listed), ("b", null)):
+        proc = run_cli("hf-to-mcore", str(llama), str(tmp_path / name), "--lora", str(adapter))
+        assert proc.returncode == 0, proc.stderr
+    from mcorekit.convert.torch_dist import TorchDistReader
+
+    a, b = TorchDistReader(tmp_path / "a/release"), TorchDistReader(tmp_path / "b/release")
+    assert a.tensor_keys().keys() == b.tensor_keys().keys()
+    assert all(torch.equal(a.read(k), b.read(k)) for k in a.tensor_keys())
 
 
 def test_adapter_of_a_model_with_fewer_layers_is_refused(llama: Path, tmp_path: Path) -> None:
