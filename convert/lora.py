@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,6 +273,11 @@ def mcore_to_peft(ckpt: str | Path, out_dir: str | Path, hf_config: str | None =
     start = time.monotonic()
     src = AdapterCheckpoint(ckpt, hf_config)
     tensors = src.peft_tensors(dtypes.to_torch(dtype) if dtype else None)
+    if src.config.get("model_type") in PEFT_MOE_REMAPPED and any(a.target in ("fc1", "fc2") for a in src.items):
+        print(f"mcorekit: warning: peft 0.21 under transformers 5 loads the gate/up/down_proj targets of a "
+              f"{src.config['model_type']} model as LoRA on its routed experts (its MoE weight conversion) and drops "
+              f"these adapters of the dense and shared-expert MLPs; to serve them, write the merged model "
+              f"(mcore-to-hf --merge)", file=sys.stderr)
     with staged_output(Path(out_dir), force, inputs=src.inputs, command="mcorekit convert mcore-to-hf --lora") as tmp:
         try:
             save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
@@ -365,6 +371,10 @@ BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
 
 
 ALL_LINEAR = "all-linear"  # PEFT's target_modules for every linear layer but the head
+# model types whose gate/up/down_proj targets peft 0.21 moves to the routed experts' fused weights under transformers 5
+# (peft/utils/transformers_weight_conversion.py, _convert_peft_config_moe): a dense or shared-expert MLP adapter of
+# these written in PEFT's format is not what PEFT then loads
+PEFT_MOE_REMAPPED = ("deepseek_v2", "deepseek_v3", "qwen3_moe")
 # what PEFT 0.21 adapts when target_modules is null (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), for the
 # families that have a default; for the others PEFT refuses a null target_modules too
 PEFT_DEFAULT_TARGETS = {t: ["q_proj", "v_proj"] for t in ("llama", "qwen2", "qwen3", "mixtral")}

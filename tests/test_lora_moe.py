@@ -120,25 +120,33 @@ def with_mlp_adapters(adapter: Path) -> Path:
     return adapter
 
 
-def test_deepseek_peft_adapter_imports_with_per_layer_keys(deepseek: Path, tmp_path: Path) -> None:
+def test_deepseek_peft_adapter_imports_with_per_layer_keys(deepseek: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """The adapter PEFT writes for o_proj: one key per layer (as Megatron-Core stores this model), exported back
-    bit-exact."""
+    bit-exact (no MLP adapter: no warning about PEFT's MoE conversion)."""
     theirs = peft_adapter(deepseek, tmp_path / "peft", ["o_proj"], r=R)
     lora.peft_to_mcore(deepseek, theirs, tmp_path / "m")
     assert shapes(stored(tmp_path / "m/release")) == PROJ_KEYS
+    capsys.readouterr()
     lora.mcore_to_peft(tmp_path / "m", tmp_path / "back")
     assert_same_adapter(theirs, tmp_path / "back")
+    assert "routed experts" not in capsys.readouterr().err
 
 
-def test_deepseek_mlp_adapters_only_on_their_layers(deepseek: Path, tmp_path: Path) -> None:
+def test_deepseek_mlp_adapters_only_on_their_layers(deepseek: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """The dense MLP's adapters on layer 0 only, the shared experts' on layers 1 and 2 only; exported back bit-exact,
-    without tensors for modules a layer lacks."""
+    without tensors for modules a layer lacks, with a warning: peft 0.21 under transformers 5 would load their
+    gate/up/down_proj targets as LoRA on the routed experts instead."""
     theirs = with_mlp_adapters(peft_adapter(deepseek, tmp_path / "peft", ["o_proj"], r=R))
     lora.peft_to_mcore(deepseek, theirs, tmp_path / "m")
     assert shapes(stored(tmp_path / "m/release")) == DEEPSEEK_KEYS
     assert json.loads((tmp_path / "m/release/lora.json").read_text())["target_modules"] == ["proj", "fc1", "fc2"]
+    capsys.readouterr()
     lora.mcore_to_peft(tmp_path / "m", tmp_path / "back")
     assert_same_adapter(theirs, tmp_path / "back")
+    warned = capsys.readouterr().err
+    assert "as LoRA on its routed experts (its MoE weight conversion) and drops these adapters" in warned
 
 
 def test_deepseek_adapters_as_training_saves_and_loads_them(deepseek: Path, tmp_path: Path, model_parallel: None,
