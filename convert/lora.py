@@ -45,6 +45,7 @@ from mcorekit.models import dtypes
 from mcorekit.models import gpt_weights as gw
 from mcorekit.models.mapping import LAYER, Ctx, Mapping, WeightMap
 from mcorekit.models.megatron import padded_vocab_size
+from mcorekit.models.registry import family
 from mcorekit.models.spec import ModelSpec
 from mcorekit.outputs import check_output, staged_output
 from mcorekit.train.checkpoint import LORA_JSON, RELEASE, TRACKER
@@ -273,10 +274,10 @@ def mcore_to_peft(ckpt: str | Path, out_dir: str | Path, hf_config: str | None =
     start = time.monotonic()
     src = AdapterCheckpoint(ckpt, hf_config)
     tensors = src.peft_tensors(dtypes.to_torch(dtype) if dtype else None)
-    if src.config.get("model_type") in PEFT_MOE_REMAPPED and any(a.target in ("fc1", "fc2") for a in src.items):
-        print(f"mcorekit: warning: peft 0.21 under transformers 5 loads the gate/up/down_proj targets of a "
-              f"{src.config['model_type']} model as LoRA on its routed experts (its MoE weight conversion) and drops "
-              f"these adapters of the dense and shared-expert MLPs; to serve them, write the merged model "
+    if family(src.spec.architecture).peft_moves_mlp_to_experts and any(a.target in ("fc1", "fc2") for a in src.items):
+        print(f"mcorekit: warning: peft 0.21 under transformers 5 loads the MLP targets of a "
+              f"{src.config.get('model_type')} model as LoRA on its routed experts (its MoE weight conversion) and "
+              f"drops these adapters of the dense and shared-expert MLPs; to serve them, write the merged model "
               f"(mcore-to-hf --merge)", file=sys.stderr)
     with staged_output(Path(out_dir), force, inputs=src.inputs, command="mcorekit convert mcore-to-hf --lora") as tmp:
         try:
@@ -371,13 +372,6 @@ BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
 
 
 ALL_LINEAR = "all-linear"  # PEFT's target_modules for every linear layer but the head
-# model types whose gate/up/down_proj targets peft 0.21 moves to the routed experts' fused weights under transformers 5
-# (peft/utils/transformers_weight_conversion.py, _convert_peft_config_moe): a dense or shared-expert MLP adapter of
-# these written in PEFT's format is not what PEFT then loads
-PEFT_MOE_REMAPPED = ("deepseek_v2", "deepseek_v3", "qwen3_moe")
-# what PEFT 0.21 adapts when target_modules is null (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), for the
-# families that have a default; for the others PEFT refuses a null target_modules too
-PEFT_DEFAULT_TARGETS = {t: ["q_proj", "v_proj"] for t in ("llama", "qwen2", "qwen3", "mixtral")}
 
 
 def target_problems(config: dict[str, Any]) -> list[str]:
@@ -386,7 +380,7 @@ def target_problems(config: dict[str, Any]) -> list[str]:
     targets = config.get("target_modules")
     if not targets or not (isinstance(targets, str) or _names(targets)):
         out.append(f"target_modules={targets!r} is neither a list of module names nor a regex (PEFT needs it to know "
-                   f"which modules the adapter covers; it has a default for {', '.join(PEFT_DEFAULT_TARGETS)} only)")
+                   f"which modules the adapter covers; it has a default for some model types only)")
     if isinstance(targets, str) and (config.get("layers_to_transform") is not None or config.get("layers_pattern")):
         out.append("target_modules is a regex, which PEFT takes with neither layers_to_transform nor layers_pattern "
                    "(its LoraConfig refuses them together)")
@@ -487,8 +481,8 @@ def peft_to_mcore(hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pa
     spec = pipeline.spec_for(config, config_file)
     amap = pipeline.weight_map(spec)
     peft_config, tensors = read_peft(adapter)
-    if peft_config.get("target_modules") is None and config.get("model_type") in PEFT_DEFAULT_TARGETS:
-        peft_config = {**peft_config, "target_modules": PEFT_DEFAULT_TARGETS[config["model_type"]]}
+    if peft_config.get("target_modules") is None and (default := family(spec.architecture).peft_default_targets):
+        peft_config = {**peft_config, "target_modules": list(default)}  # what PEFT adapts for such a config
     ctx = Ctx(spec, padded_vocab_size(spec.vocab_size, 128))
     every = adapted(spec, amap, list(TARGET_WEIGHTS))
     adaptable = {m for a in every for layer in a.layers(spec) for m in a.hf_modules(layer)}

@@ -40,6 +40,11 @@ class Family:
     problems: Callable[[dict[str, Any]], list[str]] = _no_problems  # config features the map does not cover
     trtllm: TensorRTLLM | None = None  # None: the engine target cannot express it
     no_engine: str = ""  # why not, when trtllm is None (the engine target's refusal says it)
+    # PEFT 0.21's view of the family's HF modules: what it adapts for an adapter whose target_modules is null, and
+    # whether under transformers 5 it moves the MLP's targets to the routed experts' fused weights (its MoE weight
+    # conversion), so that a dense or shared-expert MLP adapter in PEFT's format is not what PEFT then loads
+    peft_default_targets: tuple[str, ...] = ()
+    peft_moves_mlp_to_experts: bool = False
 
 
 _FAMILIES: dict[str, Family] = {}

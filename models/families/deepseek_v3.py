@@ -175,5 +175,6 @@ def mtp_copies(spec: ModelSpec) -> list[tuple[str, str]]:
 
 
 FAMILY = Family("deepseek_v3", ("deepseek_v3", "deepseek_v2"), read, weights, problems, trtllm=None,
+                peft_moves_mlp_to_experts=True,
                 no_engine="TensorRT-LLM serves DeepSeek-V3 (MLA, sigmoid group routing) from its PyTorch backend "
                           "only; its TensorRT engine workflow has no DeepseekV3 checkpoint format")

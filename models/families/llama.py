@@ -44,4 +44,5 @@ def weights(spec: ModelSpec) -> WeightMap:
     return decoder(spec, gw.dense_mlp(spec, **MLP))
 
 
-FAMILY = Family("llama", ("llama",), read, weights, problems, TensorRTLLM("LlamaForCausalLM"))
+FAMILY = Family("llama", ("llama",), read, weights, problems, TensorRTLLM("LlamaForCausalLM"),
+                peft_default_targets=("q_proj", "v_proj"))

@@ -43,4 +43,5 @@ def weights(spec: ModelSpec) -> WeightMap:
                                           gate=f"{EXPERT}.w1", up=f"{EXPERT}.w3", down=f"{EXPERT}.w2"))
 
 
-FAMILY = Family("mixtral", ("mixtral",), read, weights, problems, TensorRTLLM("MixtralForCausalLM"))
+FAMILY = Family("mixtral", ("mixtral",), read, weights, problems, TensorRTLLM("MixtralForCausalLM"),
+                peft_default_targets=("q_proj", "v_proj"))

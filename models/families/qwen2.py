@@ -19,4 +19,5 @@ def weights(spec: ModelSpec) -> WeightMap:
     return llama.decoder(spec, gw.dense_mlp(spec, **llama.MLP))  # q/k/v biases: spec.qkv_bias
 
 
-FAMILY = Family("qwen2", ("qwen2",), read, weights, trtllm=TensorRTLLM("QWenForCausalLM", qwen_type="qwen2"))
+FAMILY = Family("qwen2", ("qwen2",), read, weights, trtllm=TensorRTLLM("QWenForCausalLM", qwen_type="qwen2"),
+                peft_default_targets=("q_proj", "v_proj"))

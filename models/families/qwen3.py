@@ -23,4 +23,5 @@ def weights(spec: ModelSpec) -> WeightMap:
     return llama.decoder(spec, gw.dense_mlp(spec, **llama.MLP), **QK_NORMS)
 
 
-FAMILY = Family("qwen3", ("qwen3",), read, weights, trtllm=TensorRTLLM("QWenForCausalLM", qwen_type="qwen3"))
+FAMILY = Family("qwen3", ("qwen3",), read, weights, trtllm=TensorRTLLM("QWenForCausalLM", qwen_type="qwen3"),
+                peft_default_targets=("q_proj", "v_proj"))

@@ -43,4 +43,4 @@ def weights(spec: ModelSpec) -> WeightMap:
 
 
 FAMILY = Family("qwen3_moe", ("qwen3_moe",), read, weights, problems,
-                TensorRTLLM("QWenForCausalLM", qwen_type="qwen3_moe"))
+                TensorRTLLM("QWenForCausalLM", qwen_type="qwen3_moe"), peft_moves_mlp_to_experts=True)
