@@ -1,4 +1,4 @@
-"""Values a second review found read wrongly or crashing the launcher: bytes that are not UTF-8 (in an override, the
+"""Values the launcher read wrongly or crashed on before `82fa0b1`: bytes that are not UTF-8 (in an override, the
 current directory, the run root), a control character in the current directory, empty paths, unclosed quotes and
 brackets, zero blend weights, a backslash in the run root, Unicode line breaks, and empty --config/--cluster. Each
 case: exit 2 and the exact line, or the value as read."""

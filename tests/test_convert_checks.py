@@ -1,4 +1,4 @@
-"""Checks the converter was missing (review of 2026-12): inputs reached through a symlink inside a checkpoint,
+"""Checks the converter lacked before `fb5ca9c`: inputs reached through a symlink inside a checkpoint,
 checkpoints that disagree with the HF config in what their tensor shapes do not show (per-layer key counts and
 dtypes, a tied config over a head of its own, the attention head layout), layouts that do not split a DeepSeek
 dense MLP, and counts that exhausted memory. Each bad input is one `mcorekit: error:` line and exit 2 with the
