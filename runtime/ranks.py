@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 
 
 def _distributed() -> bool:
+    """A process group of more than one rank is up. A process that never imported torch.distributed has none, and
+    is not made to import torch here (seconds): a payload without torch stopping on TERM must exit within Slurm's
+    KillWait (5 s on the dev cluster), or it is killed before it says why it stopped."""
+    if "torch.distributed" not in sys.modules:
+        return False
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -61,3 +61,15 @@ def test_one_process_chooses_for_itself(tmp_path: Path) -> None:
     _checkpoints(tmp_path, 10, 20)
     assert checkpoint.latest(tmp_path) == checkpoint.iter_dir(tmp_path, 20)
     assert rank_zero_choice(lambda: 7) == 7 and any_rank(True) and not any_rank(False)
+
+
+def test_a_process_without_torch_decides_without_importing_it() -> None:
+    """A payload that never imported torch (the Slurm tests' counting job) decided its stop on TERM through any_rank,
+    which imported torch (seconds) inside Slurm's KillWait: the job was killed before saying why it stopped."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from mcorekit.runtime.ranks import any_rank, rank_zero_choice; "
+            "print(any_rank(True), rank_zero_choice(lambda: 7), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "7", "False"]
