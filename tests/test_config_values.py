@@ -47,15 +47,19 @@ def test_yaml_text_that_is_not_utf8_is_a_config_error() -> None:
 # ---------------------------------------------------------------- 2. and 3. the current directory and the run root
 
 
+def launch_from(directory: Path, monkeypatch: pytest.MonkeyPatch, problem: str) -> None:
+    """A relative checkpoint.dir launched from `directory` (made here) is one line naming it and `problem`."""
+    directory.mkdir()
+    monkeypatch.chdir(directory)
+    assert only_error(*run(*LAUNCH, "checkpoint.dir=ckpts")) == (
+        f"mcorekit: error: checkpoint.dir ckpts is read against the current directory {str(directory)!r}, which "
+        f"{problem}; give an absolute path")
+
+
 def test_a_relative_path_read_against_a_directory_with_a_newline_is_one_line(tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Was pydantic's ValidationError, a traceback, when the path was made absolute."""
-    cwd = tmp_path / "c\nwd"
-    cwd.mkdir()
-    monkeypatch.chdir(cwd)
-    assert only_error(*run(*LAUNCH, "checkpoint.dir=ckpts")) == (
-        f"mcorekit: error: checkpoint.dir ckpts is read against the current directory {str(cwd)!r}, which {CONTROL}; "
-        f"give an absolute path")
+    launch_from(tmp_path / "c\nwd", monkeypatch, CONTROL)
 
 
 def test_making_paths_absolute_never_raises_a_validation_error() -> None:
@@ -71,11 +75,7 @@ def test_a_current_directory_that_is_not_utf8_is_refused(tmp_path: Path, monkeyp
     """The launch went through and wrote a config.yaml holding "\\uDCFF", which neither --resume nor the job could
     read back."""
     cwd = tmp_path / "cw\udcffd"
-    cwd.mkdir()
-    monkeypatch.chdir(cwd)
-    assert only_error(*run(*LAUNCH, "checkpoint.dir=ckpts")) == (
-        f"mcorekit: error: checkpoint.dir ckpts is read against the current directory {str(cwd)!r}, which {NOT_UTF8}; "
-        f"give an absolute path")
+    launch_from(cwd, monkeypatch, NOT_UTF8)
     assert only_error(*run(*LAUNCH, "--set", "run_root=runs")) == (
         f"mcorekit: error: the run root {str(cwd / 'runs')!r} (run_root) {NOT_UTF8}: it goes into the job's script "
         f"and files; set run_root in the cluster profile or pass --set run_root=DIR")
