@@ -121,7 +121,9 @@ def sbatch_parameters(profile: ClusterProfile, spec: JobSpec) -> dict[str, Any]:
     if spec.task_command:  # srun starts submitit's runner, which unpickles the payload: say what that payload runs
         setup.append(f"# each task runs (as submitit's pickled payload): {spec.task_command}")
 
-    srun_args = []
+    # one task failing ends the others at once: they would otherwise wait in their next collective for NCCL's
+    # timeout (minutes of the allocation) before the job reports the one error line that says what went wrong
+    srun_args = ["--kill-on-bad-exit=1"]
     if profile.container.image:
         srun_args.append(f"--container-image={profile.container.image}")
         if profile.container.mounts:

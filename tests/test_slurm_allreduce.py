@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 
+import cloudpickle
 import pytest
 
 from mcorekit.config.cluster import load_profile
@@ -14,6 +17,8 @@ from mcorekit.launch.submit import REGISTRY, JobSpec, submit
 from mcorekit.runtime.env import port_for_job
 
 pytestmark = pytest.mark.slurm
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job's python imports no tests module
 
 
 def test_two_task_gloo_allreduce_completes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,3 +42,23 @@ def test_two_task_gloo_allreduce_completes(tmp_path: Path, monkeypatch: pytest.M
     assert record.exit_code == "0:0"
     entries = [json.loads(line) for line in (tmp_path / REGISTRY).read_text().splitlines()]
     assert [(e["job_id"], e["name"]) for e in entries] == [(job.job_id, "test-allreduce")]
+
+
+def one_rank_fails() -> None:
+    """Rank 1 fails at once; rank 0 stands for the ranks left waiting in their next collective for its part."""
+    import os
+
+    if os.environ["SLURM_PROCID"] == "1":
+        raise SystemExit(2)
+    time.sleep(600)
+
+
+def test_one_failing_task_ends_the_others_at_once(tmp_path: Path) -> None:
+    """srun --kill-on-bad-exit: without it the job lasts as long as the waiting rank (NCCL's timeout, in training)."""
+    profile = load_profile("local")
+    spec = JobSpec(name="test-one-fails", run_dir=tmp_path / "one-fails", time="00:15:00")
+    start = time.monotonic()
+    job = submit(profile, spec, one_rank_fails, kind="test")
+    record = wait_final(job.job_id, timeout_s=300)
+    assert record.state == "FAILED", record
+    assert time.monotonic() - start < 120, record  # rank 0 alone would have kept it 600 s
