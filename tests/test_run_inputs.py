@@ -12,6 +12,7 @@ import pytest
 
 from mcorekit.config.experiment import Experiment
 from mcorekit.errors import ConfigError
+from mcorekit.launch.plan import unseen_inputs
 from mcorekit.train import run_inputs
 
 
@@ -172,12 +173,14 @@ def test_other_software_at_a_resume_is_a_warning(tmp_path: Path, inputs: Path, m
 def test_a_file_this_machine_does_not_see_is_left_to_the_jobs_own_check_before_queueing(
         tmp_path: Path, inputs: Path, caplog: pytest.LogCaptureFixture) -> None:
     """`launch --resume` asks on the login node (elsewhere=True), which may not see what the nodes read (a node-local
-    copy, a mount only the nodes have): a recorded file it cannot see is a warning there, as a fresh launch warns of
-    unseen inputs, and still a refusal where the job starts; a file it sees at another size is refused on either."""
+    copy, a mount only the nodes have): a recorded file it cannot see is warned of once, by the launch's plan (as for
+    a fresh launch), and still a refusal where the job starts; a file it sees at another size is refused on either."""
     (tmp_path / "train.jsonl").unlink()
     with caplog.at_level(logging.WARNING, logger="mcorekit.train"):
         assert run_inputs.check(_experiment(tmp_path), inputs, elsewhere=True)
-    assert f"not on this machine, checked where the job runs: {tmp_path / 'train.jsonl'}" in caplog.text
+    assert caplog.text == ""
+    assert unseen_inputs(_experiment(tmp_path)) == [f"data.paths: {tmp_path / 'train.jsonl'} not found on this "
+                                                    f"machine; the job fails at its start unless its nodes see it"]
     with pytest.raises(ConfigError, match=rf"{tmp_path / 'train.jsonl'} is gone"):
         run_inputs.check(_experiment(tmp_path), inputs)
     (tmp_path / "train.jsonl").write_text('{"messages": [], "more": 1}\n')

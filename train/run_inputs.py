@@ -102,7 +102,7 @@ def check(exp: Any, root: Path, elsewhere: bool = False) -> bool:
     warnings for files rewritten at the same size and other software. False when there is no record (a run started
     by an earlier version), or one that cannot be read (a warning). `mcorekit launch --resume` asks before queueing,
     `elsewhere`: on a machine other than the job's, where a recorded file it cannot see (a node-local copy, a mount
-    only the nodes have) is left to the job's own check, with a warning, as a fresh launch warns of unseen inputs."""
+    only the nodes have) is left to the job's own check (the launch's plan has warned of it: launch/plan.py)."""
     path = root / INPUTS
     if not path.is_file():
         return False
@@ -117,8 +117,6 @@ def check(exp: Any, root: Path, elsewhere: bool = False) -> bool:
         return True
     if rewritten:
         log.warning("rewritten since this run's first start, at the same size: %s", ", ".join(rewritten))
-    if unseen:
-        log.warning("not on this machine, checked where the job runs: %s", ", ".join(unseen))
     if upgraded:
         log.warning("this run started with other software: %s (losses may not follow on exactly)", ", ".join(upgraded))
     if changed:
@@ -191,7 +189,7 @@ def _changes(then: dict[str, Any], now: dict[str, Any],
     side lacks are those another version of mcorekit added or removed: not compared."""
     old, new = _absolute(then["settings"]), _absolute(now["settings"])
     changed = [f"{k} {_shown(old[k])} -> {_shown(new[k])}" for k in sorted(old.keys() & new.keys()) if old[k] != new[k]]
-    rewritten, unseen = [], []
+    rewritten, unseen = [], []  # unseen: not reported here (the launch's plan warns of inputs it cannot see)
     recorded = {os.path.abspath(k): v for k, v in then["files"].items()}
     for name, (size, mtime, *digest) in recorded.items():  # runs recorded before the digests were: none
         if name not in now["files"] and elsewhere and not Path(name).exists():
