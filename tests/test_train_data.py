@@ -280,6 +280,35 @@ def test_the_index_cache_is_built_by_one_run_at_a_time(two_corpora: list[str], t
     assert len(built) == 1 and len(built[0]) >= 100
 
 
+def _build_on_rank(rank: int, prefixes: list[str], tmp: Path) -> None:
+    import torch.distributed as dist
+
+    from mcorekit.train.data import indexed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=2)
+    try:
+        checked = indexed.check_index
+        indexed.check_index = lambda *a: (open(tmp / f"read{rank}", "a").write("x"), checked(*a))[1]
+        ds = build_gpt_dataset(prefixes, None, 32, 100, 1, tmp / "cache", None, 256)
+        torch.save(torch.stack([ds[i]["tokens"] for i in range(100)]), tmp / f"tokens{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_zero_alone_reads_the_indexes_and_every_rank_gets_its_samples(two_corpora: list[str],
+                                                                           tmp_path: Path) -> None:
+    """Two gloo ranks: each .idx is read whole once, by rank 0 (not by every rank, from a shared file system), and
+    the other rank, keyed on rank 0's digest, samples the same windows."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_build_on_rank, args=(two_corpora, tmp_path), nprocs=2)
+    assert (tmp_path / "read0").read_text() == "xx" and not (tmp_path / "read1").exists()
+    alone = build_gpt_dataset(two_corpora, None, 32, 100, 1, tmp_path / "alone", None, 256)
+    expected = torch.stack([alone[i]["tokens"] for i in range(100)])
+    for rank in (0, 1):
+        assert torch.equal(torch.load(tmp_path / f"tokens{rank}.pt"), expected)
+
+
 def test_a_token_outside_the_vocabulary_is_one_line(two_corpora: list[str], tmp_path: Path) -> None:
     """A .bin written with another tokenizer: an id past the vocabulary would train on a wrong loss (Megatron's
     cross entropy takes it) or index past the embedding. The sample holding it is refused, naming the data."""

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from mcorekit.errors import ConfigError
+from mcorekit.runtime.ranks import rank_zero_choice
 
 log = logging.getLogger("mcorekit.train")
 
@@ -153,7 +154,9 @@ def check_prefixes(prefixes: list[str], weights: list[float] | None) -> str:
 
 def build_gpt_dataset(prefixes: list[str], weights: list[float] | None, seq_length: int, num_samples: int, seed: int,
                       cache_dir: Path, tokenizer_dir: str | None, model_vocab: int) -> Any:
-    digest = check_prefixes(prefixes, weights)
+    # rank 0 reads each .idx whole, not every rank (a few GB of index read by thousands of ranks from one shared file
+    # system); its digest is every rank's cache key, so they all find the index files rank 0 builds
+    digest = rank_zero_choice(lambda: check_prefixes(prefixes, weights))
     ids = [token_ids(p, tokenizer_dir) for p in prefixes]
     if len({(i.eod, i.vocab_size) for i in ids}) > 1:
         raise ConfigError(f"data.paths were tokenized with different tokenizers ({ids}); blend data of one tokenizer")
