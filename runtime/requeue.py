@@ -171,9 +171,12 @@ def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int) -
     requeues the job, unless the restart cap is reached: then every rank stops, saying how to go on. On TERM
     (scancel, or preemption; on any rank: stop means stop) every rank exits without requeueing: `scontrol requeue`
     also requeues a job that is being cancelled, and a preempted job is requeued by Slurm itself (the script asks
-    for --requeue). A TERM after the time-limit warning is the time limit itself (the save outlasted the warning's
-    lead): it requeues. The ranks decide together (all-reduces; a process without a group decides alone)."""
+    for --requeue). A TERM after the time-limit warning is the time limit itself when Slurm says so (the save outlasted
+    the warning's lead): it requeues; an scancel in the warning's lead stops. The ranks decide together (all-reduces;
+    a process without a group decides alone)."""
     terminated = any_rank(stop.signum == signal.SIGTERM and not stop.time_limit)
+    if not terminated and any_rank(stop.signum == signal.SIGTERM):  # after the warning: the limit, or a cancel?
+        terminated = not rank_zero_choice(lambda: ended_by_time_limit(job_id()))
     if terminated:
         if rank == 0:
             log.warning("stopping at step %d on TERM (scancel or preemption): checkpoint saved, not requeueing", step)
@@ -209,6 +212,27 @@ def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int) -
         _exit(1)
     # SystemExit is not an Exception: submitit writes no result file, and the requeued job runs the payload again.
     _exit(-1)
+
+
+def ended_by_time_limit(job: str | None) -> bool:
+    """Whether Slurm is ending this job at its time limit (asked when TERM follows the time-limit warning): at the
+    limit `scontrol show job` gives Reason=TimeLimit with the TERM, for an scancel Reason=None (the dev cluster, Slurm
+    22.05), for a preemption its own reason. Without an answer (no Slurm, a controller that does not answer): the
+    time limit, as the warning said."""
+    if not job:
+        return True
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    fields = dict(item.partition("=")[::2] for item in proc.stdout.split())
+    if proc.returncode or "Reason" not in fields:
+        return True
+    if fields["Reason"] != "TimeLimit":
+        log.warning("TERM after the time-limit warning, but Slurm ends the job for another reason (%s, job state %s): "
+                    "a cancel or preemption, not the time limit", fields["Reason"], fields.get("JobState"))
+        return False
+    return True
 
 
 def job_id() -> str | None:

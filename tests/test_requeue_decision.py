@@ -19,13 +19,15 @@ CountingJob(sys.argv[1], total_steps=10_000, step_seconds=0.05, max_restarts=int
 """
 
 
-def fake_scontrol(bin_dir: Path, failures: int = 0) -> Path:
-    """`scontrol` that records each call in bin/calls and fails its first `failures` calls, as a busy slurmctld does."""
+def fake_scontrol(bin_dir: Path, failures: int = 0, reason: str = "TimeLimit") -> Path:
+    """`scontrol` that records each call in bin/calls and fails its first `failures` requeues, as a busy slurmctld
+    does; `show job` answers with the job's end `reason`, as Slurm 22.05 does once it ends a job (the dev cluster)."""
     bin_dir.mkdir(exist_ok=True)
     script = bin_dir / "scontrol"
     script.write_text(f"""#!/bin/sh
 echo "$@" >> {bin_dir}/calls
-n=$(wc -l < {bin_dir}/calls)
+if [ "$1" = show ]; then echo "JobId=4242 JobName=x JobState=COMPLETING Reason={reason} Dependency=(null)"; exit 0; fi
+n=$(grep -c requeue {bin_dir}/calls)
 if [ "$n" -le {failures} ]; then echo "slurm_requeue error: Socket timed out on send/recv operation" >&2; exit 1; fi
 """)
     script.chmod(0o755)
@@ -33,11 +35,11 @@ if [ "$n" -le {failures} ]; then echo "slurm_requeue error: Socket timed out on 
 
 
 def run_until_signalled(tmp_path: Path, sig: int | tuple[int, ...], restart: int, max_restarts: int,
-                        failures: int = 0, own_requeues: int = 0) -> tuple[int, str, list[str]]:
+                        failures: int = 0, own_requeues: int = 0, reason: str = "TimeLimit") -> tuple[int, str, list[str]]:
     """CountingJob as job 4242 at SLURM_RESTART_COUNT=restart, after `own_requeues` starts of it that requeued
     themselves on the time limit (restarts.json, a checkpoint at step 10 each): it steps, gets `sig` (or those
     signals, in order), saves; its exit code, stderr and the scontrol calls it made."""
-    calls = fake_scontrol(tmp_path / "bin", failures)
+    calls = fake_scontrol(tmp_path / "bin", failures, reason)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PATH=f"{tmp_path / 'bin'}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_RESTART_COUNT=str(restart),
                MCOREKIT_REQUEUE_BACKOFF_S="0.1")
@@ -72,7 +74,16 @@ def test_time_limit_warning_requeues_below_the_cap(tmp_path: Path) -> None:
 def test_the_time_limits_own_term_after_the_warning_still_requeues(tmp_path: Path) -> None:
     """Slurm's TERM at the time limit may arrive while the save the warning started runs: still the time limit."""
     code, err, calls = run_until_signalled(tmp_path, (signal.SIGUSR2, signal.SIGTERM), restart=1, max_restarts=3)
-    assert calls == ["requeue 4242"] and code == REQUEUED, err
+    assert calls == ["show job -o 4242", "requeue 4242"] and code == REQUEUED, err
+
+
+def test_a_cancel_after_the_warning_stops_without_requeueing(tmp_path: Path) -> None:
+    """An scancel within the warning's lead (the save still running): Slurm gives no time-limit reason, so the job
+    stops as on any TERM; a requeue would have run it again (`scontrol requeue` takes a job being cancelled)."""
+    code, err, calls = run_until_signalled(tmp_path, (signal.SIGUSR2, signal.SIGTERM), restart=1, max_restarts=3,
+                                           reason="None")
+    assert calls == ["show job -o 4242"] and code == TERMINATED, err
+    assert "Slurm ends the job for another reason (None, job state COMPLETING)" in err
 
 
 def test_term_alone_stops_without_requeueing(tmp_path: Path) -> None:

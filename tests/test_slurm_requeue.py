@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import cloudpickle
 import pytest
 
 from mcorekit.config.cluster import load_profile
@@ -14,6 +16,8 @@ from mcorekit.launch.smoke import CountingJob
 from mcorekit.launch.submit import JobSpec, submit
 
 pytestmark = pytest.mark.slurm
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job's python imports no tests module
 
 
 def test_time_limit_requeue_resumes_every_step_exactly_once(tmp_path: Path) -> None:
@@ -69,3 +73,77 @@ def test_cancel_of_a_running_job_saves_and_ends_cancelled_not_requeued(tmp_path:
     assert saved == len(steps.read_text().splitlines()) >= 3
     log = "".join(p.read_text() for p in (run_dir / "logs").glob("*.err"))
     assert "not requeueing" in log and "requeueing job" not in log
+
+
+def warned_then_terminated(run_dir: str) -> str:
+    """A job told that its time limit is near (USR2, sent here at once instead of Slurm's slack-prone timing) whose
+    save is still running when TERM comes: then what stop_and_exit decides. Its restart returns at once."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from mcorekit.runtime.requeue import RestartGuard, StopSignal, restart_count, stop_and_exit
+
+    if restart_count() > 0:
+        return "restarted"
+    stop, guard = StopSignal(), RestartGuard(Path(run_dir), max_restarts=2)
+    guard.check(0)
+    os.kill(os.getpid(), signal.SIGUSR2)
+    (Path(run_dir) / "warned").write_text("")
+    deadline = time.monotonic() + 300
+    while stop.signum != signal.SIGTERM and time.monotonic() < deadline:  # the save, outlasting the lead
+        time.sleep(0.1)
+    stop_and_exit(stop, guard, 0, 1)
+
+
+def test_a_cancel_while_the_warnings_save_runs_stops_the_job(tmp_path: Path) -> None:
+    """scancel after the time-limit warning: Slurm's TERM, as at the limit, but the job was cancelled (Reason=None
+    where the limit gives TimeLimit): it ends CANCELLED, not requeued to run again."""
+    profile = load_profile("local", ["tasks_per_node=1"])
+    run_dir = tmp_path / "late-cancel"
+    run_dir.mkdir()
+    job = submit(profile, JobSpec(name="test-late-cancel", run_dir=run_dir, time="00:10:00"),
+                 warned_then_terminated, str(run_dir), kind="test")
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "warned").exists():
+            assert time.monotonic() < deadline, "the job did not start within 60 s"
+            time.sleep(0.5)
+        subprocess.run(["scancel", job.job_id], check=True)
+        wait_final(job.job_id, timeout_s=30, poll_s=1)
+        time.sleep(5)  # a requeue after the cancel would show by now (KillWait is 5 s on the dev cluster)
+        record = sacct([job.job_id])[job.job_id]
+        live = subprocess.run(["squeue", "-h", "-j", job.job_id, "-o", "%T"], capture_output=True, text=True).stdout
+    finally:
+        _cancel_for_good(job.job_id)
+    assert (record.state, record.restarts, live.strip()) == ("CANCELLED", 0, ""), (record, live)
+    log = "".join(p.read_text() for p in (run_dir / "logs").glob("*.err"))
+    assert "Slurm ends the job for another reason (None" in log and "requeueing job" not in log, log
+
+
+def test_the_time_limits_term_during_the_warnings_save_requeues(tmp_path: Path) -> None:
+    """The same job at its time limit (lowered to one minute once it runs; the launcher refuses a limit that short
+    for its signal lead): Slurm's TERM there (Reason=TimeLimit) requeues it (its second start is not waited for:
+    Slurm holds a requeued job a while; test_time_limit_requeue_resumes_every_step_exactly_once goes on)."""
+    profile = load_profile("local", ["tasks_per_node=1"])
+    run_dir = tmp_path / "late-limit"
+    run_dir.mkdir()
+    job = submit(profile, JobSpec(name="test-late-limit", run_dir=run_dir, time="00:10:00"),
+                 warned_then_terminated, str(run_dir), kind="test")
+    logs = lambda: "".join(p.read_text() for p in (run_dir / "logs").glob("*.err"))  # noqa: E731
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "warned").exists():
+            assert time.monotonic() < deadline, "the job did not start within 60 s"
+            time.sleep(0.5)
+        subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "TimeLimit=1"], check=True)
+        deadline = time.monotonic() + 240
+        while "requeueing job" not in logs() and time.monotonic() < deadline:
+            time.sleep(1)
+        time.sleep(3)  # the requeue reaches the controller
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job.job_id], capture_output=True, text=True).stdout
+    finally:
+        _cancel_for_good(job.job_id)
+    assert f"requeueing job {job.job_id} (restart 1)" in logs() and "another reason" not in logs(), logs()
+    assert "Restarts=1" in shown.split(), shown
