@@ -111,3 +111,24 @@ def test_resume_finds_the_newest_complete_checkpoint_whatever_the_tracker_says(t
     expected = 20 if tracker == "20" else 30  # a tracker naming a complete checkpoint is followed
     assert checkpoint.latest(tmp_path) == checkpoint.iter_dir(tmp_path, expected)
     assert ("the newest complete checkpoint under" in caplog.text) == (tracker != "20")
+
+
+def test_an_iteration_another_run_reads_at_every_start_is_kept_until_that_run_ends(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A LoRA run (or a DPO or GRPO one with a reference) reads its base at every start: its run's keep_last would
+    otherwise prune that iteration while the LoRA run goes on, which then refuses its next restart."""
+    base, lora_run = tmp_path / "base", tmp_path / "lora" / "checkpoints"
+    _checkpoints(base, 10, 20, 30, 40)
+    checkpoint.pin(checkpoint.iter_dir(base, 20), lora_run)
+    checkpoint.pin(checkpoint.iter_dir(base, 20), lora_run)  # every start pins again: one mark
+    with caplog.at_level("WARNING", logger="mcorekit.train"):
+        thread = checkpoint.prune(base, checkpoint.iter_dir(base, 40), keep_last=1)
+    thread.join(30)
+    assert sorted(p.name for p in base.glob("iter_*")) == ["iter_0000020", "iter_0000040"]
+    assert f"keeping {checkpoint.iter_dir(base, 20)} beyond checkpoint.keep_last: the run(s) at {lora_run}" in caplog.text
+    checkpoint.unpin(checkpoint.iter_dir(base, 20), lora_run)  # that run finished
+    _checkpoints(base, 50)
+    thread = checkpoint.prune(base, checkpoint.iter_dir(base, 50), keep_last=1)
+    thread.join(30)
+    assert sorted(p.name for p in base.glob("iter_*")) == ["iter_0000050"]
+    assert list((base / checkpoint.PINS).iterdir()) == []

@@ -681,6 +681,34 @@ def test_a_resume_that_reads_its_base_again_refuses_one_saved_again_in_place_or_
         checkpoint.pinned_sources(lora, run)
 
 
+def test_a_base_read_at_every_start_is_pinned_for_the_run_and_released_at_its_end(model_parallel: None,
+                                                                                  tmp_path: Path) -> None:
+    """A LoRA run's start marks the iteration it pinned in its base's folder (prune keeps it: test_checkpoint_prune),
+    its resumes mark it again, and its end takes the mark back; a plain fine-tune, which reads it once, marks
+    nothing."""
+    from mcorekit.config.experiment import Experiment
+    from mcorekit.train import checkpoint
+
+    base, run = tmp_path / "base", tmp_path / "run" / "checkpoints"
+    _with_record(base / "iter_0000003", _te_extra_state({"scale": 1.0}))
+    (base / "latest_checkpointed_iteration.txt").write_text("3")
+    settings = {"name": "x", "model": {"preset": "llama-tiny"}, "checkpoint": {"load": str(base), "finetune": True}}
+    lora = Experiment.model_validate({**settings, "peft": {"lora": {"rank": 4}}})
+    pinned = checkpoint.pinned_sources(lora, run)
+    marks = list((base / checkpoint.PINS).iterdir())
+    assert [m.name.split(".")[0] for m in marks] == ["iter_0000003"] and marks[0].read_text() == f"{run}\n"
+    marks[0].unlink()  # removed by hand: the next start marks it again
+    (run / "iter_0000002").mkdir()
+    (run / "iter_0000002" / "metadata.json").write_text("{}")
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    checkpoint.pinned_sources(lora, run)
+    assert [m.name for m in (base / checkpoint.PINS).iterdir()] == [marks[0].name]
+    checkpoint.release_sources(pinned, run)
+    assert list((base / checkpoint.PINS).iterdir()) == []
+    checkpoint.pinned_sources(Experiment.model_validate(settings), tmp_path / "finetune" / "checkpoints")
+    assert list((base / checkpoint.PINS).iterdir()) == []
+
+
 def test_a_checkpoint_folder_is_taken_as_it_is_and_a_folder_without_one_is_refused(model_parallel: None,
                                                                                       tmp_path: Path) -> None:
     """An iteration or release folder is the checkpoint, even with a checkpoints folder inside it (which was not

@@ -56,6 +56,7 @@ FSDP_SHARDING = {"distrib_optim_sharding_type": "fsdp_dtensor"}  # the only one 
 FSDP_JSON = "fsdp_dtensor.json"  # an fsdp_dtensor checkpoint's marker, written once DCP's files are complete
 TORCH_DIST, FSDP_DTENSOR = "torch_dist", "fsdp_dtensor"
 DELETING = ".deleting-"  # a superseded checkpoint, renamed out of iter_* while a thread deletes it (prune)
+PINS = "pins"  # in a checkpoints folder: ITER.KEY files, an iteration another run reads at every start (pin)
 
 
 def iter_dir(root: Path, step: int) -> Path:
@@ -288,6 +289,7 @@ def prune(root: Path, latest: Path, keep_last: int) -> threading.Thread | None:
     complete = sorted((p for p in older if format_of(p) is not None), key=step_of)
     # the complete ones beyond keep_last, and what saves that never completed left; never one newer than `latest`
     superseded = complete[: max(0, len(complete) - (keep_last - 1))] + [p for p in older if p not in complete]
+    superseded = [p for p in superseded if not _kept_for(p)]
     doomed, mine = [], f".{os.getpid()}."
     for p in superseded:
         try:
@@ -302,6 +304,53 @@ def prune(root: Path, latest: Path, keep_last: int) -> threading.Thread | None:
                               name="mcorekit-prune-checkpoints")
     thread.start()
     return thread
+
+
+def pin(iteration: Path, by: Path) -> None:
+    """Marks `iteration` (another run's iter_N) as read at every start of the run whose checkpoints folder is `by` (its
+    LoRA base, its DPO or GRPO reference), so that its own run's keep_last keeps it while `by` goes on: pruned, `by`
+    could not restart (_kept_source refuses). unpin() at `by`'s end takes the mark back. A folder this run cannot
+    write in is a warning; a release (no iter_N) is never pruned."""
+    if step_of(iteration) is None:
+        return
+    mark = iteration.parent / PINS / f"{iteration.name}.{_run_key(by)}"
+    try:
+        mark.parent.mkdir(exist_ok=True)
+        if not mark.is_file():
+            write_atomic(mark, f"{by.absolute()}\n")
+    except OSError as e:
+        log.warning("could not mark %s as read by this run (%s): its run's keep_last may remove it while this run "
+                    "still reads it at each restart", iteration, e)
+
+
+def unpin(iteration: Path, by: Path) -> None:
+    """Takes back pin(iteration, by): the run whose checkpoints folder is `by` has finished."""
+    try:
+        (iteration.parent / PINS / f"{iteration.name}.{_run_key(by)}").unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("could not remove this run's mark on %s (%s): its run's keep_last keeps it until the file in "
+                    "%s is removed", iteration, e, iteration.parent / PINS)
+
+
+def _run_key(by: Path) -> str:
+    import hashlib
+
+    return hashlib.blake2b(str(by.absolute()).encode(), digest_size=8).hexdigest()
+
+
+_reported_pins: set[Path] = set()
+
+
+def _kept_for(iteration: Path) -> list[str]:
+    """The runs that pinned `iteration` (their checkpoints folders); said once per process when prune keeps it."""
+    marks = sorted((iteration.parent / PINS).glob(f"{iteration.name}.*"))
+    runs = [m.read_text(errors="replace").strip() for m in marks if m.is_file()]
+    if runs and iteration not in _reported_pins:
+        _reported_pins.add(iteration)
+        log.warning("keeping %s beyond checkpoint.keep_last: the run(s) at %s read it at every start; each takes its "
+                    "mark back when it finishes (or delete its file in %s)", iteration, ", ".join(runs),
+                    iteration.parent / PINS)
+    return runs
 
 
 # what a save writes last into its folder without an fsync of its own (Megatron-Core fsyncs its .distcp files and
@@ -525,6 +574,8 @@ def _run_sources(exp: Any, root: Path | None) -> tuple[str | None, str | None]:
             for i, (path, what) in enumerate(zip(pinned, SOURCE_KEYS)):
                 if path:
                     _kept_source(Path(path), what, stamps[i], read_again=i == 0 and _reads_base_again(exp))
+            if pinned[0] and _reads_base_again(exp):
+                pin(Path(pinned[0]), record.parent)
             return pinned[0], pinned[1]
     pinned = checked_sources(exp)
     for path, what in zip(pinned, SOURCE_KEYS):
@@ -538,7 +589,15 @@ def _run_sources(exp: Any, root: Path | None) -> tuple[str | None, str | None]:
         record.parent.mkdir(parents=True, exist_ok=True)
         stamps = [_stamp(Path(p)) if p else None for p in pinned]
         write_atomic(record, json.dumps({"given": given, "pinned": list(pinned), "stamps": stamps}, indent=1) + "\n")
+        if pinned[0] and _reads_base_again(exp):
+            pin(Path(pinned[0]), record.parent)
     return pinned
+
+
+def release_sources(exp: Any, root: Path) -> None:
+    """At the end of a run (rank 0): the iteration it read at every start is no longer kept for it (pin)."""
+    if exp.checkpoint.load and _reads_base_again(exp):
+        unpin(Path(exp.checkpoint.load), root)
 
 
 def _recorded(record: Path, given: list[str | None]) -> tuple[list[str | None], list[Any]] | None:

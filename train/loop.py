@@ -87,6 +87,8 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float | None = None, on_s
             saved = True
     saver.close()
     stop.work_done()
+    if dist.get_rank() == 0:
+        checkpoint.release_sources(exp, saver.root)
     log.close()
     return losses
 
