@@ -43,6 +43,8 @@ class CountingJob:
     Each step appends its number to steps.log; a checkpoint is the last finished step, written atomically with
     a `latest` tracker. On USR2/TERM it saves at the step boundary, then requeues (USR2) or stops (TERM); on every
     start it resumes from its own latest checkpoint. Every step therefore runs exactly once across restarts.
+    Run it as one task (tasks_per_node=1): it makes no process group, so each task would decide alone, and one that
+    exits first ends the others (srun --kill-on-bad-exit) before rank 0 has saved or requeued.
     """
 
     def __init__(self, run_dir: str, total_steps: int, step_seconds: float = 1.0, save_every: int = 1000,

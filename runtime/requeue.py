@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -221,16 +222,19 @@ def ended_by_time_limit(job: str | None) -> bool:
     time limit, as the warning said."""
     if not job:
         return True
-    try:
-        proc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=5)
+    try:  # within Slurm's KillWait, before the requeue: a short timeout
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True,
+                              errors="replace", timeout=3)
     except (OSError, subprocess.TimeoutExpired):
         return True
-    fields = dict(item.partition("=")[::2] for item in proc.stdout.split())
-    if proc.returncode or "Reason" not in fields:
+    # the first pair only: fields after it (Comment, WorkDir, Command) are the user's text, spaces and all
+    found = re.search(r"(?:^|\s)JobState=(\S+) Reason=(\S+)", proc.stdout)
+    if proc.returncode or not found:
         return True
-    if fields["Reason"] != "TimeLimit":
+    state, reason = found.groups()
+    if reason != "TimeLimit":
         log.warning("TERM after the time-limit warning, but Slurm ends the job for another reason (%s, job state %s): "
-                    "a cancel or preemption, not the time limit", fields["Reason"], fields.get("JobState"))
+                    "a cancel or preemption, not the time limit", reason, state)
         return False
     return True
 

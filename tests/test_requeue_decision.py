@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 RUN = """
 import sys
 from mcorekit.launch.smoke import CountingJob
@@ -141,6 +143,8 @@ rank = int(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}/store", rank=rank, world_size=2)
 stop = StopSignal()
 stop.signum = 12  # USR2 on every rank, as Slurm sends it
+if len(sys.argv) > 3:  # then TERM, on every rank, while the save ran
+    stop.signum, stop.time_limit = 15, True
 try:
     stop_and_exit(stop, RestartGuard(Path(sys.argv[1]), 3), rank, 5)
 finally:
@@ -192,3 +196,22 @@ echo requeued >> '{events}'
     assert order[0] == "scontrol requeue 4242", order
     assert sorted(e for e in order if e.startswith("exit")) == ["exit 0", "exit 1"], order
     assert "requeued" in order[: order.index("exit 1")], (order, errs)
+
+
+@pytest.mark.parametrize("reason, code", [("TimeLimit", REQUEUED), ("None", TERMINATED)])
+def test_two_ranks_decide_a_term_after_the_warning_together(tmp_path: Path, reason: str, code: int) -> None:
+    """Two gloo ranks, TERM after the warning on both: rank 0 asks Slurm why (one `scontrol show job`), both take its
+    answer: requeue at the time limit, stop on a cancel."""
+    fake_scontrol(tmp_path / "bin", reason=reason)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{tmp_path / 'bin'}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="0")
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(tmp_path), str(r), "late-term"], env=env,
+                              stderr=subprocess.DEVNULL) for r in (0, 1)]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    calls = (tmp_path / "bin" / "calls").read_text().splitlines()
+    assert codes == [code, code]
+    assert calls == ["show job -o 4242"] + (["requeue 4242"] if code == REQUEUED else [])

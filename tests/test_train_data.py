@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -280,7 +281,8 @@ def test_the_index_cache_is_built_by_one_run_at_a_time(two_corpora: list[str], t
     assert len(built) == 1 and len(built[0]) >= 100
 
 
-def _build_on_rank(rank: int, prefixes: list[str], tmp: Path) -> None:
+def _build_on_rank(rank: int, prefixes: list[list[str]], tmp: Path) -> None:
+    """`prefixes[rank]`: each rank's paths, as each node sees its own copy of the data."""
     import torch.distributed as dist
 
     from mcorekit.train.data import indexed
@@ -289,8 +291,11 @@ def _build_on_rank(rank: int, prefixes: list[str], tmp: Path) -> None:
     try:
         checked = indexed.check_index
         indexed.check_index = lambda *a: (open(tmp / f"read{rank}", "a").write("x"), checked(*a))[1]
-        ds = build_gpt_dataset(prefixes, None, 32, 100, 1, tmp / "cache", None, 256)
+        ds = build_gpt_dataset(prefixes[rank], None, 32, 100, 1, tmp / "cache", None, 256)
         torch.save(torch.stack([ds[i]["tokens"] for i in range(100)]), tmp / f"tokens{rank}.pt")
+    except ConfigError as e:  # said, then raised: spawn ends the other rank, as srun --kill-on-bad-exit does
+        (tmp / f"error{rank}").write_text(str(e))
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -301,12 +306,27 @@ def test_rank_zero_alone_reads_the_indexes_and_every_rank_gets_its_samples(two_c
     the other rank, keyed on rank 0's digest, samples the same windows."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_build_on_rank, args=(two_corpora, tmp_path), nprocs=2)
+    mp.spawn(_build_on_rank, args=([two_corpora, two_corpora], tmp_path), nprocs=2)
     assert (tmp_path / "read0").read_text() == "xx" and not (tmp_path / "read1").exists()
     alone = build_gpt_dataset(two_corpora, None, 32, 100, 1, tmp_path / "alone", None, 256)
     expected = torch.stack([alone[i]["tokens"] for i in range(100)])
     for rank in (0, 1):
         assert torch.equal(torch.load(tmp_path / f"tokens{rank}.pt"), expected)
+
+
+def test_a_rank_that_sees_other_data_than_rank_zero_stops(two_corpora: list[str], tmp_path: Path) -> None:
+    """Rank 1's node holds another copy under the same place in data.paths (here: the other corpus): reading it
+    through rank 0's indices would train on other documents than the index says. Its start stops, naming both."""
+    import torch.multiprocessing as mp
+
+    with pytest.raises(mp.ProcessRaisedException, match="is not rank 0's"):
+        mp.spawn(_build_on_rank, args=([two_corpora[:1], two_corpora[1:]], tmp_path), nprocs=2)
+    idx, bin_ = (Path(two_corpora[1] + ext).stat().st_size for ext in (".idx", ".bin"))
+    idx0, bin0 = (Path(two_corpora[0] + ext).stat().st_size for ext in (".idx", ".bin"))
+    assert (tmp_path / "error1").read_text() == (
+        f"the indexed data on {socket.gethostname()} is not rank 0's: {two_corpora[1]} (here .idx {idx:,} bytes, .bin "
+        f"{bin_:,} bytes; rank 0 .idx {idx0:,} bytes, .bin {bin0:,} bytes); a node-local copy that is missing or "
+        f"differs? Give every node the same files")
 
 
 def test_a_token_outside_the_vocabulary_is_one_line(two_corpora: list[str], tmp_path: Path) -> None:

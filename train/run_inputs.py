@@ -109,7 +109,7 @@ def check(exp: Any, root: Path, elsewhere: bool = False) -> bool:
     now = _now(exp, elsewhere)
     try:
         then = json.loads(path.read_text())
-        changed, rewritten, unseen = _changes(then, now, elsewhere)
+        changed, rewritten = _changes(then, now, elsewhere)
         upgraded = [f"{k} {v} -> {now['software'].get(k)}" for k, v in then.get("software", {}).items()
                     if now["software"].get(k) != v]
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
@@ -183,18 +183,18 @@ def _stat(path: Path, budget: list[int]) -> list[Any]:
     return [st.st_size, st.st_mtime_ns, digest]
 
 
-def _changes(then: dict[str, Any], now: dict[str, Any],
-             elsewhere: bool = False) -> tuple[list[str], list[str], list[str]]:
-    """(what changed, files rewritten at the same size, files not on this machine where `elsewhere`). Settings one
-    side lacks are those another version of mcorekit added or removed: not compared."""
+def _changes(then: dict[str, Any], now: dict[str, Any], elsewhere: bool = False) -> tuple[list[str], list[str]]:
+    """(what changed, files rewritten at the same size). `elsewhere`, a recorded file this machine does not see is
+    left out (the launch's plan warns of inputs it cannot see). Settings one side lacks are those another version of
+    mcorekit added or removed: not compared."""
     old, new = _absolute(then["settings"]), _absolute(now["settings"])
     changed = [f"{k} {_shown(old[k])} -> {_shown(new[k])}" for k in sorted(old.keys() & new.keys()) if old[k] != new[k]]
-    rewritten, unseen = [], []  # unseen: not reported here (the launch's plan warns of inputs it cannot see)
+    rewritten: list[str] = []
     recorded = {os.path.abspath(k): v for k, v in then["files"].items()}
     for name, (size, mtime, *digest) in recorded.items():  # runs recorded before the digests were: none
         if name not in now["files"] and elsewhere and not Path(name).exists():
-            unseen.append(name)
-        elif name not in now["files"]:
+            continue
+        if name not in now["files"]:
             changed.append(f"{name} is gone" if not Path(name).exists() else f"{name} is no longer read")
         elif now["files"][name][0] != size:
             changed.append(f"{name} changed ({size:,} -> {now['files'][name][0]:,} bytes)")
@@ -208,7 +208,7 @@ def _changes(then: dict[str, Any], now: dict[str, Any],
         if now["hub"].get(key, commit) != commit:
             changed.append(f"{key} {new.get(key)} resolves to the Hub's commit {now['hub'][key]} now, to {commit} at "
                            f"the first start")
-    return changed, rewritten, unseen
+    return changed, rewritten
 
 
 def _absolute(settings: dict[str, Any]) -> dict[str, Any]:

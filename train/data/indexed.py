@@ -155,8 +155,14 @@ def check_prefixes(prefixes: list[str], weights: list[float] | None) -> str:
 def build_gpt_dataset(prefixes: list[str], weights: list[float] | None, seq_length: int, num_samples: int, seed: int,
                       cache_dir: Path, tokenizer_dir: str | None, model_vocab: int) -> Any:
     # rank 0 reads each .idx whole, not every rank (a few GB of index read by thousands of ranks from one shared file
-    # system); its digest is every rank's cache key, so they all find the index files rank 0 builds
-    digest = rank_zero_choice(lambda: check_prefixes(prefixes, weights))
+    # system); its digest is every rank's cache key, so they all find the index files rank 0 builds. Each rank sees
+    # the same files, or stops: a node-local copy that differs would read other documents through rank 0's indices
+    digest, sizes = rank_zero_choice(lambda: (check_prefixes(prefixes, weights), _sizes(prefixes)))
+    if differ := [f"{p} (here {a}; rank 0 {b})" for p, a, b in zip(prefixes, _sizes(prefixes), sizes) if a != b]:
+        import socket
+
+        raise ConfigError(f"the indexed data on {socket.gethostname()} is not rank 0's: {'; '.join(differ)}; a "
+                          f"node-local copy that is missing or differs? Give every node the same files")
     ids = [token_ids(p, tokenizer_dir) for p in prefixes]
     if len({(i.eod, i.vocab_size) for i in ids}) > 1:
         raise ConfigError(f"data.paths were tokenized with different tokenizers ({ids}); blend data of one tokenizer")
@@ -178,6 +184,12 @@ def build_gpt_dataset(prefixes: list[str], weights: list[float] | None, seq_leng
             drop_damaged_cache(cache_dir)
         train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], built_on_all, config).build()
     return IndexedSamples(train, tokens.vocab_size, prefixes)
+
+
+def _sizes(prefixes: list[str]) -> list[str]:
+    """Each prefix's .idx and .bin sizes as this process sees them, as text for a message."""
+    return [", ".join(f"{f.suffix} {f.stat().st_size:,} bytes" if f.is_file() else f"{f.suffix} missing"
+                      for f in (Path(p + ".idx"), Path(p + ".bin"))) for p in prefixes]
 
 
 @contextlib.contextmanager
