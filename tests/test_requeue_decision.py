@@ -23,12 +23,15 @@ CountingJob(sys.argv[1], total_steps=10_000, step_seconds=0.05, max_restarts=int
 
 def fake_scontrol(bin_dir: Path, failures: int = 0, reason: str = "TimeLimit") -> Path:
     """`scontrol` that records each call in bin/calls and fails its first `failures` requeues, as a busy slurmctld
-    does; `show job` answers with the job's end `reason`, as Slurm 22.05 does once it ends a job (the dev cluster)."""
+    does; `show job` answers with the job's end `reason`, as Slurm 22.05 does once it ends a job (the dev cluster), and
+    a user's Comment after it that must not count."""
     bin_dir.mkdir(exist_ok=True)
     script = bin_dir / "scontrol"
     script.write_text(f"""#!/bin/sh
 echo "$@" >> {bin_dir}/calls
-if [ "$1" = show ]; then echo "JobId=4242 JobName=x JobState=COMPLETING Reason={reason} Dependency=(null)"; exit 0; fi
+if [ "$1" = show ]; then
+  echo "JobId=4242 JobName=x JobState=COMPLETING Reason={reason} Dependency=(null) Comment=not Reason=TimeLimit"; exit 0
+fi
 n=$(grep -c requeue {bin_dir}/calls)
 if [ "$n" -le {failures} ]; then echo "slurm_requeue error: Socket timed out on send/recv operation" >&2; exit 1; fi
 """)
