@@ -18,10 +18,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from mcorekit.errors import MCoreKitError
 from mcorekit.outputs import write_atomic
@@ -167,28 +168,57 @@ class RestartGuard:
 TERMINATED_EXIT = 128 + signal.SIGTERM
 
 
-def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int) -> NoReturn:
+CLOSE_S = 15  # what a stop leaves the loggers to close in (W&B's finish): within Slurm's KillWait after a TERM
+
+
+def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int,
+                  close: Callable[[], None] | None = None) -> NoReturn:
     """What follows the save a stop signal asked for; every rank calls it. On the time-limit warning (USR2) rank 0
     requeues the job, unless the restart cap is reached: then every rank stops, saying how to go on. On TERM
     (scancel, or preemption; on any rank: stop means stop) every rank exits without requeueing: `scontrol requeue`
     also requeues a job that is being cancelled, and a preempted job is requeued by Slurm itself (the script asks
     for --requeue). A TERM after the time-limit warning is the time limit itself when Slurm says so (the save outlasted
     the warning's lead): it requeues; an scancel in the warning's lead stops. The ranks decide together (all-reduces;
-    a process without a group decides alone)."""
+    a process without a group decides alone). Then `close` (the run's loggers) runs on every rank, for at most
+    CLOSE_S, and the ranks leave together: each exits non-zero, and the first to leave makes srun end the others
+    (--kill-on-bad-exit), rank 0 in W&B's finish among them."""
+    code = _stop(stop, guard, rank, step)
+    if close is not None:
+        _at_most(close, CLOSE_S)
+    any_rank(False)  # the barrier: no rank leaves before rank 0 has closed
+    _exit(code)
+
+
+def _at_most(close: Callable[[], None], seconds: float) -> None:
+    def closing() -> None:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - saved and decided already: a logger's failure is only a warning
+            log.warning("closing the loggers failed (%s: %s)", type(e).__name__, e)
+
+    thread = threading.Thread(target=closing, name="mcorekit-close-loggers", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        log.warning("the loggers did not close within %g s (W&B's finish?): leaving without them", seconds)
+
+
+def _stop(stop: StopSignal, guard: RestartGuard, rank: int, step: int) -> int:
+    """stop_and_exit's decision, carried out (rank 0 requeues): the exit code every rank leaves with."""
     terminated = any_rank(stop.signum == signal.SIGTERM and not stop.time_limit)
     if not terminated and any_rank(stop.signum == signal.SIGTERM):  # after the warning: the limit, or a cancel?
         terminated = not rank_zero_choice(lambda: ended_by_time_limit(job_id()))
     if terminated:
         if rank == 0:
             log.warning("stopping at step %d on TERM (scancel or preemption): checkpoint saved, not requeueing", step)
-        _exit(TERMINATED_EXIT)
+        return TERMINATED_EXIT
     try:  # restarts.json, on a file system the nodes may see differently: rank 0 reads it for every rank
         own = rank_zero_choice(guard.own_requeues)
     except (MCoreKitError, OSError) as e:
         if rank == 0:
             log.error("%s; the checkpoint of step %d is saved: `mcorekit launch --resume %s` continues from it",
                       e, step, guard.run_dir)
-        _exit(1)
+        return 1
     if own >= guard.max_restarts:
         if rank == 0:  # one error line that `mcorekit status` recognises (launch/diagnose.py: RESTART_CAP_RE)
             print(f"mcorekit.train: error: stopped at its restart cap (resources.max_restarts={guard.max_restarts}): "
@@ -196,7 +226,7 @@ def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int) -
                   f"{own} times (restarts Slurm made are not counted); `mcorekit launch --resume {guard.run_dir}` "
                   f"continues from this checkpoint (raise resources.time or max_restarts for fewer, longer jobs)",
                   file=sys.stderr, flush=True)
-        _exit(1)
+        return 1
     failed = None
     if rank == 0:
         try:
@@ -210,9 +240,9 @@ def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int) -
         if rank == 0:
             log.error("%s; the checkpoint of step %d is saved: `mcorekit launch --resume %s` continues from it",
                       failed, step, guard.run_dir)
-        _exit(1)
+        return 1
     # SystemExit is not an Exception: submitit writes no result file, and the requeued job runs the payload again.
-    _exit(-1)
+    return -1
 
 
 def ended_by_time_limit(job: str | None) -> bool:

@@ -4,6 +4,7 @@ left half-deleted."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -113,12 +114,20 @@ def test_resume_finds_the_newest_complete_checkpoint_whatever_the_tracker_says(t
     assert ("the newest complete checkpoint under" in caplog.text) == (tracker != "20")
 
 
+def _reads(run: Path, iteration: Path) -> None:
+    """`run` pinned `iteration` as its source (what its start records: train/checkpoint.SOURCES)."""
+    run.mkdir(parents=True, exist_ok=True)
+    (run / checkpoint.SOURCES).write_text(json.dumps({"given": [str(iteration.parent), None],
+                                                      "pinned": [str(iteration), None], "stamps": [None, None]}))
+
+
 def test_an_iteration_another_run_reads_at_every_start_is_kept_until_that_run_ends(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A LoRA run (or a DPO or GRPO one with a reference) reads its base at every start: its run's keep_last would
     otherwise prune that iteration while the LoRA run goes on, which then refuses its next restart."""
     base, lora_run = tmp_path / "base", tmp_path / "lora" / "checkpoints"
     _checkpoints(base, 10, 20, 30, 40)
+    _reads(lora_run, checkpoint.iter_dir(base, 20))
     checkpoint.pin(checkpoint.iter_dir(base, 20), lora_run)
     checkpoint.pin(checkpoint.iter_dir(base, 20), lora_run)  # every start pins again: one mark
     with caplog.at_level("WARNING", logger="mcorekit.train"):
@@ -132,3 +141,28 @@ def test_an_iteration_another_run_reads_at_every_start_is_kept_until_that_run_en
     thread.join(30)
     assert sorted(p.name for p in base.glob("iter_*")) == ["iter_0000050"]
     assert list((base / checkpoint.PINS).iterdir()) == []
+
+
+def test_a_mark_keeps_nothing_once_its_run_no_longer_reads_the_iteration(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Marks that outlive their reason: a run started again from another source, a run folder deleted, a file that
+    is not a mark (a copy, a link). None keeps the iteration; the stale marks are removed, saying why."""
+    base = tmp_path / "base"
+    _checkpoints(base, 10, 20, 30)
+    moved_on, deleted = tmp_path / "moved-on" / "checkpoints", tmp_path / "deleted" / "checkpoints"
+    _reads(moved_on, checkpoint.iter_dir(base, 30))  # it reads another iteration now
+    checkpoint.pin(checkpoint.iter_dir(base, 10), moved_on)
+    _reads(deleted, checkpoint.iter_dir(base, 10))
+    checkpoint.pin(checkpoint.iter_dir(base, 10), deleted)
+    shutil.rmtree(deleted.parent)
+    pins = base / checkpoint.PINS
+    (pins / "iter_0000010.copy").write_text(str(moved_on))
+    (pins / "iter_0000010.0123456789abcdef").symlink_to(pins / "iter_0000010.copy")
+    with caplog.at_level("WARNING", logger="mcorekit.train"):
+        thread = checkpoint.prune(base, checkpoint.iter_dir(base, 30), keep_last=2)
+    thread.join(30)
+    assert sorted(p.name for p in base.glob("iter_*")) == ["iter_0000020", "iter_0000030"]
+    assert sorted(p.name for p in pins.iterdir()) == ["iter_0000010.0123456789abcdef", "iter_0000010.copy"]
+    assert caplog.text.count("no longer reads iter_0000010 (gone, moved, or started from another source)") == 2
+
+

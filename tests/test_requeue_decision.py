@@ -40,7 +40,8 @@ if [ "$n" -le {failures} ]; then echo "slurm_requeue error: Socket timed out on 
 
 
 def run_until_signalled(tmp_path: Path, sig: int | tuple[int, ...], restart: int, max_restarts: int,
-                        failures: int = 0, own_requeues: int = 0, reason: str = "TimeLimit") -> tuple[int, str, list[str]]:
+                        failures: int = 0, own_requeues: int = 0,
+                        reason: str = "TimeLimit") -> tuple[int, str, list[str]]:
     """CountingJob as job 4242 at SLURM_RESTART_COUNT=restart, after `own_requeues` starts of it that requeued
     themselves on the time limit (restarts.json, a checkpoint at step 10 each): it steps, gets `sig` (or those
     signals, in order), saves; its exit code, stderr and the scontrol calls it made."""
@@ -218,3 +219,36 @@ def test_two_ranks_decide_a_term_after_the_warning_together(tmp_path: Path, reas
     calls = (tmp_path / "bin" / "calls").read_text().splitlines()
     assert codes == [code, code]
     assert calls == ["show job -o 4242"] + (["requeue 4242"] if code == REQUEUED else [])
+
+
+def test_the_loggers_close_after_the_requeue_within_a_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """W&B's finish runs once the job is requeued (the decision first, within Slurm's KillWait), for at most CLOSE_S:
+    one that hangs or fails is a warning, and the exit code is the decision's."""
+    from mcorekit.runtime import requeue
+
+    calls = fake_scontrol(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setattr(requeue, "CLOSE_S", 0.5)
+    stop = requeue.StopSignal.__new__(requeue.StopSignal)  # no handlers in the test process
+    stop.signum, stop.time_limit = signal.SIGUSR2, True
+    seen: list[str] = []
+
+    def hanging() -> None:
+        seen.append(calls.read_text())  # the requeue was asked before the loggers close
+        time.sleep(30)
+
+    def failing() -> None:
+        raise RuntimeError("wandb: network unreachable")
+
+    for close, said in ((hanging, "the loggers did not close within 0.5 s"),
+                        (failing, "closing the loggers failed (RuntimeError: wandb: network unreachable)")):
+        (tmp_path / close.__name__).mkdir()
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="mcorekit.requeue"), pytest.raises(SystemExit) as leaving:
+            requeue.stop_and_exit(stop, requeue.RestartGuard(tmp_path / close.__name__, 9), 0, 5, close=close)
+        assert leaving.value.code == -1 and time.monotonic() - started < 10
+        assert said in caplog.text
+    assert seen == ["requeue 4242\n"]

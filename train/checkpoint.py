@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import threading
 import time
@@ -35,6 +36,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
+from mcorekit.config.values import shown
 from mcorekit.errors import ConfigError, MCoreKitError, first_line, one_line
 from mcorekit.outputs import without_crc32, write_atomic
 from mcorekit.runtime.ranks import any_rank, rank_zero_choice
@@ -311,46 +313,71 @@ def pin(iteration: Path, by: Path) -> None:
     LoRA base, its DPO or GRPO reference), so that its own run's keep_last keeps it while `by` goes on: pruned, `by`
     could not restart (_kept_source refuses). unpin() at `by`'s end takes the mark back. A folder this run cannot
     write in is a warning; a release (no iter_N) is never pruned."""
+    iteration = iteration.resolve()  # where its own run prunes it, not a link to it
     if step_of(iteration) is None:
         return
-    mark = iteration.parent / PINS / f"{iteration.name}.{_run_key(by)}"
+    mark = _mark(iteration, by)
     try:
         mark.parent.mkdir(exist_ok=True)
         if not mark.is_file():
-            write_atomic(mark, f"{by.absolute()}\n")
+            mark.write_text(f"{by.absolute()}\n")  # a mark cut short still marks: its name says whose it is
     except OSError as e:
         log.warning("could not mark %s as read by this run (%s): its run's keep_last may remove it while this run "
                     "still reads it at each restart", iteration, e)
 
 
 def unpin(iteration: Path, by: Path) -> None:
-    """Takes back pin(iteration, by): the run whose checkpoints folder is `by` has finished."""
+    """Takes back pin(iteration, by): the run whose checkpoints folder is `by` has finished, or reads another one."""
     try:
-        (iteration.parent / PINS / f"{iteration.name}.{_run_key(by)}").unlink(missing_ok=True)
+        _mark(iteration.resolve(), by).unlink(missing_ok=True)
     except OSError as e:
         log.warning("could not remove this run's mark on %s (%s): its run's keep_last keeps it until the file in "
-                    "%s is removed", iteration, e, iteration.parent / PINS)
+                    "%s is removed", iteration, e, iteration.resolve().parent / PINS)
 
 
-def _run_key(by: Path) -> str:
+def _mark(iteration: Path, by: Path) -> Path:
     import hashlib
 
-    return hashlib.blake2b(str(by.absolute()).encode(), digest_size=8).hexdigest()
+    key = hashlib.blake2b(str(by.absolute()).encode(), digest_size=8).hexdigest()
+    return iteration.parent / PINS / f"{iteration.name}.{key}"
 
 
 _reported_pins: set[Path] = set()
 
 
 def _kept_for(iteration: Path) -> list[str]:
-    """The runs that pinned `iteration` (their checkpoints folders); said once per process when prune keeps it."""
-    marks = sorted((iteration.parent / PINS).glob(f"{iteration.name}.*"))
-    runs = [m.read_text(errors="replace").strip() for m in marks if m.is_file()]
+    """The runs whose marks keep `iteration` (their checkpoints folders), said once per process. A mark counts while
+    its run still names this iteration as its source (its sources.json): a run deleted, moved, or started again from
+    another source no longer needs it, and its mark goes."""
+    runs = []
+    for mark in sorted((iteration.parent / PINS).glob(f"{iteration.name}.*")):
+        if not re.fullmatch(rf"{re.escape(iteration.name)}\.[0-9a-f]{{16}}", mark.name) or mark.is_symlink():
+            continue
+        with open(mark, "rb") as f:
+            run = f.read(4096).decode("utf-8", "replace").strip()
+        if _names_source(Path(run), iteration):
+            runs.append(shown(run))
+        else:
+            log.warning("%s: the run at %s no longer reads %s (gone, moved, or started from another source): mark "
+                        "removed", mark, shown(run), iteration.name)
+            mark.unlink(missing_ok=True)
     if runs and iteration not in _reported_pins:
         _reported_pins.add(iteration)
         log.warning("keeping %s beyond checkpoint.keep_last: the run(s) at %s read it at every start; each takes its "
                     "mark back when it finishes (or delete its file in %s)", iteration, ", ".join(runs),
                     iteration.parent / PINS)
     return runs
+
+
+def _names_source(run: Path, iteration: Path) -> bool:
+    """Whether the run whose checkpoints folder is `run` pinned `iteration` (its sources.json)."""
+    try:
+        if (run / SOURCES).stat().st_size > 1024**2:  # a few hundred bytes; a mark's text is anyone's
+            return False
+        pinned = json.loads((run / SOURCES).read_text())["pinned"][0]
+        return isinstance(pinned, str) and Path(pinned).resolve() == iteration.resolve()
+    except (OSError, ValueError, TypeError, KeyError, IndexError):
+        return False
 
 
 # what a save writes last into its folder without an fsync of its own (Megatron-Core fsyncs its .distcp files and

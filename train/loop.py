@@ -67,8 +67,7 @@ def train(exp: Experiment, run_dir: Path, peak_tflops: float | None = None, on_s
     while step < s.train_iters:
         if stop.requested():  # USR2 before the time limit (requeue), or TERM (scancel, preemption): save together
             save_before_stop(saver, step, t, saved, dist.get_rank())
-            log.close()  # W&B's finish first: every rank exits non-zero next, and srun kills the ranks left then
-            stop_and_exit(stop, guard, dist.get_rank(), step)
+            stop_and_exit(stop, guard, dist.get_rank(), step, close=log.close)
         saver.poll()
         seed_step(t, step)  # LoRA's dropout after a resume as without one
         metrics = train_step(t, task, data)
