@@ -232,5 +232,8 @@ def write(reader: HFReader, spec: ModelSpec, out: Path, layout: Layout, dtype: s
             save_file({k: v.contiguous() for k, v in w.items()}, str(out / f"rank{p * tp + t}.safetensors"))
             total += sum(v.numel() * v.element_size() for v in w.values())
     (out / "hf").mkdir()
-    copy_assets(reader.path, out / "hf")  # tokenizer for serving the engine
+    # the tokenizer for serving the engine, and its config.json without a source's quantization_config: these
+    # weights are the engine's own (config.json beside the rank files), whatever the source was quantized as
+    config = dict(reader.config)
+    copy_assets(reader.path, out / "hf", config if config.pop("quantization_config", None) is not None else None)
     return total

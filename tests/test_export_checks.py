@@ -132,6 +132,8 @@ def test_stale_quantization_config_is_left_out_of_a_bf16_export(tmp_path: Path) 
     rc, err = run("trtllm", hf, tmp_path / "fp8", "--target", "pytorch", "--fp8", "--calib", calib_file(tmp_path))
     assert rc == 0 and "warning" not in err, err  # FP8 writes its own
     assert json.loads((tmp_path / "fp8/config.json").read_text())["quantization_config"]["quant_method"] == "modelopt"
+    rc, err = run("trtllm", hf, tmp_path / "engine", "--target", "engine")  # hf/: the tokenizer and config, served
+    assert rc == 0 and json.loads((tmp_path / "engine/hf/config.json").read_text()) == config, err
 
 
 # ---------------------------------------------------------------- FP8 bytes: the same in both targets
