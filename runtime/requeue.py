@@ -168,7 +168,9 @@ class RestartGuard:
 TERMINATED_EXIT = 128 + signal.SIGTERM
 
 
-CLOSE_S = 15  # what a stop leaves the loggers to close in (W&B's finish): within Slurm's KillWait after a TERM
+# what a stop leaves the loggers to close in (W&B's finish), after the requeue: Slurm ends the job KillWait after it
+# (30 s by default), and a TERM's save has spent part of that already
+CLOSE_S = 10
 
 
 def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int,
@@ -183,13 +185,17 @@ def stop_and_exit(stop: StopSignal, guard: RestartGuard, rank: int, step: int,
     CLOSE_S, and the ranks leave together: each exits non-zero, and the first to leave makes srun end the others
     (--kill-on-bad-exit), rank 0 in W&B's finish among them."""
     code = _stop(stop, guard, rank, step)
-    if close is not None:
-        _at_most(close, CLOSE_S)
+    closed = _at_most(close, CLOSE_S) if close is not None else True
     any_rank(False)  # the barrier: no rank leaves before rank 0 has closed
+    if not closed:  # the interpreter's exit would wait for W&B's service without a limit (its own exit handler)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code & 0xFF)
     _exit(code)
 
 
-def _at_most(close: Callable[[], None], seconds: float) -> None:
+def _at_most(close: Callable[[], None], seconds: float) -> bool:
+    """close() on a thread, waited for at most `seconds`; whether it ended."""
     def closing() -> None:
         try:
             close()
@@ -201,6 +207,8 @@ def _at_most(close: Callable[[], None], seconds: float) -> None:
     thread.join(seconds)
     if thread.is_alive():
         log.warning("the loggers did not close within %g s (W&B's finish?): leaving without them", seconds)
+        return False
+    return True
 
 
 def _stop(stop: StopSignal, guard: RestartGuard, rank: int, step: int) -> int:

@@ -149,8 +149,17 @@ stop = StopSignal()
 stop.signum = 12  # USR2 on every rank, as Slurm sends it
 if len(sys.argv) > 3:  # then TERM, on every rank, while the save ran
     stop.signum, stop.time_limit = 15, True
+
+def close() -> None:  # rank 0's loggers close slowly (W&B's finish): no rank may leave before
+    if rank == 0:
+        import time
+        time.sleep(1)
+        with open(Path(sys.argv[1], "events"), "a") as f:
+            print("closed", file=f)
+
+
 try:
-    stop_and_exit(stop, RestartGuard(Path(sys.argv[1]), 3), rank, 5)
+    stop_and_exit(stop, RestartGuard(Path(sys.argv[1]), 3), rank, 5, close=close)
 finally:
     with open(Path(sys.argv[1], "events"), "a") as f:  # appended: the file's order is the order things happened
         print(f"exit {rank}", file=f)
@@ -162,9 +171,10 @@ finally:
 
 def test_other_ranks_leave_only_after_rank_0_requeued(tmp_path: Path) -> None:
     """A rank that exits non-zero before rank 0 has requeued can end the job FAILED first (srun, KillOnBadExit), and
-    a chain's afterok children with it; the ranks wait for rank 0's requeue. The order is the one the processes
-    wrote their events in (one file, appended), not their clocks': a loaded machine changes no order. The slow
-    `scontrol` gives rank 1 2-3 s to leave first and returns as soon as it has, so a rank that does not wait shows."""
+    a chain's afterok children with it; the ranks wait for rank 0's requeue, then for its loggers to close. The order
+    is the one the processes wrote their events in (one file, appended), not their clocks': a loaded machine changes
+    no order. The slow `scontrol` gives rank 1 2-3 s to leave first and returns as soon as it has, so a rank that does
+    not wait shows."""
     bin_dir, events = tmp_path / "bin", tmp_path / "events"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f"""#!/bin/sh
@@ -200,6 +210,7 @@ echo requeued >> '{events}'
     assert order[0] == "scontrol requeue 4242", order
     assert sorted(e for e in order if e.startswith("exit")) == ["exit 0", "exit 1"], order
     assert "requeued" in order[: order.index("exit 1")], (order, errs)
+    assert order.index("requeued") < order.index("closed") < order.index("exit 1"), (order, errs)
 
 
 @pytest.mark.parametrize("reason, code", [("TimeLimit", REQUEUED), ("None", TERMINATED)])
@@ -224,7 +235,8 @@ def test_two_ranks_decide_a_term_after_the_warning_together(tmp_path: Path, reas
 def test_the_loggers_close_after_the_requeue_within_a_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     """W&B's finish runs once the job is requeued (the decision first, within Slurm's KillWait), for at most CLOSE_S:
-    one that hangs or fails is a warning, and the exit code is the decision's."""
+    one that hangs or fails is a warning, and the exit code is the decision's; one that hangs is left by os._exit
+    (the interpreter's exit would wait for W&B's service), here raising instead of ending the test process."""
     from mcorekit.runtime import requeue
 
     calls = fake_scontrol(tmp_path / "bin")
@@ -232,6 +244,11 @@ def test_the_loggers_close_after_the_requeue_within_a_bound(tmp_path: Path, monk
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     monkeypatch.setattr(requeue, "CLOSE_S", 0.5)
+
+    def exit_now(code: int) -> None:
+        raise SystemExit(f"os._exit({code})")
+
+    monkeypatch.setattr(requeue.os, "_exit", exit_now)
     stop = requeue.StopSignal.__new__(requeue.StopSignal)  # no handlers in the test process
     stop.signum, stop.time_limit = signal.SIGUSR2, True
     seen: list[str] = []
@@ -243,12 +260,12 @@ def test_the_loggers_close_after_the_requeue_within_a_bound(tmp_path: Path, monk
     def failing() -> None:
         raise RuntimeError("wandb: network unreachable")
 
-    for close, said in ((hanging, "the loggers did not close within 0.5 s"),
-                        (failing, "closing the loggers failed (RuntimeError: wandb: network unreachable)")):
+    for close, said, code in ((hanging, "the loggers did not close within 0.5 s", "os._exit(255)"),
+                              (failing, "closing the loggers failed (RuntimeError: wandb: network unreachable)", -1)):
         (tmp_path / close.__name__).mkdir()
         started = time.monotonic()
         with caplog.at_level("WARNING", logger="mcorekit.requeue"), pytest.raises(SystemExit) as leaving:
             requeue.stop_and_exit(stop, requeue.RestartGuard(tmp_path / close.__name__, 9), 0, 5, close=close)
-        assert leaving.value.code == -1 and time.monotonic() - started < 10
+        assert leaving.value.code == code and time.monotonic() - started < 10
         assert said in caplog.text
     assert seen == ["requeue 4242\n"]

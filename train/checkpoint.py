@@ -320,14 +320,14 @@ def pin(iteration: Path, by: Path) -> None:
     try:
         mark.parent.mkdir(exist_ok=True)
         if not mark.is_file():
-            mark.write_text(f"{by.absolute()}\n")  # a mark cut short still marks: its name says whose it is
+            write_atomic(mark, f"{by.absolute()}\n")  # its temporary name is not a mark's (MARK_RE)
     except OSError as e:
         log.warning("could not mark %s as read by this run (%s): its run's keep_last may remove it while this run "
                     "still reads it at each restart", iteration, e)
 
 
 def unpin(iteration: Path, by: Path) -> None:
-    """Takes back pin(iteration, by): the run whose checkpoints folder is `by` has finished, or reads another one."""
+    """Takes back pin(iteration, by): the run whose checkpoints folder is `by` has finished."""
     try:
         _mark(iteration.resolve(), by).unlink(missing_ok=True)
     except OSError as e:
@@ -335,49 +335,67 @@ def unpin(iteration: Path, by: Path) -> None:
                     "%s is removed", iteration, e, iteration.resolve().parent / PINS)
 
 
-def _mark(iteration: Path, by: Path) -> Path:
+def _key(by: str | Path) -> str:
     import hashlib
 
-    key = hashlib.blake2b(str(by.absolute()).encode(), digest_size=8).hexdigest()
-    return iteration.parent / PINS / f"{iteration.name}.{key}"
+    return hashlib.blake2b(str(Path(by).absolute()).encode(), digest_size=8).hexdigest()
 
 
+def _mark(iteration: Path, by: Path) -> Path:
+    return iteration.parent / PINS / f"{iteration.name}.{_key(by)}"
+
+
+MARK_RE = re.compile(r"(iter_\d+)\.([0-9a-f]{16})")
 _reported_pins: set[Path] = set()
 
 
-def _kept_for(iteration: Path) -> list[str]:
-    """The runs whose marks keep `iteration` (their checkpoints folders), said once per process. A mark counts while
-    its run still names this iteration as its source (its sources.json): a run deleted, moved, or started again from
-    another source no longer needs it, and its mark goes."""
-    runs = []
-    for mark in sorted((iteration.parent / PINS).glob(f"{iteration.name}.*")):
-        if not re.fullmatch(rf"{re.escape(iteration.name)}\.[0-9a-f]{{16}}", mark.name) or mark.is_symlink():
+def _kept_for(iteration: Path) -> bool:
+    """Whether marks keep `iteration` from pruning (said once per process). A mark is removed only on evidence that
+    its run no longer needs it: its sources.json names another iteration now (it started again from another
+    source). One that cannot be checked (the run not seen from here: deleted, or on a mount this process lacks; a
+    mark that is not as pin() writes it) keeps the iteration, with a warning naming the file to delete: keeping a
+    checkpoint too long costs disk, removing it stops that run at its next restart. Never raises (prune must not
+    fail a save)."""
+    kept: list[str] = []
+    try:
+        marks = sorted((iteration.parent / PINS).glob(f"{iteration.name}.*"))
+    except OSError:
+        marks = []
+    for mark in marks:
+        found = MARK_RE.fullmatch(mark.name)
+        if not found or found[1] != iteration.name:
             continue
-        with open(mark, "rb") as f:
-            run = f.read(4096).decode("utf-8", "replace").strip()
-        if _names_source(Path(run), iteration):
-            runs.append(shown(run))
-        else:
-            log.warning("%s: the run at %s no longer reads %s (gone, moved, or started from another source): mark "
-                        "removed", mark, shown(run), iteration.name)
-            mark.unlink(missing_ok=True)
-    if runs and iteration not in _reported_pins:
+        try:
+            with open(mark, "rb") as f:
+                run = f.read(4096).decode("utf-8", "replace").strip()
+            if _key(run) == found[2] and _names_other_source(Path(run), iteration):
+                log.warning("%s: the run at %s reads another iteration now: mark removed", mark, shown(run))
+                mark.unlink(missing_ok=True)
+                continue
+            kept.append(shown(run) if _key(run) == found[2] else f"{shown(mark)} (not as mcorekit writes a mark)")
+        except OSError as e:  # unreadable, a folder by that name, or taken back meanwhile: kept if it is still there
+            if mark.exists() or mark.is_symlink():
+                kept.append(f"{shown(mark)} ({type(e).__name__})")
+    if kept and iteration not in _reported_pins:
         _reported_pins.add(iteration)
-        log.warning("keeping %s beyond checkpoint.keep_last: the run(s) at %s read it at every start; each takes its "
-                    "mark back when it finishes (or delete its file in %s)", iteration, ", ".join(runs),
-                    iteration.parent / PINS)
-    return runs
+        log.warning("keeping %s beyond checkpoint.keep_last: marked as read at every start by %s; each run takes its "
+                    "mark back when it finishes (if that run is gone, delete its file in %s)", iteration,
+                    ", ".join(kept), iteration.parent / PINS)
+    return bool(kept)
 
 
-def _names_source(run: Path, iteration: Path) -> bool:
-    """Whether the run whose checkpoints folder is `run` pinned `iteration` (its sources.json)."""
+def _names_other_source(run: Path, iteration: Path) -> bool:
+    """Whether the run whose checkpoints folder is `run` names another iteration than `iteration` as its source now
+    (its sources.json, pinned[0], an absolute path); False when that cannot be told."""
     try:
         if (run / SOURCES).stat().st_size > 1024**2:  # a few hundred bytes; a mark's text is anyone's
             return False
         pinned = json.loads((run / SOURCES).read_text())["pinned"][0]
-        return isinstance(pinned, str) and Path(pinned).resolve() == iteration.resolve()
     except (OSError, ValueError, TypeError, KeyError, IndexError):
         return False
+    if pinned is not None and not (isinstance(pinned, str) and Path(pinned).is_absolute()):
+        return False  # a relative path, written by a start elsewhere: not comparable here
+    return pinned is None or Path(pinned).resolve() != iteration.resolve()
 
 
 # what a save writes last into its folder without an fsync of its own (Megatron-Core fsyncs its .distcp files and
@@ -615,7 +633,8 @@ def _run_sources(exp: Any, root: Path | None) -> tuple[str | None, str | None]:
     if record is not None and any(given):
         record.parent.mkdir(parents=True, exist_ok=True)
         stamps = [_stamp(Path(p)) if p else None for p in pinned]
-        write_atomic(record, json.dumps({"given": given, "pinned": list(pinned), "stamps": stamps}, indent=1) + "\n")
+        absolute = [str(Path(p).absolute()) if p else p for p in pinned]  # a pruning run reads it too (_kept_for)
+        write_atomic(record, json.dumps({"given": given, "pinned": absolute, "stamps": stamps}, indent=1) + "\n")
         if pinned[0] and _reads_base_again(exp):
             pin(Path(pinned[0]), record.parent)
     return pinned
