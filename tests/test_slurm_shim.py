@@ -29,6 +29,14 @@ def test_srun_gives_each_task_its_rank_and_the_worst_exit_code(tmp_path: Path) -
     assert all(p.name.startswith(f"{job}_") for p in outs)
 
 
+def test_srun_kill_on_bad_exit_ends_the_other_tasks_at_once(tmp_path: Path) -> None:
+    """What every job's srun asks for (launch/submit.py): without it the shim gives the others GRACE_S (60 s)."""
+    started = time.monotonic()
+    r = shim("srun", "-n", "2", "--kill-on-bad-exit=1", "sh", "-c",
+             'if [ "$SLURM_PROCID" = 1 ]; then exit 3; fi; sleep 50', state=tmp_path / "s")
+    assert r.returncode != 0 and time.monotonic() - started < 20
+
+
 def test_srun_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     r = shim("srun", "--container-image=nvcr.io#x", "true", state=tmp_path)
     assert r.returncode == 2 and "unsupported option --container-image" in r.stderr

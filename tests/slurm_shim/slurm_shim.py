@@ -118,9 +118,11 @@ def run_batch(job_id: str, script: str, out: str, err: str) -> int:
 
 
 def srun(argv: list[str]) -> int:
-    ntasks, out, err, i = None, None, None, 0
+    ntasks, out, err, i, grace = None, None, None, 0, GRACE_S
     while i < len(argv) and argv[i].startswith("-"):
         opt, _, value = argv[i].partition("=")
+        if opt == "--kill-on-bad-exit":  # as Slurm: one task's failure ends the step's other tasks at once
+            grace = GRACE_S if value == "0" else 0
         if opt in ("--unbuffered", "-u", "--kill-on-bad-exit"):
             i += 1
             continue
@@ -160,12 +162,16 @@ def srun(argv: list[str]) -> int:
     for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     failed_at = None
-    while any(p.poll() is None for p in procs):
+    while None in [p.poll() for p in procs]:  # every task polled, so a failed one shows while another still runs
         if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
             failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+        if failed_at is not None and time.monotonic() - failed_at >= grace:
             for p in procs:
-                if p.poll() is None:
+                if p.poll() is None:  # with what it started (as Slurm ends a step's processes), then itself
+                    try:
+                        subprocess.run(["pkill", "-KILL", "-P", str(p.pid)], check=False)
+                    except OSError:  # no pkill here: the task alone
+                        pass
                     p.kill()
         time.sleep(0.2)
     # like srun: the highest exit code of any task (a task killed by signal N counts as 128 + N)
