@@ -6,12 +6,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import cloudpickle
 import pytest
 
 from mcorekit.config.cluster import load_profile
-from mcorekit.launch.accounting import sacct, wait_final
+from mcorekit.launch.accounting import JobRecord, sacct, wait_final
 from mcorekit.launch.smoke import CountingJob
 from mcorekit.launch.submit import JobSpec, submit
 
@@ -46,6 +47,26 @@ def _cancel_for_good(job_id: str) -> None:
     subprocess.run(["scancel", job_id], capture_output=True)
 
 
+def _wait_until(started: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not started():
+        assert time.monotonic() < deadline, f"the job did not {what} within 60 s"
+        time.sleep(0.5)
+
+
+def _scancel_and_settle(job_id: str) -> tuple[JobRecord, str]:
+    """scancel, the job's final accounting record, and what squeue still shows of it."""
+    subprocess.run(["scancel", job_id], check=True)
+    wait_final(job_id, timeout_s=30, poll_s=1)
+    time.sleep(5)  # a requeue after the cancel would show by now (KillWait is 5 s on the dev cluster)
+    live = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout
+    return sacct([job_id])[job_id], live
+
+
+def _logs(run_dir: Path) -> str:
+    return "".join(p.read_text() for p in (run_dir / "logs").glob("*.err"))
+
+
 def test_cancel_of_a_running_job_saves_and_ends_cancelled_not_requeued(tmp_path: Path) -> None:
     """`mcorekit cancel` (scancel: TERM, then KILL after KillWait) means stop: the payload saves at its step boundary
     and exits; it must not run `scontrol requeue`, which also requeues a job that is being cancelled."""
@@ -57,21 +78,14 @@ def test_cancel_of_a_running_job_saves_and_ends_cancelled_not_requeued(tmp_path:
     job = submit(profile, spec, payload, kind="test")
     try:
         steps = run_dir / "steps.log"
-        deadline = time.monotonic() + 60
-        while not (steps.exists() and len(steps.read_text().splitlines()) >= 3):
-            assert time.monotonic() < deadline, "the job did not start stepping within 60 s"
-            time.sleep(0.5)
-        subprocess.run(["scancel", job.job_id], check=True)
-        record = wait_final(job.job_id, timeout_s=30, poll_s=1)
-        time.sleep(5)  # a requeue after the cancel would show by now (KillWait is 5 s on the dev cluster)
-        record = sacct([job.job_id])[job.job_id]
-        live = subprocess.run(["squeue", "-h", "-j", job.job_id, "-o", "%T"], capture_output=True, text=True).stdout
+        _wait_until(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 3, "start stepping")
+        record, live = _scancel_and_settle(job.job_id)
     finally:
         _cancel_for_good(job.job_id)
     assert (record.state, record.restarts, live.strip()) == ("CANCELLED", 0, ""), (record, live)
     saved = int((run_dir / "ckpt" / "latest").read_text())  # the save on TERM: the last step it finished
     assert saved == len(steps.read_text().splitlines()) >= 3
-    log = "".join(p.read_text() for p in (run_dir / "logs").glob("*.err"))
+    log = _logs(run_dir)
     assert "not requeueing" in log and "requeueing job" not in log
 
 
@@ -106,19 +120,12 @@ def test_a_cancel_while_the_warnings_save_runs_stops_the_job(tmp_path: Path) -> 
     job = submit(profile, JobSpec(name="test-late-cancel", run_dir=run_dir, time="00:10:00"),
                  warned_then_terminated, str(run_dir), kind="test")
     try:
-        deadline = time.monotonic() + 60
-        while not (run_dir / "warned").exists():
-            assert time.monotonic() < deadline, "the job did not start within 60 s"
-            time.sleep(0.5)
-        subprocess.run(["scancel", job.job_id], check=True)
-        wait_final(job.job_id, timeout_s=30, poll_s=1)
-        time.sleep(5)  # a requeue after the cancel would show by now (KillWait is 5 s on the dev cluster)
-        record = sacct([job.job_id])[job.job_id]
-        live = subprocess.run(["squeue", "-h", "-j", job.job_id, "-o", "%T"], capture_output=True, text=True).stdout
+        _wait_until((run_dir / "warned").exists, "start")
+        record, live = _scancel_and_settle(job.job_id)
     finally:
         _cancel_for_good(job.job_id)
     assert (record.state, record.restarts, live.strip()) == ("CANCELLED", 0, ""), (record, live)
-    log = "".join(p.read_text() for p in (run_dir / "logs").glob("*.err"))
+    log = _logs(run_dir)
     assert "Slurm ends the job for another reason (None" in log and "requeueing job" not in log, log
 
 
@@ -131,19 +138,16 @@ def test_the_time_limits_term_during_the_warnings_save_requeues(tmp_path: Path) 
     run_dir.mkdir()
     job = submit(profile, JobSpec(name="test-late-limit", run_dir=run_dir, time="00:10:00"),
                  warned_then_terminated, str(run_dir), kind="test")
-    logs = lambda: "".join(p.read_text() for p in (run_dir / "logs").glob("*.err"))  # noqa: E731
     try:
-        deadline = time.monotonic() + 60
-        while not (run_dir / "warned").exists():
-            assert time.monotonic() < deadline, "the job did not start within 60 s"
-            time.sleep(0.5)
+        _wait_until((run_dir / "warned").exists, "start")
         subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "TimeLimit=1"], check=True)
         deadline = time.monotonic() + 240
-        while "requeueing job" not in logs() and time.monotonic() < deadline:
+        while "requeueing job" not in _logs(run_dir) and time.monotonic() < deadline:
             time.sleep(1)
         time.sleep(3)  # the requeue reaches the controller
         shown = subprocess.run(["scontrol", "show", "job", "-o", job.job_id], capture_output=True, text=True).stdout
     finally:
         _cancel_for_good(job.job_id)
-    assert f"requeueing job {job.job_id} (restart 1)" in logs() and "another reason" not in logs(), logs()
+    log = _logs(run_dir)
+    assert f"requeueing job {job.job_id} (restart 1)" in log and "another reason" not in log, log
     assert "Restarts=1" in shown.split(), shown
