@@ -194,16 +194,18 @@ def exit_phases(events: list[tuple[str, Any]], saved_end: float, ended: float) -
     return out
 
 
-def in_flight_steps(events: list[tuple[str, Any]], save_step: int) -> set[int]:
-    """Steps logged after the async save of `save_step` was scheduled and before it was finalized, plus the step
-    right after scheduling (it carries the save's blocking part)."""
-    steps, inside = set(), False
+def in_flight_steps(events: list[tuple[str, Any]], save_step: int) -> tuple[set[int], int | None]:
+    """The steps logged after the async save of `save_step` was scheduled and before it was finalized, and the
+    first step logged after that: the loop finalizes a save at the start of a step, so that step carries it."""
+    steps, inside, after = set(), False, None
     for kind, e in events:
         if kind == "checkpoint" and e["step"] == save_step:
             inside = e["event"] == "scheduled"
         elif kind == "step" and inside:
             steps.add(e)
-    return steps
+        elif kind == "step" and steps and after is None:
+            after = e
+    return steps, after
 
 
 def failure(log: str) -> str:
@@ -245,11 +247,13 @@ def async_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
     saved = {e["step"]: e for e in ckpts if e["event"] == "saved"}
     s = SHAPES[shape]
     steps = step_seconds(run_dir, s["mbs"] * 8 * 2048)
-    overlapped = in_flight_steps(got["events"], ASYNC_AT)
-    # the first of them also carries the save's blocking part (reported on its own): left out of the step times
-    first = min(overlapped) if overlapped else None
-    busy = [v - (scheduled["blocking_s"] if k == first else 0.0) for k, v in steps.items() if k in overlapped]
-    free = [v for k, v in steps.items() if k not in overlapped and k > SAVE_STEPS + WARM_STEPS]
+    overlapped, finalized_in = in_flight_steps(got["events"], ASYNC_AT)
+    # the loop's step times leave the save's blocking part out (train/loop.py pauses its timer for a save); the
+    # step that finalized it also carries the bench's own deletion of that checkpoint, which is left out here
+    busy = [v for k, v in steps.items() if k in overlapped]
+    deleted_in_step = got["saved_delete_s"].get(ASYNC_AT, 0.0)
+    free = [v - (deleted_in_step if k == finalized_in else 0.0) for k, v in steps.items()
+            if k not in overlapped and k > SAVE_STEPS + WARM_STEPS]
     ph = phases(got["startup"])
     load_s = round(ph["resume"] - got["delete_s"], 2)  # the bench's deletion of the loaded checkpoint is not loading
     # nor is its deletion of the final checkpoint (in the save's finalize, after its report: the exit's `close`
@@ -357,7 +361,7 @@ def table(results: list[dict[str, Any]]) -> str:
         ("async save: blocking part, s", lambda r: cell(r, "async", "async_blocking_s")),
         ("async save: until finalized, s", lambda r: cell(r, "async", "async_save_s")),
         (f"step s without a save (save run, steps {WARM_STEPS + 1}-{SAVE_STEPS})", lambda r: cell(r, "save", "step_s", "{:.2f}")),
-        ("step s with the async save in flight (less its blocking part)",
+        ("step s with the async save in flight (its blocking part not counted)",
          lambda r: cell(r, "async", "step_s_in_flight", "{:.2f}") + f" (steps {r.get('async', {}).get('steps_in_flight', '')})"),
         ("step s after it (async run)", lambda r: cell(r, "async", "step_s_free", "{:.2f}")),
         ("end-of-run save after the async one, s", lambda r: cell(r, "async", "final_save_s")),

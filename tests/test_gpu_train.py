@@ -440,7 +440,7 @@ def test_fp8_checkpoint_starts_another_run(tmp_path: Path) -> None:
     assert [x["step"] for x in cont] == [13, 14, 15, 16]
     said = "".join((tmp_path / "continued" / f).read_text() for f in ("stdout.txt", "stderr.txt"))
     assert f"continuing from {saved} at step 12" in said  # a warning: logging's, on stderr
-    tuned = run(tmp_path, "tuned", {**BASE, **fp8, "schedule": {**BASE["schedule"], "train_iters": 4},
+    tuned = run(tmp_path, "tuned", {**BASE, **fp8, "schedule": {**BASE["schedule"], "train_iters": 4, "warmup_iters": 1},
                                     "checkpoint": {**BASE["checkpoint"], **load, "finetune": True}})
     print("fp8 first run's last losses", [round(x["loss"], 4) for x in first[-3:]], "continued",
           [round(x["loss"], 4) for x in cont], "fine-tune", [round(x["loss"], 4) for x in tuned])

@@ -87,8 +87,9 @@ def fake_training(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
                                                            "optimizer": 13.0, "resume": 30.5, "step1": 35.0}),
                   step(7, 6.0), step(8, 3.0), step(9, 4.0), step(10, 2.0), step(11, 2.0), step(12, 2.0),
                   "mcorekit.train: checkpoint " + json.dumps({"event": "scheduled", "step": 12, "blocking_s": 1.5}),
-                  step(13, 3.5), step(14, 2.1), saved(12, 9.0, True),
-                  *(step(n, 2.0) for n in range(15, 25)),
+                  step(13, 2.1), step(14, 2.3), saved(12, 9.0, True),  # the steps' times leave the 1.5 s out
+                  "bench: deleted the saved checkpoint of step 12 in 1.00 s",  # in the finalize, at step 15's start
+                  step(15, 3.0), *(step(n, 2.0) for n in range(16, 25)),
                   "mcorekit.train: checkpoint " + json.dumps({"event": "scheduled", "step": 24, "blocking_s": 1.5}),
                   saved(24, 18.0, True), "bench: deleted the saved checkpoint of step 24 in 0.40 s"]
         end = json.loads(lines[-2].split(" ", 2)[2])["end"]  # the bench's deletion ran after the report, then shut_down
@@ -119,7 +120,8 @@ def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pyte
     assert r["async"]["exit_after_final_save_s"] == pytest.approx(1.0 - 0.4, abs=0.3)
     a = r["async"]
     assert a["load_s"] == 17.0 and r["load_gb_per_s"] == round(35.0 / 17.0, 3)  # resume minus the bench's delete
-    assert a["steps_in_flight"] == [13, 14] and a["step_s_in_flight"] == pytest.approx((3.5 - 1.5 + 2.1) / 2, abs=1e-3)  # step 13 less the blocking
+    assert a["steps_in_flight"] == [13, 14] and a["step_s_in_flight"] == pytest.approx(2.2, abs=1e-3)
+    # step 15 less the bench's 1.0 s deletion of the step-12 checkpoint
     assert a["step_s_free"] == pytest.approx(2.0) and a["async_blocking_s"] == 1.5 and a["final_save_s"] == 18.0
     assert not (tmp_path / "3b-ckpt").exists() and not (tmp_path / "3b-ckpt-async").exists()
     assert not (tmp_path / "dd.bin").exists()
