@@ -395,10 +395,12 @@ def expert_gemm_problems(exp: Experiment, uses_te: bool, model: ModelSpec | None
 
 
 def fp8_expert_alignment(exp: Experiment, model: ModelSpec | None) -> str | None:
-    """Under FP8, what keeps the model's expert widths out of the FP8 grouped GEMM (the experts then run TE's)."""
+    """Under FP8, what keeps each rank's expert widths out of the FP8 grouped GEMM (the experts then run TE's):
+    expert tensor parallelism splits the FFN, and the kernel sees the rank's part (models/grouped_mm_experts.py)."""
     if not exp.precision.fp8 or model is None or not model.is_moe:
         return None
-    return alignment_problem(model.hidden_size, model.moe_ffn_hidden_size or model.ffn_hidden_size)
+    ffn, etp = model.moe_ffn_hidden_size or model.ffn_hidden_size, exp.parallel.etp
+    return alignment_problem(model.hidden_size, ffn // etp if ffn % etp == 0 else ffn)
 
 
 def moe_problems(exp: Experiment, lay: Layout, uses_te: bool, model: ModelSpec | None = None,
