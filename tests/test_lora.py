@@ -18,6 +18,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from mcorekit.convert import lora, pipeline
+from mcorekit.errors import ConversionError
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -152,6 +153,12 @@ def test_megatron_model_with_adapters_gives_peft_logits(llama: Path, tmp_path: P
     reader = HFReader(tmp_path / "merged")
     assert sorted(reader.names()) == sorted(merged)
     assert max((reader.get(n) - merged[n]).abs().max().item() for n in reader.names()) < 1e-6
+    # the base the run recorded, gone since (its own run's keep_last prunes it once no LoRA run reads it)
+    (tmp_path / "base").rename(tmp_path / "base-kept")
+    with pytest.raises(ConversionError, match=r"the base these adapters were trained on, .*/base .* is gone; pass "
+                                              r"--base with a copy"):
+        lora.mcore_to_hf_merged(ckpt, tmp_path / "merged-again", hf_config=str(llama), quiet=True)
+    assert not (tmp_path / "merged-again").exists()
 
 
 # ---------------------------------------------------------------- bad input: one line, exit 2, nothing written
