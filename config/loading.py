@@ -12,7 +12,7 @@ from typing import Any, Sequence, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from mcorekit.config.values import NOT_UTF8_RE, no_control, shown, text_problem
+from mcorekit.config.values import NOT_UTF8_RE, plain_argument, shown, text_problem
 from mcorekit.errors import ConfigError
 
 Schema = TypeVar("Schema", bound=BaseModel)
@@ -260,10 +260,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[Bas
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
-        try:
-            no_control(item, "override")  # YAML would fold a raw newline into a space and hide it
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        plain_argument(item, "override")  # YAML would fold a raw newline into a space and hide it
         key, raw = item.split("=", 1)
         path = key.strip().split(".")
         node_schema: type[BaseModel] | None = schema

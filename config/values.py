@@ -12,6 +12,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from mcorekit.errors import ConfigError
+
 # \Z, not $: `$` also matches before a final newline, so "debug\n" passed a .match and split its #SBATCH line
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -38,6 +40,14 @@ def no_control(value: str, what: str) -> str:
     if problem := text_problem(value):
         raise ValueError(f"{what} {value!r} {problem}; {'remove it' if CONTROL_RE.search(value) else 'use UTF-8'}")
     return value
+
+
+def plain_argument(value: str, what: str) -> str:
+    """no_control for what the command line gives (an override, a sweep axis): a ConfigError, not a ValueError."""
+    try:
+        return no_control(value, what)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def path_value(value: str | None, what: str, empty_hint: str = "give a path, or null to leave it unset") -> str | None:

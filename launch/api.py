@@ -18,7 +18,7 @@ from typing import Any, Callable
 from mcorekit.config.cluster import ClusterProfile, load_profile
 from mcorekit.config.experiment import Experiment, load_experiment
 from mcorekit.config.loading import dump, parse_value, validate
-from mcorekit.config.values import no_control, shown, text_problem
+from mcorekit.config.values import plain_argument, shown, text_problem
 from mcorekit.errors import ConfigError, LaunchError, LayoutError, ModelError
 from mcorekit.hub import HUB_ID_RE, is_hub_id
 from mcorekit.launch.plan import check
@@ -481,10 +481,7 @@ def parse_axes(items: list[str]) -> dict[str, list[Any]]:
     for item in items:
         if "=" not in item:
             raise ConfigError(f"sweep axis {item!r} is not of the form key.path=v1,v2,...")
-        try:
-            no_control(item, "sweep axis")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        plain_argument(item, "sweep axis")
         key, raw = item.split("=", 1)
         key = key.strip()
         if key in axes:
