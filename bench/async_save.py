@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from start_save import (DEADLINE, SHAPES, WARM_STEPS, WORKER, bench_config, checked, exit_phases, in_flight_steps,
-                        parse, step_seconds, train)
+from start_save import (DEADLINE, SHAPES, WARM_STEPS, WORKER, bench_config, checked, deletions, exit_phases,
+                        in_flight_steps, parse, step_seconds, train)
 
 HOST_STAGING = "from mcorekit.train import checkpoint_writer as w\nw.room_on_gpu = lambda nbytes, queue: False\n"
 # bench-only patches before the worker: the run's staging, "gpu" being the defaults
@@ -84,11 +84,10 @@ def summary(shape: str, log: str, run_dir: Path, steps: int, ended: float) -> di
     for e in (e for e in ckpts if e["event"] == "scheduled"):
         overlapped = in_flight_steps(got["events"], e["step"])
         flight |= overlapped
-        # the first also carries the save's wait for the previous write (and the bench's deletion in it) and its
-        # blocking part, reported on their own
-        first, held = min(overlapped, default=None), e["blocking_s"] + e.get("waited_for_previous_s", 0.0)
+        # the save's blocking part and its wait for the previous write are reported on their own: the loop's step
+        # times leave them out (train/loop.py); the bench's deletion in that wait is no part of it
         waited = e.get("waited_for_previous_s", 0.0) - deleted.get(("scheduled", e["step"]), 0.0)
-        busy += [step_s[k] - (held if k == first else 0.0) for k in overlapped if k in step_s]
+        busy += [step_s[k] for k in overlapped if k in step_s]
         done = saved.get(e["step"], {})
         saves.append({"step": e["step"], "staged_on": e.get("staged_on"), "blocking_s": e["blocking_s"],
                       "waited_for_previous_s": round(waited, 2), "seconds": done.get("seconds"),
@@ -104,21 +103,6 @@ def summary(shape: str, log: str, run_dir: Path, steps: int, ended: float) -> di
             "exit_after_final_save_s": round(ended - final_end, 2),
             "exit_phases": exit_phases(got["events"], final_end, ended),
             "peak_mem_gb": round(max(r["mem_gb"] for r in rows), 1) if rows else None}
-
-
-def deletions(events: list[tuple[str, Any]], deleted: dict[int, float], steps: int) -> dict[tuple[str, int], float]:
-    """The bench deletes each checkpoint once finalized, which is no cost of a save. A save is finalized in the
-    loop's poll before a step (the deletion then is in that step's time) or while a later save waits for its write
-    (in that save's wait). {("step", n) or ("scheduled", n) or ("saved", steps): the deletion's seconds in it}."""
-    out, pending = {}, 0.0
-    for kind, e in events:
-        if kind == "checkpoint" and e["event"] == "saved" and e["step"] != steps:
-            pending += deleted.get(e["step"], 0.0)
-        elif pending and kind == "step":
-            out["step", e], pending = pending, 0.0
-        elif pending and kind == "checkpoint" and (e["event"] == "scheduled" or e["step"] == steps):
-            out[e["event"], e["step"]], pending = pending, 0.0
-    return out
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:

@@ -19,10 +19,10 @@ never holding two checkpoints on disk (the GPU machine's disk is 64 GB):
           the compile cache the save run left (warm: a later or requeued run; start-up less the load),
           with checkpoint.async_save=true: the load's seconds and GB/s (the `resume` phase), an asynchronous save
           at step ASYNC_AT and the end-of-run save at ASYNC_END. Step times (log_interval 1) of the steps that ran
-          while the first save was in flight against the steady ones without; the step after a save also carries its
-          blocking part.
+          while the first save was in flight against the steady ones without (the loop's step times leave a save's
+          own time, its blocking part included, out: train/loop.py).
           Bench-only patches keep the disk to one checkpoint: the loaded one is deleted once loaded, each saved
-          one once finalized.
+          one once finalized (its time taken out of the step that finalized it: deletions).
 Prints a Markdown table and writes results.json (after every part, so a run cut short keeps what it measured).
 --dry writes and validates the experiment files only (tests/test_start_save_bench.py runs it on CPU).
 """
@@ -194,18 +194,30 @@ def exit_phases(events: list[tuple[str, Any]], saved_end: float, ended: float) -
     return out
 
 
-def in_flight_steps(events: list[tuple[str, Any]], save_step: int) -> tuple[set[int], int | None]:
-    """The steps logged after the async save of `save_step` was scheduled and before it was finalized, and the
-    first step logged after that: the loop finalizes a save at the start of a step, so that step carries it."""
-    steps, inside, after = set(), False, None
+def in_flight_steps(events: list[tuple[str, Any]], save_step: int) -> set[int]:
+    """The steps logged after the async save of `save_step` was scheduled and before it was finalized."""
+    steps, inside = set(), False
     for kind, e in events:
         if kind == "checkpoint" and e["step"] == save_step:
             inside = e["event"] == "scheduled"
         elif kind == "step" and inside:
             steps.add(e)
-        elif kind == "step" and steps and after is None:
-            after = e
-    return steps, after
+    return steps
+
+
+def deletions(events: list[tuple[str, Any]], deleted: dict[int, float], steps: int) -> dict[tuple[str, int], float]:
+    """The bench deletes each checkpoint once finalized, which is no cost of a save. A save is finalized in the
+    loop's poll before a step (the deletion then is in that step's time) or while a later save waits for its write
+    (in that save's wait). {("step", n) or ("scheduled", n) or ("saved", steps): the deletion's seconds in it}."""
+    out, pending = {}, 0.0
+    for kind, e in events:
+        if kind == "checkpoint" and e["event"] == "saved" and e["step"] != steps:
+            pending += deleted.get(e["step"], 0.0)
+        elif pending and kind == "step":
+            out["step", e], pending = pending, 0.0
+        elif pending and kind == "checkpoint" and (e["event"] == "scheduled" or e["step"] == steps):
+            out[e["event"], e["step"]], pending = pending, 0.0
+    return out
 
 
 def failure(log: str) -> str:
@@ -247,13 +259,12 @@ def async_run(shape: str, out: Path, ckpt: Path) -> dict[str, Any]:
     saved = {e["step"]: e for e in ckpts if e["event"] == "saved"}
     s = SHAPES[shape]
     steps = step_seconds(run_dir, s["mbs"] * 8 * 2048)
-    overlapped, finalized_in = in_flight_steps(got["events"], ASYNC_AT)
-    # the loop's step times leave the save's blocking part out (train/loop.py pauses its timer for a save); the
-    # step that finalized it also carries the bench's own deletion of that checkpoint, which is left out here
+    for (kind, n), seconds in deletions(got["events"], got["saved_delete_s"], ASYNC_END).items():
+        if kind == "step":
+            steps[n] -= seconds
+    overlapped = in_flight_steps(got["events"], ASYNC_AT)
     busy = [v for k, v in steps.items() if k in overlapped]
-    deleted_in_step = got["saved_delete_s"].get(ASYNC_AT, 0.0)
-    free = [v - (deleted_in_step if k == finalized_in else 0.0) for k, v in steps.items()
-            if k not in overlapped and k > SAVE_STEPS + WARM_STEPS]
+    free = [v for k, v in steps.items() if k not in overlapped and k > SAVE_STEPS + WARM_STEPS]
     ph = phases(got["startup"])
     load_s = round(ph["resume"] - got["delete_s"], 2)  # the bench's deletion of the loaded checkpoint is not loading
     # nor is its deletion of the final checkpoint (in the save's finalize, after its report: the exit's `close`
@@ -363,7 +374,7 @@ def table(results: list[dict[str, Any]]) -> str:
         (f"step s without a save (save run, steps {WARM_STEPS + 1}-{SAVE_STEPS})", lambda r: cell(r, "save", "step_s", "{:.2f}")),
         ("step s with the async save in flight (its blocking part not counted)",
          lambda r: cell(r, "async", "step_s_in_flight", "{:.2f}") + f" (steps {r.get('async', {}).get('steps_in_flight', '')})"),
-        ("step s after it (async run)", lambda r: cell(r, "async", "step_s_free", "{:.2f}")),
+        ("step s without a save in flight (async run)", lambda r: cell(r, "async", "step_s_free", "{:.2f}")),
         ("end-of-run save after the async one, s", lambda r: cell(r, "async", "final_save_s")),
         ("  the bench's own deletion of that checkpoint, after it (not counted below), s",
          lambda r: cell(r, "async", "bench_delete_final_s", "{:.2f}")),

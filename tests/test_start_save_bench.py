@@ -127,6 +127,7 @@ def test_gpu_path_with_a_stand_in_for_training(tmp_path: Path, monkeypatch: pyte
     assert not (tmp_path / "dd.bin").exists()
     table = capsys.readouterr().out
     assert "| save (sync, end of run), s | 20.0 |" in table and "(steps [13, 14])" in table
+    assert "| step s without a save in flight (async run) | 2.00 |" in table
     assert "| step s without a save (save run, steps 4-6) | 2.00 |" in table
 
 
@@ -214,3 +215,19 @@ def test_a_failed_load_probe_fails_the_bench_and_the_resume_still_runs(tmp_path:
     [r] = json.loads((tmp_path / "results.json").read_text())
     assert "the disk went away" in r["probe"]["error"] and r["async"]["load_s"] == 17.0
 
+
+
+def test_a_deletion_is_taken_from_the_step_that_finalized_the_save() -> None:
+    """The loop finalizes an async save in its poll before a step: that step carries the bench's deletion of the
+    checkpoint, with steps in flight or none (a save finalized at once)."""
+    def saved(n: int) -> tuple[str, dict]:
+        return "checkpoint", {"event": "saved", "step": n}
+
+    scheduled = ("checkpoint", {"event": "scheduled", "step": 12})
+    assert start_save.deletions([("step", 12), scheduled, ("step", 13), saved(12), ("step", 14)], {12: 8.0}, 24) == {
+        ("step", 14): 8.0}
+    assert start_save.deletions([("step", 12), scheduled, saved(12), ("step", 13)], {12: 8.0}, 24) == {
+        ("step", 13): 8.0}
+    assert start_save.in_flight_steps([("step", 12), scheduled, saved(12), ("step", 13)], 12) == set()
+    # the end-of-run save's deletion comes after the run's last step: in no step
+    assert start_save.deletions([("step", 24), saved(24)], {24: 8.0}, 24) == {}
