@@ -501,7 +501,7 @@ def start_save_figures(m: Measurement) -> list[Figure]:
             in_flight = (f"the bench before `ff2d94f` counted it, {asy['step_s_in_flight']:.2f} s, so this page takes it "
                          f"out, ({n} x {asy['step_s_in_flight']:.3f} - {asy['async_blocking_s']:.2f}) / {n}")
         else:
-            in_flight = "the bench's own figure, which leaves it out from `ff2d94f` on"
+            in_flight = "left out of the steps' own times: by the loop since `9f1752c`, by the bench before"
         rows += [
             ("first async save: blocking, then in the background", f"{asy['async_blocking_s']:.2f} s, finalized "
              f"{asy['async_save_s']:.1f} s after it began ({asy['async_save_gb_per_s']:.2f} GB/s)", "", None),
