@@ -299,8 +299,9 @@ def mcore_to_hf_merged(ckpt: str | Path, out_dir: str | Path, base: str | None =
     if not isinstance(base_path, str):
         raise ConversionError(f"{src.iter_dir / LORA_JSON} names no base checkpoint; pass --base BASE_CKPT")
     if base is None and not Path(base_path).exists():  # e.g. pruned by its own run once no LoRA run trained on it
+        where = "" if Path(base_path).is_absolute() else f", a relative path not found from {Path.cwd()}"
         raise ConversionError(f"the base these adapters were trained on, {base_path} (recorded in "
-                              f"{src.iter_dir / LORA_JSON}), is gone; pass --base with a copy of that checkpoint")
+                              f"{src.iter_dir / LORA_JSON}{where}), is gone; pass --base with a copy of that checkpoint")
     check_output(Path(out_dir), src.inputs, force)  # pipeline.mcore_to_hf checks the base's own
     s = scaling(src.rank, src.alpha)
     by_key = {a.mapping.mcore: a for a in src.items}

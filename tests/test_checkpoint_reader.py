@@ -542,6 +542,24 @@ def _experiment(load: Path, adapters: Path | None = None) -> Any:
                                       "checkpoint": {"load": str(load), "finetune": True}, **lora})
 
 
+def test_lora_json_names_the_pinned_base_iteration_absolute(model_parallel: None, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LoRA run started with a relative checkpoint.load records the iteration it trained on as an absolute path:
+    a merge (convert/lora.py) reads it from wherever it runs, and the base's newer iterations are not it."""
+    from mcorekit.config.experiment import Experiment
+    from mcorekit.models.spec import resolve
+    from mcorekit.train import checkpoint
+    from mcorekit.train.build import lora_info
+
+    _with_record(tmp_path / "base" / "iter_0000003", _te_extra_state({"scale": 1.0}))
+    (tmp_path / "base" / "latest_checkpointed_iteration.txt").write_text("3")
+    monkeypatch.chdir(tmp_path)
+    exp = Experiment.model_validate({"name": "x", "model": {"preset": "llama-tiny"}, "peft": {"lora": {"rank": 4}},
+                                     "checkpoint": {"load": "base"}})
+    info = lora_info(checkpoint.pinned_sources(exp), resolve("llama-tiny", None, {}))
+    assert info["base"] == str(tmp_path / "base" / "iter_0000003") and info["rank"] == 4
+
+
 def test_a_start_reads_the_iterations_it_checked(model_parallel: None, tmp_path: Path) -> None:
     """checkpoint.load and peft.lora.load are pinned to the iterations checked at the start: a newer, crafted
     iteration their runs save afterwards (the DPO reference is read at the first step, long after the check) is

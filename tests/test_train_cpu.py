@@ -302,8 +302,8 @@ def test_expert_gemm_resolution() -> None:
     fp8_torch = ("moe.expert_gemm=torch", "precision.fp8=tensorwise")
     assert expert_gemm_problems(exp(*fp8_torch, "parallel.etp=2"), True, wide) == []
     assert expert_gemm_problems(exp(*fp8_torch, "parallel.etp=4"), True, wide) == [
-        "moe.expert_gemm=torch with precision.fp8: FP8 grouped GEMMs need multiples of 16, got expert FFN size 360; "
-        "use moe.expert_gemm=auto or te"]
+        "moe.expert_gemm=torch with precision.fp8: FP8 grouped GEMMs need multiples of 16, got expert FFN size 360 "
+        "(per rank: 1440 / parallel.etp=4); use moe.expert_gemm=auto or te"]
     # torch._scaled_grouped_mm runs on compute capability 9.0 and 10.0: elsewhere FP8 MoE keeps TE's experts
     for gpu, ok in (((9, 0), True), ((10, 0), True), ((8, 9), False), ((12, 0), False), (None, True)):
         assert use_torch_expert_gemm(exp("precision.fp8=delayed"), True, gpu) is ok, gpu

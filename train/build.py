@@ -4,6 +4,7 @@ optimizer with overlapped communication), scheduler. Megatron-Core does the work
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -166,8 +167,6 @@ def mtp_weights_check(path: Any, spec: ModelSpec) -> str | None:
     """A checkpoint's multi-token-prediction weights (mtp.layers.*) against the model's MTP block, before
     Megatron-Core loads it: a run with model.overrides.mtp_layers needs them (ConfigError); a run without loads the
     rest and leaves them unused (the line returned says so, for the log)."""
-    from pathlib import Path
-
     from mcorekit.errors import ConfigError
     from mcorekit.train.checkpoint import TORCH_DIST, format_of
     from mcorekit.train.checkpoint_reader import checked_metadata
@@ -204,11 +203,17 @@ def _load_before_wrap(path: Any, chunk: Any) -> None:
 
 def _add_lora(exp: Experiment, spec: ModelSpec, chunk: Any) -> None:
     """Freeze the chunk and add the adapters (train/lora.py); what checkpoint.py writes beside a LoRA checkpoint."""
-    lora = exp.peft.lora
-    apply_lora(chunk, lora, spec, seed=exp.data.seed)
-    chunk.mcorekit_lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-                           "target_modules": list(lora.target_modules), "experts": lora.experts,
-                           "base": exp.checkpoint.load, "model": spec.to_dict()}
+    apply_lora(chunk, exp.peft.lora, spec, seed=exp.data.seed)
+    chunk.mcorekit_lora = lora_info(exp, spec)
+
+
+def lora_info(exp: Experiment, spec: ModelSpec) -> dict[str, Any]:
+    """What a LoRA checkpoint's lora.json says: the adapters' settings, the model, and the base they were trained on
+    (absolute: a merge reads it from wherever it runs)."""
+    lora, base = exp.peft.lora, exp.checkpoint.load
+    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+            "target_modules": list(lora.target_modules), "experts": lora.experts,
+            "base": str(Path(base).absolute()) if base else None, "model": spec.to_dict()}
 
 
 def _load_lora_start(exp: Experiment, chunks: list[Any]) -> None:
