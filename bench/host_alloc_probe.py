@@ -16,6 +16,13 @@ Each process holds --gb GB of GPU tensors (256 MiB each) and measures:
                    how long, and how much slower the steps are meanwhile
   exit_s           from the process's last line to its end (the blocks handed back before)
 Prints one JSON line per setting and writes results.json.
+
+    python bench/host_alloc_probe.py --exit [--gb 36] [--threads 8] [--out DIR]
+
+How a process holding an async save's staging in torch's cache ends fastest: two processes per setting stage --gb
+GB as above, then one hands the blocks back (release_s) and leaves by os._exit, as train/shutdown.py and leave() do,
+the other leaves by os._exit with the blocks still cached, so the CUDA driver unpins them in the process's teardown.
+exit_s is from the process's last line to its end as its parent sees it (what Slurm waits for).
 """
 
 from __future__ import annotations
@@ -84,11 +91,29 @@ _, out["release_after_pin_s"] = timed(torch._C._host_emptyCache)
 print(json.dumps(out), flush=True)
 """
 
+EXIT_CHILD = r"""
+import json, os, sys, time, torch
+gb, release = float(sys.argv[1]), sys.argv[2] == "release"
+block = 256 << 20
+src = [torch.empty(block, dtype=torch.uint8, device="cuda") for _ in range(int(gb * 1e9) // block)]
+staged = [t.to("cpu", non_blocking=True) for t in src]
+torch.cuda.synchronize()
+assert all(t.is_pinned() for t in staged[:4])
+del staged  # into torch's cache of pinned blocks, as after an async save
+out = {"alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "gb": gb, "release": release}
+if release:
+    start = time.perf_counter()
+    torch._C._host_emptyCache()
+    out["release_s"] = round(time.perf_counter() - start, 2)
+print(json.dumps(out), flush=True)
+os._exit(0)
+"""
 
-def run(gb: float, conf: str) -> dict:
+
+def run(gb: float, conf: str, child: str = CHILD, *args: str) -> dict:
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf) if conf else {k: v for k, v in os.environ.items()
                                                                      if k != "PYTORCH_CUDA_ALLOC_CONF"}
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(gb)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", child, str(gb), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
     row, last = None, None
     for line in proc.stdout:
@@ -107,13 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gb", type=float, default=36.0)
     p.add_argument("--threads", default="8,16", help="pinned_num_register_threads values to try beside the default")
     p.add_argument("--out", default="host-alloc-probe")
+    p.add_argument("--exit", action="store_true", help="time a process's end with its staging handed back first "
+                   "and with it still cached (and only that)")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     confs = [""] + [f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{n}" for n in a.threads.split(",")]
+    runs = [(conf, EXIT_CHILD, how) for conf in confs for how in ("release", "leave")] if a.exit else \
+        [(conf, CHILD) for conf in confs]
     rows = []
-    for conf in confs:
-        rows.append(run(a.gb, conf))
+    for conf, child, *args in runs:
+        rows.append({**run(a.gb, conf, child, *args), **({"release": args[0] == "release"} if args else {})})
         print(json.dumps(rows[-1]), flush=True)
         (out / "results.json").write_text(json.dumps(rows, indent=1))
     return 0 if all("error" not in r for r in rows) else 1
