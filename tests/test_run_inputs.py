@@ -188,6 +188,17 @@ def test_a_file_this_machine_does_not_see_is_left_to_the_jobs_own_check_before_q
         run_inputs.check(_experiment(tmp_path), inputs, elsewhere=True)
 
 
+def test_a_file_gone_from_a_folder_this_machine_sees_is_refused_before_queueing(tmp_path: Path,
+                                                                                 inputs: Path) -> None:
+    """A tokenizer folder the login node sees, without a file the first start read: the launch's plan sees the
+    folder and says nothing, so launch --resume refuses, as the job's start would, instead of queueing it."""
+    (tmp_path / "tok" / "tokenizer.json").unlink()
+    assert unseen_inputs(_experiment(tmp_path)) == []
+    for elsewhere in (True, False):
+        with pytest.raises(ConfigError, match=rf"{tmp_path / 'tok' / 'tokenizer.json'} is gone"):
+            run_inputs.check(_experiment(tmp_path), inputs, elsewhere=elsewhere)
+
+
 def _hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, commit: str) -> Path:
     """An offline HF cache whose refs/main names `commit` (tests/test_hub.py's layout), a tokenizer file in it."""
     repo = tmp_path / "hf" / "hub" / "models--tiny-org--tok"

@@ -109,7 +109,7 @@ def check(exp: Any, root: Path, elsewhere: bool = False) -> bool:
     now = _now(exp, elsewhere)
     try:
         then = json.loads(path.read_text())
-        changed, rewritten = _changes(then, now, elsewhere)
+        changed, rewritten = _changes(then, now, _folders_seen(exp) if elsewhere else None)
         upgraded = [f"{k} {v} -> {now['software'].get(k)}" for k, v in then.get("software", {}).items()
                     if now["software"].get(k) != v]
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
@@ -183,16 +183,25 @@ def _stat(path: Path, budget: list[int]) -> list[Any]:
     return [st.st_size, st.st_mtime_ns, digest]
 
 
-def _changes(then: dict[str, Any], now: dict[str, Any], elsewhere: bool = False) -> tuple[list[str], list[str]]:
-    """(what changed, files rewritten at the same size). `elsewhere`, a recorded file this machine does not see is
-    left out (the launch's plan warns of inputs it cannot see). Settings one side lacks are those another version of
-    mcorekit added or removed: not compared."""
+def _folders_seen(exp: Any) -> set[str]:
+    """The folder inputs (tokenizer, HF config) this machine sees: a recorded file missing from one is gone."""
+    return {os.path.abspath(f) for f in (exp.data.tokenizer, exp.model.hf_config) if f and Path(f).is_dir()}
+
+
+def _changes(then: dict[str, Any], now: dict[str, Any],
+             folders_seen: set[str] | None = None) -> tuple[list[str], list[str]]:
+    """(what changed, files rewritten at the same size). `folders_seen` is given on a machine other than the job's
+    (launch --resume): a recorded file it does not see is left out (the launch's plan warns of inputs it cannot see),
+    unless it was in a folder input this machine sees (a tokenizer folder that lost a file: the plan sees the folder
+    and says nothing). Settings one side lacks are those another version of mcorekit added or removed: not
+    compared."""
     old, new = _absolute(then["settings"]), _absolute(now["settings"])
     changed = [f"{k} {_shown(old[k])} -> {_shown(new[k])}" for k in sorted(old.keys() & new.keys()) if old[k] != new[k]]
     rewritten: list[str] = []
     recorded = {os.path.abspath(k): v for k, v in then["files"].items()}
     for name, (size, mtime, *digest) in recorded.items():  # runs recorded before the digests were: none
-        if name not in now["files"] and elsewhere and not Path(name).exists():
+        if (name not in now["files"] and folders_seen is not None and not Path(name).exists()
+                and os.path.dirname(name) not in folders_seen):
             continue
         if name not in now["files"]:
             changed.append(f"{name} is gone" if not Path(name).exists() else f"{name} is no longer read")
