@@ -57,8 +57,9 @@ class MoEConfig(Strict):
     capacity_factor: float | None = Field(None, gt=0)  # tokens beyond factor x (even share) per expert are dropped
     pad_to_capacity: bool = False  # pad every expert to its capacity: fixed shapes, no host sync per layer
     grouped_gemm: bool = True
-    # how the grouped experts compute: TE's GroupedLinear (needed for FP8) or torch._grouped_mm (one kernel per
-    # grouped GEMM, far less host work per layer; bf16). auto: torch where it applies (1.7x on one H200), else te
+    # how the grouped experts compute: TE's GroupedLinear or torch._grouped_mm (one kernel per grouped GEMM, far less
+    # host work per layer; bf16, or FP8 delayed/tensorwise with bf16 weights on compute capability 9.0/10.0).
+    # auto: torch where it applies (1.7x on one H200), else te
     expert_gemm: Literal["auto", "te", "torch"] = "auto"
     dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
     # FFN size of the shared expert(s) every token also passes through

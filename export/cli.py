@@ -1,6 +1,6 @@
 """`mcorekit export`: checkpoints to TensorRT-LLM.
 
-  mcorekit export trtllm SRC OUT --target pytorch|engine [--tp N --pp N --ep N] [--dtype bf16|fp16] [--fp8 --calib FILE]
+  mcorekit export trtllm SRC OUT --target pytorch|engine [--tp N --pp N --ep N] [--dtype bf16|fp16|fp32] [--fp8 --calib FILE]
   mcorekit export engine TRTLLM_CKPT ENGINE_DIR [--max-batch-size N ...]   (runs trtllm-build; TensorRT-LLM <= 1.2)
 """
 
