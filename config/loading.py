@@ -192,6 +192,8 @@ def parse_yaml(text: str, source: str) -> Any:
         raise InvalidYamlError(f"{source}: not valid YAML: {_yaml_problem(e)}") from None
     except RecursionError:
         raise YamlLimitError(f"{source}: nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts (4300)
+        raise YamlLimitError(f"{source}: {str(e).splitlines()[0]}") from None
     finally:
         loader.dispose()
 

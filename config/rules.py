@@ -544,7 +544,7 @@ def _is_release(load: str) -> bool:
     path = Path(load)
     tracker = path / "latest_checkpointed_iteration.txt"
     try:
-        return path.name == "release" or (tracker.is_file() and tracker.read_text().strip() == "release")
+        return path.name == "release" or (tracker.is_file() and tracker.read_bytes()[:64].strip() == b"release")
     except OSError:
         return False
 

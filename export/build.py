@@ -47,6 +47,8 @@ def read_config(checkpoint: Path) -> dict[str, Any]:
         raise ExportError(f"{path}: not valid JSON ({e.msg}, line {e.lineno} column {e.colno}); {fix}") from None
     except RecursionError:
         raise ExportError(f"{path}: JSON nested too deeply; {fix}") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise ExportError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
     mapping = config.get("mapping") if isinstance(config, dict) else None
     if not isinstance(mapping, dict):
         raise ExportError(f"{path}: no 'mapping' object (world_size, tp_size, pp_size); {fix}")

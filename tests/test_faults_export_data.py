@@ -209,6 +209,7 @@ def test_export_layouts_that_do_not_fit_fail_for_both_targets(hf: Path, tmp_path
     ('{"input_ids": "1 2"}\n', "calib.jsonl:1: input_ids must be a non-empty list"),
     ('{"ids": [1]}\n', "calib.jsonl:1: each line needs 'input_ids' or 'text'"),
     ("[" * 100_000 + "\n", "calib.jsonl:1:"),
+    ('{"input_ids": [' + "1" * 5000 + "]}\n", "calib.jsonl:1: not valid JSON (Exceeds the limit"),  # a traceback
 ])
 def test_export_bad_calibration_data(hf: Path, tmp_path: Path, content: str | bytes, needle: str) -> None:
     calib = tmp_path / "calib.jsonl"
@@ -350,6 +351,7 @@ def test_export_index_naming_a_file_outside_the_model_is_refused(hf: Path, tmp_p
 
 @pytest.mark.parametrize("damage,needle", [
     ("invalid json", "config.json: not valid JSON"),
+    ("integer too long", "config.json: not valid JSON (Exceeds the limit"),  # was a traceback
     ("not an object", "no 'mapping' object"),
     ("world_size -1", "world_size=-1"),
     ("world_size text", "world_size='2'"),
@@ -362,6 +364,8 @@ def test_engine_build_checkpoint_damage(rank_files: Path, tmp_path: Path, damage
     cfg = json.loads((ckpt / "config.json").read_text())
     if damage == "invalid json":
         (ckpt / "config.json").write_text('{"mapping": {')
+    elif damage == "integer too long":
+        (ckpt / "config.json").write_text('{"mapping": {"world_size": ' + "9" * 5000 + "}}")
     elif damage == "not an object":
         (ckpt / "config.json").write_text("[1, 2]")
     elif damage.startswith("world_size"):
@@ -454,6 +458,15 @@ def test_preprocess_bad_option_values(tok: Path, tmp_path: Path, args: list[str]
     assert_usage_error(rc, err, needle, tmp_path / "a.bin", tmp_path / "a.idx", tmp_path / "a.json")
 
 
+def test_preprocess_refuses_more_workers_than_cores(tok: Path, tmp_path: Path) -> None:
+    """--workers 100000 started that many tokenizer processes (each holds a tokenizer) until memory ran out."""
+    src = corpus(tmp_path / "a.jsonl", 3)
+    cores = len(os.sched_getaffinity(0))
+    rc, err = run(*preprocess_args([src], tok, tmp_path / "a"), "--workers", "100000")
+    assert_error(rc, err, f"workers=100000: more than the {cores} cores this process may use; give at most {cores}",
+                 tmp_path / "a.bin", tmp_path / "a.idx", tmp_path / "a.json")
+
+
 # ---------------------------------------------------------------- data preprocess: malformed input
 
 
@@ -467,6 +480,7 @@ def test_preprocess_bad_option_values(tok: Path, tmp_path: Path, args: list[str]
     ('{"text": "hello"\n', "in.jsonl:1: not valid JSON"),
     ('{"text": "hello"}\n\n\n{"text": 7}\n', "in.jsonl:4: field 'text' is int"),  # blank lines keep numbering exact
     ("[" * 100_000 + "\n", "in.jsonl:1: not valid JSON"),
+    ('{"text": ' + "1" * 5000 + "}\n", "in.jsonl:1: not valid JSON (Exceeds the limit (4300 digits)"),  # a traceback
     ("\n\n", "no documents"),
 ])
 def test_preprocess_malformed_jsonl(tok: Path, tmp_path: Path, content: str | bytes, needle: str) -> None:
@@ -598,13 +612,15 @@ def test_preprocess_output_prefix_naming_an_input_is_refused_even_with_force(tok
     assert fingerprint(tmp_path, tok) == before
 
 
-@pytest.mark.parametrize("foreign", ["bin only", "json not a side-car"])
+@pytest.mark.parametrize("foreign", ["bin only", "json not a side-car", "json with an integer too long to read"])
 def test_preprocess_force_never_replaces_unknown_files(tok: Path, tmp_path: Path, foreign: str) -> None:
     src = corpus(tmp_path / "a.jsonl", 5)
     if foreign == "bin only":
         (tmp_path / "p.bin").write_bytes(b"someone else's data")
-    else:
+    elif foreign == "json not a side-car":
         (tmp_path / "p.json").write_text('{"eod": 2}')
+    else:  # was a traceback
+        (tmp_path / "p.json").write_text('{"eod": ' + "2" * 5000 + "}")
     before = fingerprint(tmp_path)
     rc, err = run(*preprocess_args([src], tok, tmp_path / "p"))
     assert_error(rc, err, "pass --force")

@@ -168,6 +168,8 @@ BAD_EXPERIMENTS = {
                                  "invalid model: model num_attention_heads=0 must be a whole number from 1"),
     "model size too large": (b"name: x\nmodel: {preset: llama-tiny, overrides: {vocab_size: 1" + b"0" * 400 + b"}}\n",
                              "invalid model: model vocab_size=1000"),
+    "integer too long to read": (b"name: x\nmodel: {preset: llama-tiny}\nparallel: {tp: " + b"9" * 5000 + b"}\n",
+                                 "Exceeds the limit (4300 digits) for integer string conversion"),  # was a traceback
     "unknown architecture": (b"name: x\nmodel: {preset: llama-tiny, overrides: {architecture: nope}}\n",
                              "invalid model: model architecture='nope' must be one of "),
     "optional size of wrong type": (b"name: x\nmodel: {preset: llama-tiny, overrides: {sliding_window: abc}}\n",

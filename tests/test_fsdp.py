@@ -280,6 +280,9 @@ def test_checkpoint_load_under_fsdp_takes_weights(tmp_path: Any) -> None:
     assert problems(exp("parallel.fsdp=optim", f"checkpoint.load={tmp_path / 'conv'}"), 2, NODE) == []
     got = problems(exp("parallel.fsdp=optim", "checkpoint.load=/ckpt/run"), 2, NODE)
     assert len(got) == 1 and "set checkpoint.finetune=true (weights only, fresh optimizer, step 0)" in got[0]
+    (tmp_path / "conv" / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe\n")  # was a traceback
+    got = problems(exp("parallel.fsdp=optim", f"checkpoint.load={tmp_path / 'conv'}"), 2, NODE)
+    assert len(got) == 1 and "set checkpoint.finetune=true" in got[0]
 
 
 def test_launcher_gives_fsdp_jobs_several_cuda_queues() -> None:

@@ -46,6 +46,8 @@ def json_object(raw: bytes, where: str) -> dict[str, Any] | None:
         raise ConfigError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
     except RecursionError:
         raise ConfigError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise ConfigError(f"{where}: not valid JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: expected a JSON object, got a JSON {_json_type(record)}")
     return record

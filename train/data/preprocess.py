@@ -186,7 +186,7 @@ def is_sidecar(path: Path) -> bool:
         if not path.is_file() or path.stat().st_size > 1024**2:
             return False
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (OSError, ValueError, RecursionError):  # ValueError: not UTF-8, not JSON, an integer too long to read
         return False
     return isinstance(meta, dict) and all(k in meta for k in SIDECAR_KEYS)
 
@@ -268,6 +268,9 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
 
     if workers is not None and workers < 1:
         raise ConfigError(f"workers={workers}: must be >= 1")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers is not None and workers > cores:  # each worker holds a tokenizer: more than the cores only adds memory
+        raise ConfigError(f"workers={workers}: more than the {cores} cores this process may use; give at most {cores}")
     if max_line_mb < 1:
         raise ConfigError(f"max_line_mb={max_line_mb}: must be >= 1")
     paths = [Path(p) for p in inputs]
@@ -290,7 +293,7 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
         raise ConfigError(f"cannot create {out['.bin'].parent}: {e.strerror}") from None
     remove_stale_temporaries(out, paths)
     tmp = {ext: p.with_name(f"{p.name}.tmp-{os.getpid()}") for ext, p in out.items()}
-    workers = workers or os.cpu_count() or 1
+    workers = workers or cores
     start = time.perf_counter()
     docs = tokens = empty = 0
     writer = None
