@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from mcorekit.config.values import NOT_UTF8_RE, plain_argument, shown, text_problem
-from mcorekit.errors import ConfigError
+from mcorekit.errors import ConfigError, first_line
 
 Schema = TypeVar("Schema", bound=BaseModel)
 
@@ -193,7 +193,7 @@ def parse_yaml(text: str, source: str) -> Any:
     except RecursionError:
         raise YamlLimitError(f"{source}: nested too deeply") from None
     except ValueError as e:  # an integer of more digits than Python converts (4300)
-        raise YamlLimitError(f"{source}: {str(e).splitlines()[0]}") from None
+        raise YamlLimitError(f"{source}: {first_line(e)}") from None
     finally:
         loader.dispose()
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mcorekit.errors import ExportError
+from mcorekit.errors import ExportError, first_line
 from mcorekit.outputs import check_output, staged_output
 
 INSTALL_HINT = ("tensorrt_llm is not installed here: the engine workflow needs TensorRT-LLM <= 1.2 "
@@ -48,7 +48,7 @@ def read_config(checkpoint: Path) -> dict[str, Any]:
     except RecursionError:
         raise ExportError(f"{path}: JSON nested too deeply; {fix}") from None
     except ValueError as e:  # an integer of more digits than Python converts
-        raise ExportError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
+        raise ExportError(f"{path}: not valid JSON ({first_line(e)}); {fix}") from None
     mapping = config.get("mapping") if isinstance(config, dict) else None
     if not isinstance(mapping, dict):
         raise ExportError(f"{path}: no 'mapping' object (world_size, tp_size, pp_size); {fix}")

@@ -124,7 +124,7 @@ def _json_line(raw: bytes, where: str) -> dict | None:
     except RecursionError:
         raise ExportError(f"{where}: JSON nested too deeply") from None
     except ValueError as e:  # an integer of more digits than Python converts
-        raise ExportError(f"{where}: not valid JSON ({str(e).splitlines()[0]})") from None
+        raise ExportError(f"{where}: not valid JSON ({first_line(e)})") from None
     if not isinstance(row, dict):
         raise ExportError(f"{where}: expected a JSON object with 'input_ids' or 'text', got {type(row).__name__}")
     return row

@@ -37,9 +37,9 @@ class OutputError(MCoreKitError):
 
 def first_line(e: BaseException) -> str:
     """An exception's message cut to its first line (library messages can span lines; ours print one), else its
-    type's name."""
+    type's name; without Python's advice to raise its limit on an integer's digits (meant for the program)."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    return text.splitlines()[0].split("; use sys.set_int_max_str_digits")[0] if text else type(e).__name__
 
 
 def one_line(e: BaseException) -> str | None:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from mcorekit.errors import ConfigError
+from mcorekit.errors import ConfigError, first_line
 
 MAX_LINE_MB = 16  # one document per line: a book is 1-2 MB; tokenizing a line takes ~70x its size in RAM
 
@@ -47,7 +47,7 @@ def json_object(raw: bytes, where: str) -> dict[str, Any] | None:
     except RecursionError:
         raise ConfigError(f"{where}: not valid JSON (nested too deeply)") from None
     except ValueError as e:  # an integer of more digits than Python converts
-        raise ConfigError(f"{where}: not valid JSON ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{where}: not valid JSON ({first_line(e)})") from None
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: expected a JSON object, got a JSON {_json_type(record)}")
     return record
