@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 from mcorekit.config.cluster import ClusterProfile
 from mcorekit.config.experiment import Experiment, layout_of
-from mcorekit.config.model import model_problems, resolve_model
+from mcorekit.config.model import resolve_model
 from mcorekit.config.values import parse_time_minutes
 from mcorekit.errors import LISTED, ModelError
 from mcorekit.models.fp8_grouped_mm import FP8_RECIPES, GPUS as FP8_GROUPED_GEMM_GPUS, alignment_problem
 from mcorekit.models.parallel import MEGATRON, Layout
 from mcorekit.models.parallel import layout_problems as weight_split_problems
 from mcorekit.models.spec import ModelSpec
+from mcorekit.models.spec_checks import model_problems
 
 
 @dataclass(frozen=True)

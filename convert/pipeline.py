@@ -30,6 +30,7 @@ from mcorekit.models.mapping import EXPERT, GLOBAL, LAYER, MTP, Ctx, Mapping, We
 from mcorekit.models.megatron import padded_vocab_size
 from mcorekit.models.parallel import Layout
 from mcorekit.models.spec import ModelSpec
+from mcorekit.models.spec_checks import model_problems
 from mcorekit.outputs import staged_output
 from mcorekit.train.checkpoint import LORA_JSON, RELEASE, TRACKER  # Megatron-LM's checkpoint directory layout
 
@@ -76,7 +77,10 @@ def spec_for(config: dict[str, Any], where: str | Path = "config.json") -> Model
         problems = config_problems(config) if isinstance(config, dict) else ["not a JSON object"]
         if problems:
             raise ConversionError(f"{where}: " + "; ".join(problems))
-        return registry.for_config(config).read(config)
+        spec = registry.for_config(config).read(config)
+        if problems := model_problems(spec):  # values the family read but no model has (NaN, a negative clamp)
+            raise ConversionError(f"{where}: " + "; ".join(problems))
+        return spec
     except ModelError as e:
         raise ConversionError(str(e)) from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # e.g. rope_parameters that is not an object

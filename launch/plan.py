@@ -296,7 +296,8 @@ def main(argv: list[str]) -> int:
 
 def _model(name: str) -> ModelSpec:
     """A preset, or an HF model directory / config.json; a name that is neither gets the closest presets."""
-    from mcorekit.config.model import model_problems, resolve_model
+    from mcorekit.config.model import resolve_model
+    from mcorekit.models.spec_checks import model_problems
     from mcorekit.config.values import shown
     from mcorekit.hub import is_hub_id
     from mcorekit.models.spec import PRESETS

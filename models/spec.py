@@ -172,6 +172,14 @@ def _size_problem(key: str, v: object, need: str) -> str:
     return f"{key}={v!r} ({need})"
 
 
+def number_or(value: Any, default: float) -> Any:
+    """An HF config's optional number: the default where it is absent or null, a float where it is a number, else
+    the value as given, which models/spec_checks.model_problems names (a list read as 1.0 would go unseen)."""
+    if value is None:
+        return default
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
 def size_problems(config: dict[str, Any], required: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> list[str]:
     """HF config sizes that are not integers from 1 to MAX_INT (`optional` ones may also be missing or null)."""
     out = [_size_problem(k, config.get(k), "needs a positive integer") for k in required

@@ -104,7 +104,8 @@ def test_training_takes_an_official_config_with_quantized_weights_and_fewer_laye
 
     from hf_models import FAMILY_CONFIGS
 
-    from mcorekit.config.model import model_problems, resolve_model
+    from mcorekit.config.model import resolve_model
+    from mcorekit.models.spec_checks import model_problems
 
     (tmp_path / "config.json").write_text(json.dumps({**FAMILY_CONFIGS[family]().to_dict(),
                                                       "quantization_config": quantization}))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,9 +150,13 @@ def test_deepseek_v3_refusals(family_models, tmp_path: Path) -> None:
                            (dict(quantization_config={"quant_method": "fp8"}), "quantized weights (fp8) are not converted"),
                            (dict(q_lora_rank=None), "q_lora_rank=null (a plain q_proj, as in DeepSeek-V2-Lite) is not supported"),
                            (dict(model_type="deepseek_v2", topk_method="group_limited_greedy"),
-                            "num_experts_per_tok=4 / topk_group=2: DeepSeek-V2 ranks a group by its best expert")):
+                            "num_experts_per_tok=4 / topk_group=2: DeepSeek-V2 ranks a group by its best expert"),
+                           # were written into mcorekit.json (NaN, which is not JSON) or read as 1.0
+                           (dict(routed_scaling_factor=float("nan")), "moe_router_topk_scaling_factor=nan must be a "
+                                                                      "positive number"),
+                           (dict(routed_scaling_factor=[]), "moe_router_topk_scaling_factor=[] must be a positive")):
         (hf / "config.json").write_text(json.dumps({**cfg, **change}))
-        with pytest.raises(ConversionError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(ConversionError, match=re.escape(needle)):
             pipeline.hf_to_mcore(hf, tmp_path / "out", quiet=True)
 
 
@@ -300,7 +305,8 @@ def test_gpt_oss_expert_layout_and_refusals(family_models, tmp_path: Path) -> No
     bad = shutil.copytree(hf, tmp_path / "hf")
     cfg = json.loads((bad / "config.json").read_text())
     for change, needle in ((dict(quantization_config={"quant_method": "mxfp4"}), "mxfp4 weights are not converted"),
-                           (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5 is not supported")):
+                           (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5 is not supported"),
+                           (dict(swiglu_limit=-1), "glu_clamp=-1.0 must be a positive number")):  # was converted
         (bad / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ConversionError, match=needle) as refused:
             pipeline.hf_to_mcore(bad, tmp_path / "out", quiet=True)

@@ -33,7 +33,7 @@ from mcorekit.models import gpt_weights as gw
 from mcorekit.models.families import llama
 from mcorekit.models.mapping import WeightMap
 from mcorekit.models.registry import Family
-from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems, topk_problems
+from mcorekit.models.spec import ModelSpec, decoder_fields, number_or, size_problems, topk_problems
 from mcorekit.options import MAX_INT
 
 L = llama.L
@@ -67,7 +67,7 @@ def read(config: dict[str, Any]) -> ModelSpec:
         moe_router_score_function="softmax" if v2 else "sigmoid", moe_router_expert_bias=not v2,
         moe_router_num_groups=groups if groups > 1 else None,
         moe_router_group_topk=config.get("topk_group") if groups > 1 else None,
-        moe_router_topk_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+        moe_router_topk_scaling_factor=number_or(config.get("routed_scaling_factor"), 1.0),
         moe_first_k_dense=config.get("first_k_dense_replace") or 0,
         q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
         qk_head_dim=config["qk_nope_head_dim"], qk_pos_emb_head_dim=config["qk_rope_head_dim"],

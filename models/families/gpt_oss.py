@@ -22,7 +22,7 @@ from mcorekit.models import gpt_weights as gw
 from mcorekit.models.families import llama
 from mcorekit.models.mapping import WeightMap
 from mcorekit.models.registry import Family
-from mcorekit.models.spec import ModelSpec, decoder_fields, size_problems, topk_problems
+from mcorekit.models.spec import ModelSpec, decoder_fields, number_or, size_problems, topk_problems
 
 MLP = f"{llama.L}.mlp"
 QUICK_GELU_ALPHA = 1.702
@@ -42,7 +42,7 @@ def read(config: dict[str, Any]) -> ModelSpec:
                      num_experts=config["num_local_experts"], moe_router_topk=config["num_experts_per_tok"],
                      moe_ffn_hidden_size=config["intermediate_size"], moe_norm_topk_prob=True,
                      sliding_window=window, window_layers=tuple(int(t == "sliding_attention") for t in types) if window else None,
-                     activation="gpt_oss", glu_clamp=float(config.get("swiglu_limit", 7.0)))
+                     activation="gpt_oss", glu_clamp=number_or(config.get("swiglu_limit"), 7.0))
 
 
 def problems(config: dict[str, Any]) -> list[str]:
