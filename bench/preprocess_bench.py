@@ -90,7 +90,7 @@ def main() -> int:
     rows = []
     naive = measure(NAIVE, str(corpus), str(tok), str(work / "naive"))
     rows.append(("naive loop (HF tokenizer, one document at a time)", naive))
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))  # what preprocess allows at most
     for workers in sorted({1, cores}):
         rows.append((f"mcorekit data preprocess, {workers} worker{'s' if workers > 1 else ''}",
                      measure(OURS, str(corpus), str(tok), str(work / f"ours{workers}"), str(workers))))

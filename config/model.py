@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mcorekit.config.values import shown
-from mcorekit.errors import ModelError
+from mcorekit.errors import ModelError, first_line
 from mcorekit.hub import model_dir
 from mcorekit.models.registry import config_problems
 from mcorekit.models.spec import ModelSpec, load_hf_config, resolve
@@ -44,5 +44,6 @@ def resolve_model(preset: str | None, hf_config: str | None, overrides: dict[str
         raise ModelError(f"{where}: not valid JSON (nested too deeply)") from None
     except KeyError as e:
         raise ModelError(f"{where}: has no {e.args[0]!r}, which the model needs") from None
-    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise ModelError(f"{where}: not an HF model config of the expected shape ({type(e).__name__}: {e})") from None
+    except (AttributeError, TypeError, ValueError, ArithmeticError) as e:  # ZeroDivisionError, OverflowError too
+        raise ModelError(f"{where}: not an HF model config of the expected shape ({type(e).__name__}: "
+                         f"{first_line(e)})") from None

@@ -83,8 +83,9 @@ def spec_for(config: dict[str, Any], where: str | Path = "config.json") -> Model
         return spec
     except ModelError as e:
         raise ConversionError(str(e)) from None
-    except (KeyError, TypeError, ValueError, AttributeError) as e:  # e.g. rope_parameters that is not an object
-        raise ConversionError(f"{where}: unusable config ({type(e).__name__}: {e})") from None
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:  # e.g. rope_parameters that is
+        # not an object, a rope_theta beyond any float
+        raise ConversionError(f"{where}: unusable config ({type(e).__name__}: {first_line(e)})") from None
 
 
 def weight_map(spec: ModelSpec) -> WeightMap:

@@ -146,7 +146,7 @@ def decoder_fields(config: dict[str, Any], rope_types: tuple[str, ...] = ("llama
         kv_channels=config.get("head_dim") or hidden // heads,
         ffn_hidden_size=config["intermediate_size"],
         vocab_size=config["vocab_size"],
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        max_position_embeddings=config.get("max_position_embeddings") or 4096,  # null: as absent
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         norm_epsilon=config.get("rms_norm_eps", 1e-5),
@@ -177,7 +177,12 @@ def number_or(value: Any, default: float) -> Any:
     the value as given, which models/spec_checks.model_problems names (a list read as 1.0 would go unseen)."""
     if value is None:
         return default
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return value
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float: infinite, which model_problems refuses
+        return float("inf")
 
 
 def size_problems(config: dict[str, Any], required: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import add_mtp_layer, make_family_model
+from hf_models import CONFIGS, add_mtp_layer, make_family_model
 from mcorekit.convert import pipeline
 from mcorekit.convert.torch_dist import TorchDistReader
 from mcorekit.convert.verify import compare_hf
@@ -154,7 +154,9 @@ def test_deepseek_v3_refusals(family_models, tmp_path: Path) -> None:
                            # were written into mcorekit.json (NaN, which is not JSON) or read as 1.0
                            (dict(routed_scaling_factor=float("nan")), "moe_router_topk_scaling_factor=nan must be a "
                                                                       "positive number"),
-                           (dict(routed_scaling_factor=[]), "moe_router_topk_scaling_factor=[] must be a positive")):
+                           (dict(routed_scaling_factor=[]), "moe_router_topk_scaling_factor=[] must be a positive"),
+                           (dict(routed_scaling_factor=10**400), "moe_router_topk_scaling_factor=inf must be a "
+                                                                 "positive number")):  # was a traceback
         (hf / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ConversionError, match=re.escape(needle)):
             pipeline.hf_to_mcore(hf, tmp_path / "out", quiet=True)
@@ -366,3 +368,15 @@ def test_mtp_training_rules_and_checkpoint_check(mtp_model, family_models, tmp_p
     with pytest.raises(ConfigError, match=r"holds 0 multi-token-prediction layer\(s\) .* convert the DeepSeek-V3 "
                                           r"checkpoint with its MTP layer\(s\)"):
         mtp_weights_check(tmp_path / "without/release", replace(spec, mtp_layers=1))
+
+
+def test_a_null_max_position_embeddings_reads_as_absent() -> None:
+    """HF configs may hold max_position_embeddings: null; conversion read it as None and (since its spec checks)
+    refused the config, where an absent one reads as 4096."""
+    config = {**CONFIGS["llama"](False).to_dict(), "max_position_embeddings": None}
+    assert pipeline.spec_for(config).max_position_embeddings == 4096
+    plain = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 256}
+    assert pipeline.spec_for(plain).rope_theta == 10000.0
+    with pytest.raises(ConversionError, match=re.escape("unusable config (OverflowError: int too large to convert")):
+        pipeline.spec_for({**plain, "rope_theta": 10**400})  # was a traceback

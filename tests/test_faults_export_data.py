@@ -459,12 +459,13 @@ def test_preprocess_bad_option_values(tok: Path, tmp_path: Path, args: list[str]
 
 
 def test_preprocess_refuses_more_workers_than_cores(tok: Path, tmp_path: Path) -> None:
-    """--workers 100000 started that many tokenizer processes (each holds a tokenizer) until memory ran out."""
+    """--workers 100000 started that many tokenizer processes (each holds a tokenizer) until memory ran out; one more
+    than the cores is refused as well (without the refusal it would run: this test does not start 100000)."""
     src = corpus(tmp_path / "a.jsonl", 3)
     cores = len(os.sched_getaffinity(0))
-    rc, err = run(*preprocess_args([src], tok, tmp_path / "a"), "--workers", "100000")
-    assert_error(rc, err, f"workers=100000: more than the {cores} cores this process may use; give at most {cores}",
-                 tmp_path / "a.bin", tmp_path / "a.idx", tmp_path / "a.json")
+    rc, err = run(*preprocess_args([src], tok, tmp_path / "a"), "--workers", str(cores + 1))
+    assert_error(rc, err, f"workers={cores + 1}: more than the {cores} cores this process may use; give at most "
+                          f"{cores}", tmp_path / "a.bin", tmp_path / "a.idx", tmp_path / "a.json")
 
 
 # ---------------------------------------------------------------- data preprocess: malformed input
@@ -696,6 +697,7 @@ def test_preprocess_killed_mid_write_then_rerun(tok: Path, tmp_path: Path) -> No
     ("the document index falling", ".idx: its document index does not rise from 0"),
     ("float tokens", ".idx: token dtype code 7 is not an integer type"),
     ("json invalid", ".json: not a valid JSON side-car"),
+    ("json integer too long", ".json: not a valid JSON side-car (ValueError)"),  # was a traceback
     ("json without eod", ".json: eod missing or not an integer"),
     ("json a list", ".json: expected a JSON object"),
 ])
@@ -746,6 +748,8 @@ def test_indexed_dataset_damage_is_one_line_naming_the_file(dataset: Path, tmp_p
             a.flush()
     elif damage == "json invalid":
         meta.write_text('{"eod": ')
+    elif damage == "json integer too long":
+        meta.write_text('{"eod": ' + "2" * 5000 + "}")
     elif damage == "json without eod":
         meta.write_text('{"vocab_size": 200}')
     else:

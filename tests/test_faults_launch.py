@@ -190,8 +190,19 @@ def test_malformed_experiment_is_one_line_naming_the_file(tmp_path: Path, case: 
     assert snapshot(tmp_path) == before
 
 
+def test_an_integer_too_long_is_named_without_pythons_advice(tmp_path: Path) -> None:
+    """Python's message ends with advice for the program (sys.set_int_max_str_digits): the user's line does not."""
+    cfg = write(tmp_path / "exp.yaml", b"name: x\nmodel: {preset: llama-tiny}\nparallel: {tp: " + b"9" * 5000 + b"}\n")
+    line = one_error(run_main("launch", "--config", cfg, "--dry-run", "--set", f"run_root={tmp_path / 'runs'}"),
+                     "Exceeds the limit (4300 digits)")
+    assert line.endswith("value has 5000 digits"), line
+
+
 @pytest.mark.parametrize("config_json,expected", [
     (b"{not json", "not valid JSON (line 1, column 2"),
+    (b'{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, '
+     b'"intermediate_size": 128, "vocab_size": 256, "rope_theta": 1' + b"0" * 400 + b"}",
+     "(OverflowError: int too large to convert to float)"),  # was a traceback
     (b"[1, 2]", "not an HF model config of the expected shape"),
     (b'{"model_type": "llama", "hidden_size": 64}', "num_attention_heads=None (needs a positive integer)"),
     (b"\xff\xfe\x00binary", "not UTF-8 text"),

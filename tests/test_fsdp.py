@@ -329,6 +329,7 @@ GOOD_MARKER = {"format": "fsdp_dtensor", "iteration": 20, "scheduler": {}, "opti
 
 @pytest.mark.parametrize("text,needle", [
     ('{"format": "fsdp_dt', "not valid JSON (JSONDecodeError)"),
+    ('{"iteration": ' + "1" * 5000 + "}", "not valid JSON (ValueError)"),  # an integer too long: was a traceback
     ("[1]", "does not describe an fsdp_dtensor checkpoint"),
     ('{"format": "fsdp_dtensor"}', "scheduler, optimizer, iteration, layout missing or of the wrong type"),
     (json.dumps({**GOOD_MARKER, "iteration": "20"}), ": iteration missing or of the wrong type"),

@@ -199,6 +199,19 @@ def test_a_file_gone_from_a_folder_this_machine_sees_is_refused_before_queueing(
             run_inputs.check(_experiment(tmp_path), inputs, elsewhere=elsewhere)
 
 
+def test_a_path_through_a_parent_folder_is_the_same_input_at_a_resume(tmp_path: Path) -> None:
+    """A tokenizer given as sub/../tok (a hand run keeps the path as given) was recorded with the '..', compared
+    without it: every resume refused ("tok/tokenizer.json is no longer read; sub/../tok/tokenizer.json is read now")."""
+    (tmp_path / "train.jsonl").write_text('{"messages": []}\n')
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    exp = _experiment(tmp_path, data__tokenizer=str(tmp_path / "sub" / ".." / "tok"))
+    run_inputs.record_or_check(exp, tmp_path / "ckpt", resuming=False)
+    run_inputs.record_or_check(exp, tmp_path / "ckpt", resuming=True)
+    assert run_inputs.check(exp, tmp_path / "ckpt", elsewhere=True)
+
+
 def _hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, commit: str) -> Path:
     """An offline HF cache whose refs/main names `commit` (tests/test_hub.py's layout), a tokenizer file in it."""
     repo = tmp_path / "hf" / "hub" / "models--tiny-org--tok"

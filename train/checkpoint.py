@@ -860,7 +860,7 @@ def fsdp_info(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{marker}: {marker.stat().st_size:,} bytes, too big for an fsdp_dtensor marker; {fix}")
     try:
         info = json.loads(marker.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an integer too long to read
         raise ConfigError(f"{marker}: not valid JSON ({type(e).__name__}); {fix}") from None
     if not isinstance(info, dict) or info.get("format") != FSDP_DTENSOR:
         raise ConfigError(f"{marker} does not describe an fsdp_dtensor checkpoint; {fix}")

@@ -44,7 +44,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from mcorekit.errors import ConfigError
+from mcorekit.errors import ConfigError, first_line
 from mcorekit.models.mapping import COLUMN, GATED_COLUMN, REPLICATED, ROW
 from mcorekit.models.spec import ModelSpec
 
@@ -413,7 +413,6 @@ def adapter_start(lora: Any) -> Path:
     and loads only its own targets' tensors. Checked by the launcher before queueing too (launch/plan.check)."""
     import json
 
-    from mcorekit.errors import ConfigError
     from mcorekit.train import checkpoint  # it imports this module
 
     given = Path(str(lora.load))
@@ -426,9 +425,9 @@ def adapter_start(lora: Any) -> Path:
     try:
         info = json.loads(file.read_text())
         stored = {"rank": info["rank"], "alpha": float(info["alpha"]), "target_modules": list(info["target_modules"])}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, ArithmeticError, RecursionError) as e:
         raise ConfigError(f"peft.lora.load={given}: {file} is unreadable or lacks rank, alpha or target_modules "
-                          f"({type(e).__name__}: {e})") from None
+                          f"({type(e).__name__}: {first_line(e)})") from None
     ours = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
     differ = [k for k in ours if (sorted(map(str, stored[k])) != sorted(ours[k]) if k == "target_modules"
                                   else stored[k] != ours[k])]

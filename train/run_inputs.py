@@ -82,7 +82,7 @@ def files(exp: Any) -> list[Path]:
         module = reward.function.rpartition(":")[0]
         if module.endswith(".py"):
             found.append(Path(module))
-    return [p.absolute() for p in dict.fromkeys(found) if p.is_file()]
+    return [Path(os.path.abspath(p)) for p in dict.fromkeys(found) if p.is_file()]  # as _changes reads the record
 
 
 def record_or_check(exp: Any, root: Path | None, resuming: bool) -> None:

@@ -57,7 +57,7 @@ def _sidecar_ids(meta: Path) -> TokenIds:
         raise ConfigError(f"{meta}: {meta.stat().st_size} bytes, too big for a preprocess side-car; {fix}")
     try:
         m = json.loads(meta.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an integer too long to read
         raise ConfigError(f"{meta}: not a valid JSON side-car ({type(e).__name__}); {fix}") from None
     if not isinstance(m, dict):
         raise ConfigError(f"{meta}: expected a JSON object with eod and vocab_size; {fix}")

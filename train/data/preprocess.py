@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from mcorekit.errors import ConfigError
+from mcorekit.errors import ConfigError, first_line
 from mcorekit.train.data.jsonl import MAX_LINE_MB, json_object, raw_lines, text_problem
 
 BATCH_LINES = 512
@@ -249,9 +249,7 @@ def load_tokenizer(tokenizer_dir: str) -> tuple[Any, str | None]:
         pipeline = tok.backend_tokenizer.to_str() if tok.is_fast else None
         encode = _encoder(tokenizer_dir, pipeline)  # what the workers load: fail here, not in a worker
     except Exception as e:  # noqa: BLE001  (transformers/tokenizers raise many types for a broken directory)
-        lines = str(e).strip().splitlines()
-        raise ConfigError(f"{tokenizer_dir}: not a usable HF tokenizer directory ({lines[0] if lines else type(e).__name__})"
-                          ) from None
+        raise ConfigError(f"{tokenizer_dir}: not a usable HF tokenizer directory ({first_line(e)})") from None
     if tok.eos_token_id is None:
         raise ConfigError(f"tokenizer {tokenizer_dir} has no eos token to end documents with; set eos_token in its config")
     probe = "Hello, world! 12 + 3 = 15.\n" + " ".join(t.content for t in tok.added_tokens_decoder.values())
@@ -268,7 +266,7 @@ def preprocess(inputs: list[str], tokenizer_dir: str, output_prefix: str, key: s
 
     if workers is not None and workers < 1:
         raise ConfigError(f"workers={workers}: must be >= 1")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))  # the CPUs this process may run on (a Slurm job's cpuset), not the machine's
     if workers is not None and workers > cores:  # each worker holds a tokenizer: more than the cores only adds memory
         raise ConfigError(f"workers={workers}: more than the {cores} cores this process may use; give at most {cores}")
     if max_line_mb < 1:

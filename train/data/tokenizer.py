@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mcorekit.errors import ConfigError
+from mcorekit.errors import ConfigError, first_line
 
 
 def load_tokenizer(tokenizer_dir: str, vocab_size: int | None = None) -> Any:
@@ -16,9 +16,8 @@ def load_tokenizer(tokenizer_dir: str, vocab_size: int | None = None) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)  # never its own code
     except Exception as e:  # noqa: BLE001  (transformers raises many types for a broken directory)
-        lines = str(e).strip().splitlines()
         raise ConfigError(f"{tokenizer_dir}: not a usable HF tokenizer directory (data.tokenizer): "
-                          f"{lines[0] if lines else type(e).__name__}") from None
+                          f"{first_line(e)}") from None
     if vocab_size is not None and len(tok) > vocab_size:
         raise ConfigError(f"tokenizer {tokenizer_dir} has {len(tok)} tokens but the model's vocabulary is {vocab_size}")
     if tok.eos_token_id is None:
