@@ -401,8 +401,10 @@ def fp8_expert_alignment(exp: Experiment, model: ModelSpec | None) -> str | None
     if not exp.precision.fp8 or model is None or not model.is_moe:
         return None
     ffn, etp = model.moe_ffn_hidden_size or model.ffn_hidden_size, exp.parallel.etp
-    problem = alignment_problem(model.hidden_size, ffn // etp if ffn % etp == 0 else ffn)
-    return f"{problem} (per rank: {ffn} / parallel.etp={etp})" if problem and etp > 1 and ffn % etp == 0 else problem
+    if etp == 1 or ffn % etp:  # an FFN that ETP does not divide is refused by the layout check (models/parallel.py)
+        return alignment_problem(model.hidden_size, ffn)
+    problem = alignment_problem(model.hidden_size, ffn // etp)
+    return f"{problem} (per rank: {ffn} / parallel.etp={etp})" if problem else None
 
 
 def moe_problems(exp: Experiment, lay: Layout, uses_te: bool, model: ModelSpec | None = None,

@@ -328,11 +328,12 @@ def pin(iteration: Path, by: Path) -> None:
 
 def unpin(iteration: Path, by: Path) -> None:
     """Takes back pin(iteration, by): the run whose checkpoints folder is `by` has finished."""
+    mark = _mark(iteration.resolve(), by)
     try:
-        _mark(iteration.resolve(), by).unlink(missing_ok=True)
+        mark.unlink(missing_ok=True)
     except OSError as e:
         log.warning("could not remove this run's mark on %s (%s): its run's keep_last keeps it until the file in "
-                    "%s is removed", iteration, e, iteration.resolve().parent / PINS)
+                    "%s is removed", iteration, e, mark.parent)
 
 
 def _key(by: str | Path) -> str:
